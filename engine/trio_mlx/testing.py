@@ -1,0 +1,184 @@
+"""Builders for small model directories that ``mlx_lm.load`` loads like any
+mlx-community model: for tests, benchmarks and the default-model trainer.
+
+Everything here is seeded and deterministic. The tokenizer is a byte-level BPE
+trained with the ``tokenizers`` library (a dependency of mlx-lm through
+transformers) on ``pydoc_data.topics``, which every CPython ships.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "corpus_text",
+    "make_random_llama",
+    "train_tokenizer",
+    "write_tokenizer",
+]
+
+#: Special tokens every trio-mlx tokenizer carries, in id order (ids 0..2).
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+#: A ChatML template; generation stops at ``<|im_end|>`` (an EOS id).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def corpus_text() -> str:
+    """Return the Python documentation text bundled with CPython (~470k chars)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _chunks(text: str, size: int = 4096) -> Iterator[str]:
+    for start in range(0, len(text), size):
+        yield text[start : start + size]
+
+
+def train_tokenizer(text: str, vocab_size: int) -> Any:
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` on ``text``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_chunks(text), trainer=trainer)
+    return tokenizer
+
+
+def write_tokenizer(tokenizer: Any, directory: Path) -> None:
+    """Save ``tokenizer.json`` and a ``tokenizer_config.json`` with EOS and a chat template."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    added = {
+        str(i): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, tok in enumerate(SPECIAL_TOKENS)
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (directory / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2)
+    )
+
+
+def llama_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = True,
+) -> dict[str, Any]:
+    """Return a Hugging Face style ``config.json`` dict for a llama model."""
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        # Both ids end a generation: plain text ends with <|endoftext|>, a chat turn with <|im_end|>.
+        "eos_token_id": [0, 2],
+        "bos_token_id": None,
+        "torch_dtype": "float32",
+    }
+
+
+def make_random_llama(
+    directory: Path,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    weight_scale: float = 4.0,
+    dtype: str = "float32",
+    tokenizer_text: str | None = None,
+) -> Path:
+    """Write a random-weight llama model directory that ``mlx_lm.load`` loads.
+
+    ``weight_scale`` multiplies the initial weights: a random llama at the
+    default scale tends to repeat one token forever under greedy decoding,
+    and tests need varied tokens.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import llama
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    text = tokenizer_text if tokenizer_text is not None else corpus_text()[:200_000]
+    tokenizer = train_tokenizer(text, vocab_size)
+    write_tokenizer(tokenizer, directory)
+    real_vocab = tokenizer.get_vocab_size()
+
+    config = llama_config(
+        vocab_size=real_vocab,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    config["torch_dtype"] = dtype
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))  # type: ignore[no-untyped-call]
+    target = getattr(mx, dtype)
+    model.update(
+        tree_map(
+            lambda p: (p * weight_scale if p.ndim > 1 else p).astype(target),
+            model.parameters(),
+        )
+    )
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory

@@ -1,0 +1,77 @@
+"""nox sessions for trio-mlx: ``nox -s tests`` is the README's test command."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "lint", "typing"]
+
+ROOT = Path(__file__).parent
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _extras(*extra: str) -> str:
+    # On Linux MLX needs a backend wheel: the CPU one unless asked otherwise.
+    backend = [] if sys.platform == "darwin" else [os.environ.get("TRIO_MLX_BACKEND", "cpu")]
+    return ",".join([*backend, *extra])
+
+
+def _model_env() -> dict[str, str]:
+    """Environment for processes that run MLX models: an optimized BLAS preloaded."""
+    sys.path.insert(0, str(ROOT / "engine"))
+    try:
+        from trio_mlx._blas import preload_env  # no mlx import: safe in nox's own Python
+    finally:
+        sys.path.pop(0)
+    return preload_env(dict(os.environ))
+
+
+def _install(session: nox.Session, *extra: str) -> None:
+    session.install("-e", f".[{_extras(*extra)}]")
+
+
+def tests_impl(session: nox.Session, profile: str, *default_args: str) -> None:
+    _install(session, "test")
+    env = _model_env()
+    env["HYPOTHESIS_PROFILE"] = profile
+    session.run("pytest", *(session.posargs or default_args), env=env)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole suite; Hypothesis at the bounded CI profile."""
+    tests_impl(session, "ci")
+
+
+@nox.session(python=PYTHON)
+def props(session: nox.Session) -> None:
+    """The property tests only, at the heavy Hypothesis profile."""
+    tests_impl(session, "heavy", "-m", "props", "-p", "no:cacheprovider")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff>=0.8")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typing(session: nox.Session) -> None:
+    """mypy --strict on the engine and the HTTP packages."""
+    _install(session, "test")
+    session.install("mypy>=1.13")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def serve(session: nox.Session) -> None:
+    """Install trio-mlx and start the OpenAI-compatible server on the bundled model."""
+    _install(session)
+    session.run("trio-mlx", "serve", *session.posargs, env=_model_env())

@@ -1,0 +1,39 @@
+"""Shared fixtures: Hypothesis profiles and a tiny real MLX model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=200, stateful_step_count=50, deadline=None, print_blob=True
+)
+settings.register_profile(
+    "heavy",
+    max_examples=5000,
+    stateful_step_count=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight llama directory that ``mlx_lm.load`` loads (built once per run)."""
+    from trio_mlx.testing import make_random_llama
+
+    return make_random_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path: Path) -> tuple[Any, Any]:
+    """The tiny model and its tokenizer, loaded with ``mlx_lm.load``."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model_path))  # type: ignore[no-any-return]
