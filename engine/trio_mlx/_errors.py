@@ -1,0 +1,73 @@
+"""One error family for the engine, each carrying an HTTP status hint.
+
+The HTTP layer translates these to OpenAI's error JSON at exactly one place;
+embedding programs catch them by type.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineClosed",
+    "EngineOverloaded",
+    "GenerationFailed",
+    "InvalidRequest",
+    "NotFound",
+    "TrioMLXError",
+]
+
+
+class TrioMLXError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+    #: The HTTP status a server should answer with.
+    status_code: int = 500
+    #: OpenAI's ``error.type`` for this error.
+    error_type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        #: The request field at fault, when there is one (OpenAI's ``error.param``).
+        self.param = param
+        #: A short machine-readable code (OpenAI's ``error.code``).
+        self.code = code
+
+
+class InvalidRequest(TrioMLXError):
+    """The request is malformed or a value is out of range (400)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class NotFound(TrioMLXError):
+    """An unknown model or adapter was named (404)."""
+
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class EngineOverloaded(TrioMLXError):
+    """The inbox or the queue is full; retry later (429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code or "engine_overloaded")
+        #: Seconds a client should wait before retrying (the ``Retry-After`` header).
+        self.retry_after = retry_after
+
+
+class EngineClosed(TrioMLXError):
+    """The engine is shutting down or has failed; nothing new is accepted (503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class GenerationFailed(TrioMLXError):
+    """The model failed while generating this request; the engine keeps serving (500)."""
+
+    status_code = 500
+    error_type = "server_error"
