@@ -75,3 +75,30 @@ def serve(session: nox.Session) -> None:
     """Install trio-mlx and start the OpenAI-compatible server on the bundled model."""
     _install(session)
     session.run("trio-mlx", "serve", *session.posargs, env=_model_env())
+
+
+@nox.session(python=PYTHON, name="train-default-model")
+def train_default_model(session: nox.Session) -> None:
+    """Re-train the bundled default model in place (``TRIO_MLX_BACKEND=cuda`` for a GPU).
+
+    Options after ``--`` go to ``python -m trio_mlx.default_model.train``
+    (``--out DIR`` to write elsewhere). Retrain the adapter afterwards.
+    """
+    _install(session, "train")
+    session.run("python", "-m", "trio_mlx.default_model.train", *session.posargs, env=_model_env())
+
+
+@nox.session(python=PYTHON, name="train-adapter")
+def train_adapter(session: nox.Session) -> None:
+    """Re-train the bundled "shout" LoRA adapter in place on the bundled default model."""
+    _install(session, "train")
+    session.run(
+        "python", "-m", "trio_mlx.default_model.train_adapter", *session.posargs, env=_model_env()
+    )
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """The benchmark suite: trio-mlx vs bare mlx-lm vs mlx_lm.server (``-- --quick``: < 10 min)."""
+    _install(session, "test", "train")  # httpx for the load clients, matplotlib for the plots
+    session.run("python", "-m", "bench.suite", *session.posargs, env=_model_env())

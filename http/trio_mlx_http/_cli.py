@@ -1,11 +1,89 @@
-"""The ``trio-mlx`` command line."""
+"""The ``trio-mlx`` command line: ``serve`` and ``generate``."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
 from collections.abc import Sequence
 
-from trio_mlx import __version__
+from trio_mlx import __version__, maybe_reexec_with_fast_blas
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a local model folder or a Hugging Face repo id (mlx-community/...); "
+        "default: the bundled model",
+    )
+    parser.add_argument("--adapter-path", default=None, help="a LoRA adapter folder to load")
+    parser.add_argument(
+        "--max-tokens", type=int, default=512, help="default max tokens per completion"
+    )
+    parser.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="default top-k (0 disables)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="default min-p (0 disables)")
+    parser.add_argument(
+        "--chat-template", default=None, help="a chat template (Jinja text, or a file holding it)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="logging level",
+    )
+    parser.add_argument(
+        "--no-fast-blas",
+        action="store_true",
+        help="on Linux, do not re-run with an optimized BLAS preloaded (also TRIO_MLX_FAST_BLAS=0)",
+    )
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (0: any)")
+    parser.add_argument(
+        "--decode-concurrency",
+        "--max-batch",
+        dest="max_batch",
+        type=int,
+        default=8,
+        help="rows decoded together in the continuous batch",
+    )
+    parser.add_argument(
+        "--prompt-concurrency",
+        type=int,
+        default=None,
+        help="prompts prefilled together (default: the engine's)",
+    )
+    parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=1.0,
+        help="seconds a serial or exclusive job waits before the batch drains for it",
+    )
+    parser.add_argument(
+        "--adapter-dir", default=None, help="POST /v1/adapters mounts only adapters in here"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TRIO_MLX_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: env TRIO_MLX_API_KEY)",
+    )
+    parser.add_argument("--cors-origin", default=None, help="Access-Control-Allow-Origin value")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413"
+    )
+    parser.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGINT/SIGTERM, seconds in-flight requests get to finish",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,12 +93,53 @@ def build_parser() -> argparse.ArgumentParser:
         description="An LLM generation engine for MLX with an OpenAI-compatible server.",
     )
     parser.add_argument("--version", action="version", version=f"trio-mlx {__version__}")
+    parser.add_argument(
+        "--no-fast-blas",
+        action="store_true",
+        help="on Linux, do not re-run with an optimized BLAS preloaded (also TRIO_MLX_FAST_BLAS=0)",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_model_flags(serve)
+    _add_serve_flags(serve)
+    generate = commands.add_parser("generate", help="generate once, streaming to the terminal")
+    generate.add_argument("prompt", help="the prompt (a user message when the model chats)")
+    generate.add_argument(
+        "--raw", action="store_true", help="send the prompt as text, without the chat template"
+    )
+    generate.add_argument("--system", default=None, help="a system message")
+    _add_model_flags(generate)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit status."""
+    _fast_blas(argv)
     parser = build_parser()
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import trio
+
+    from trio_mlx_http import _run
+
+    runner = _run.serve if args.command == "serve" else _run.generate
+    try:
+        return trio.run(runner, args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fast_blas(argv: Sequence[str] | None) -> None:
+    """Re-run this command with an optimized BLAS preloaded when one helps (Linux).
+
+    Only for a real command line (``argv`` None): called in-process with explicit
+    arguments, re-executing would re-run the host program instead. This runs
+    before argparse and before MLX is imported, so the scan for the flag is by hand.
+    """
+    if argv is None:
+        maybe_reexec_with_fast_blas(opt_out="--no-fast-blas" in sys.argv[1:])

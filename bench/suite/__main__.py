@@ -1,0 +1,385 @@
+"""trio-mlx's benchmark suite: ``python -m bench.suite [--quick] [--profile gpu]``.
+
+Runs, side by side in one run, and writes ``bench/results/<machine>/``
+(``results.json``, ``results.md``, PNG plots):
+
+1. engine overhead: ``engine.generate`` vs a bare ``BatchGenerator`` loop;
+2. trio-mlx's server vs ``mlx_lm.server`` vs bare, closed-loop streaming chat;
+3. fairness: serial requests among batch rows, and the reverse;
+4. loop responsiveness: ``/health`` latency idle vs while rows decode;
+5. memory after many mixed requests;
+6. the prompt cache: TTFT with a shared long prefix vs a fresh one.
+
+A part of trio-mlx that is not there yet (the engine API, ``trio-mlx serve``) is
+reported as "not run: ..." and never replaced by made-up numbers. MLX work runs
+in worker processes with an optimized BLAS preloaded; HTTP load comes from
+client processes of its own (see :mod:`bench.suite.loadgen`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.suite import report, scenarios
+from bench.suite.models import EOS_IDS, Model, prepare
+from bench.suite.servers import mlx_lm_server, trio_mlx_help, trio_mlx_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_COMMON: dict[str, Any] = {
+    "prompt_len": 32,
+    "prompt_words": 24,
+    "prompt_cache": {"prefix_words": 400, "trials": 2},
+}
+PROFILES: dict[str, dict[str, Any]] = {
+    "quick": {
+        **_COMMON,
+        "batches": [1, 8, 32],
+        "overhead_max_tokens": 64,
+        "rounds": 2,
+        "concurrency": [1, 8, 32],
+        "max_tokens": 64,
+        "requests_per_stream": 2,
+        "fairness": {"batch_rows": 8, "batch_max_tokens": 160, "serial_max_tokens": 16,
+                     "interval": 2.0, "duration": 14.0, "flood_streams": 2},
+        "responsiveness": {"rows": 32, "max_tokens": 64, "interval": 0.05,
+                           "idle_duration": 2.0, "busy_duration": 3.0, "delay": 1.0},
+        "memory": {"requests": 200, "mark": 100, "concurrency": 8, "max_tokens": 24,
+                   "max_prompt_words": 48, "serial_every": 5},
+    },
+    "full": {
+        **_COMMON,
+        "batches": [1, 8, 32],
+        "overhead_max_tokens": 128,
+        "rounds": 3,
+        "concurrency": [1, 8, 32],
+        "max_tokens": 128,
+        "requests_per_stream": 3,
+        "fairness": {"batch_rows": 8, "batch_max_tokens": 256, "serial_max_tokens": 16,
+                     "interval": 3.0, "duration": 30.0, "flood_streams": 2},
+        "responsiveness": {"rows": 32, "max_tokens": 128, "interval": 0.05,
+                           "idle_duration": 3.0, "busy_duration": 6.0, "delay": 1.5},
+        "memory": {"requests": 1000, "mark": 100, "concurrency": 8, "max_tokens": 32,
+                   "max_prompt_words": 96, "serial_every": 5},
+    },
+    "gpu": {
+        **_COMMON,
+        "batches": [1, 8, 32, 64, 128],
+        "overhead_max_tokens": 128,
+        "rounds": 2,
+        "concurrency": [1, 8, 32],
+        "max_tokens": 128,
+        "requests_per_stream": 3,
+        "fairness": {"batch_rows": 32, "batch_max_tokens": 1024, "serial_max_tokens": 32,
+                     "interval": 1.5, "duration": 12.0, "flood_streams": 4},
+        "responsiveness": {"rows": 32, "max_tokens": 512, "interval": 0.02,
+                           "idle_duration": 2.0, "busy_duration": 3.0, "delay": 0.5},
+        "memory": {"requests": 1000, "mark": 100, "concurrency": 16, "max_tokens": 32,
+                   "max_prompt_words": 256, "serial_every": 10},
+        "prompt_cache": {"prefix_words": 3000, "trials": 2},
+    },
+}  # fmt: skip
+#: HBM copy bandwidth of the H200 the B=1 bound divides by (bytes/s).
+H200_BANDWIDTH = 4.3e12
+
+
+class Log:
+    """Progress lines with the time since the run started."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        elapsed = int(time.monotonic() - self.start)
+        print(f"[{elapsed // 60:02d}:{elapsed % 60:02d}] {message}", flush=True)
+
+
+def model_env() -> dict[str, str]:
+    """The environment for processes that run MLX: an optimized BLAS preloaded where one exists."""
+    from trio_mlx._blas import preload_env
+
+    env = preload_env(dict(os.environ))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _probe(env: dict[str, str], code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def environment(env: dict[str, str]) -> dict[str, Any]:
+    """MLX, mlx-lm, the device and the BLAS, as a worker process sees them."""
+    code = (
+        "import json, importlib.metadata as m, mlx.core as mx\n"
+        "from trio_mlx import backend_info\n"
+        "i = backend_info()\n"
+        "print(json.dumps({'mlx': m.version('mlx'), 'mlx_lm': m.version('mlx-lm'),"
+        " 'device': str(mx.default_device()), 'blas': i.describe(),"
+        " 'engine': hasattr(__import__('trio_mlx'), 'open_engine')}))"
+    )
+    info = json.loads(_probe(env, code) or "{}")
+    info["cpus"] = os.cpu_count()
+    return info
+
+
+def run_job(job: dict[str, Any], env: dict[str, str], log: Log) -> list[dict[str, Any]]:
+    """Run an :mod:`bench.suite.inproc` job in a worker process; return its result lines."""
+    command = [sys.executable, "-m", "bench.suite.inproc", json.dumps(job)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    results = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            record = json.loads(line[7:])
+            results.append(record)
+            if "batch" in record:
+                eng = record["engine"]
+                tail = f", engine {eng['decode_tok_s'] or eng['e2e_tok_s']:,.0f}" if eng else ""
+                bare = record["bare"]["decode_tok_s"] or record["bare"]["e2e_tok_s"]
+                log(f"  B={record['batch']}: bare {bare:,.0f} tok/s{tail}")
+    if proc.wait() != 0:
+        raise RuntimeError(f"worker job {job['kind']} failed with exit status {proc.returncode}")
+    return results
+
+
+def _job(kind: str, model: Model, **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "model": str(model.path), "logit_bias": model.logit_bias, **fields}
+
+
+def chat_prompt_len(model: Model, words: int) -> int:
+    """Tokens of a templated chat prompt of ``words`` random words, as the servers see it."""
+    import random
+
+    from bench.suite.loadgen import WORDS
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(model.path)
+    text = " ".join(random.Random(0).choice(WORDS) for _ in range(words))
+    messages = [{"role": "user", "content": text}]
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+class Suite:
+    """One run: the profile, the models, what is available, and the results so far."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.log = Log()
+        # Enough client processes that none is busy (see client CPU in the report).
+        clients = max(2, min(8, (os.cpu_count() or 2) // 2))
+        self.profile = {**PROFILES[args.profile], "client_processes": clients}
+        self.env = model_env()
+        self.out = Path(args.out) if args.out else ROOT / "bench" / "results" / args.machine
+        self.results: dict[str, Any] = {
+            "machine": args.machine,
+            "profile": args.profile,
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "not_run": [],
+        }
+
+    def not_run(self, reason: str) -> None:
+        self.log(f"not run: {reason}")
+        self.results["not_run"].append(reason)
+
+    def run(self) -> None:
+        log, only = self.log, set(self.args.only.split(",")) if self.args.only else None
+        log(f"profile {self.args.profile}; results to {self.out}")
+        self.results["env"] = env = environment(self.env)
+        log(f"{env.get('device')}; mlx {env.get('mlx')}; {env.get('blas')}")
+        self.engine = bool(env.get("engine"))
+        self.server = trio_mlx_help(self.env) is not None
+        if not self.engine:
+            self.not_run("engine overhead and memory: trio_mlx.open_engine does not exist yet")
+        if not self.server:
+            self.not_run("trio-mlx server: `trio-mlx serve --help` does not work yet")
+        models = [prepare(name, log) for name in self.model_names()]
+        self.results["models"] = {
+            m.name: {
+                "parameters": m.parameters,
+                "weight_bytes": m.weight_bytes,
+                "path": str(m.path),
+            }
+            for m in models
+        }
+
+        def wanted(part: str) -> bool:
+            return only is None or part in only
+
+        # Results are written after every part, so a run cut short still leaves its numbers.
+        for i, model in enumerate(models):
+            if wanted("overhead"):
+                self.overhead(model)
+                self.bound(models[0])
+                self.write()
+            if wanted("server") and (i == 0 or self.args.profile == "full"):
+                self.servers(model, first=i == 0, wanted=wanted)
+                self.write()
+        if wanted("memory") and self.engine:
+            self.memory(models[0])
+        self.write()
+        log(f"wrote {self.out}/results.md")
+
+    def write(self) -> None:
+        self.results["duration_s"] = time.monotonic() - self.log.start
+        report.write(self.results, self.out)
+
+    def model_names(self) -> list[str]:
+        if self.args.models:
+            return self.args.models.split(",")
+        if self.args.profile == "gpu":
+            return ["llama-1b"]
+        from trio_mlx.default_model import default_model_path
+
+        trained = (default_model_path() / "config.json").exists()
+        if not trained:
+            self.not_run("the bundled default model: not trained yet (random-25m only)")
+        names = ["default"] if trained else []
+        return [*names, "random-25m"] if self.args.profile == "full" or not names else names
+
+    def overhead(self, model: Model) -> None:
+        p = self.profile
+        self.log(f"1. engine overhead on {model.name}: B = {p['batches']}")
+        job = _job("overhead", model, batches=p["batches"], max_tokens=p["overhead_max_tokens"],
+                   rounds=p["rounds"], prompt_len=p["prompt_len"], engine=self.engine)  # fmt: skip
+        rows = []
+        for record in run_job(job, self.env, self.log):
+            bare, eng = record["bare"], record["engine"]
+            ratio = (
+                eng["decode_tok_s"] / bare["decode_tok_s"]
+                if eng and bare["decode_tok_s"] and eng["decode_tok_s"]
+                else None
+            )
+            rows.append({"batch": record["batch"], "bare": bare, "engine": eng, "ratio": ratio})
+        self.results.setdefault("overhead", {})[model.name] = rows
+
+    def servers(self, model: Model, *, first: bool, wanted: Any) -> None:
+        p = {
+            **self.profile,
+            "logit_bias": {str(k): -100 for k in EOS_IDS} if model.logit_bias else None,
+        }
+        cs = p["concurrency"]
+        length = chat_prompt_len(model, p["prompt_words"])
+        self.log(f"2. bare ceiling on {model.name}: C = {cs}, {length}-token prompts")
+        job = _job("overhead", model, batches=cs, max_tokens=p["max_tokens"], rounds=1,
+                   prompt_len=length, engine=False)  # fmt: skip
+        bare = {str(r["batch"]): r["bare"] for r in run_job(job, self.env, self.log)}
+        data: dict[str, Any] = {"bare": bare, "servers": {}, "prompt_tokens": length}
+        self.results.setdefault("server", {})[model.name] = data
+        logs = self.out / "logs"
+        configs: list[tuple[str, Any]] = [
+            (
+                "mlx_lm.server",
+                lambda: mlx_lm_server(model.path, max_batch=max(cs), env=self.env, log_dir=logs),
+            )
+        ]
+        if self.server:
+            for drain in (1.0, None):
+                configs.append((f"trio-mlx (drain {drain})", lambda d=drain: trio_mlx_server(
+                    model.path, max_batch=max(cs), env=self.env, log_dir=logs, drain_timeout=d)))  # fmt: skip
+        for name, start in configs:
+            main = name != "trio-mlx (drain None)"
+            if not main and not (first and wanted("fairness")):
+                continue
+            self.log(f"starting {name} on {model.name}")
+            try:
+                with start() as server:
+                    self._warm(server, p)
+                    if main:
+                        rows = data["servers"].setdefault(name, [])
+                        for c in cs:
+                            row = scenarios.throughput(server, p, c)
+                            rows.append(row)
+                            self.log(f"  {name} C={c}: {row['tok_s']:,.0f} tok/s, TTFT p99 "
+                                     f"{(row['ttft_p99_s'] or 0) * 1000:,.0f} ms, exact tokens "
+                                     f"{row['exact_tokens']}, failed {row['failed']}")  # fmt: skip
+                    if not first:
+                        continue
+                    self._server_extras(name, server, p, main=main, wanted=wanted)
+            except Exception as exc:  # one server failing must not lose the others' results
+                self.not_run(f"{name} on {model.name}: {type(exc).__name__}: {exc}")
+
+    def _server_extras(
+        self, name: str, server: Any, p: dict[str, Any], *, main: bool, wanted: Any
+    ) -> None:
+        if wanted("fairness"):
+            self.log(f"3. fairness on {name} ({2 * p['fairness']['duration']:.0f} s)")
+            f = scenarios.fairness(server, p)
+            self.results.setdefault("fairness", {})[name] = f
+            self.log(f"  serial wait p50/p99 {_ms(f['serial_wait']['ttft_p50_s'])}/"
+                     f"{_ms(f['serial_wait']['ttft_p99_s'])} ms")  # fmt: skip
+        if main and wanted("responsiveness"):
+            self.log(f"4. /health latency on {name}")
+            r = scenarios.responsiveness(server, p)
+            self.results.setdefault("responsiveness", {})[name] = r
+            self.log(
+                f"  idle p99 {_ms(r['idle']['p99_s'])} ms, busy p99 {_ms(r['busy']['p99_s'])} ms"
+            )
+        if main and wanted("prompt_cache"):
+            self.log(f"6. prompt cache on {name}")
+            self.results.setdefault("prompt_cache", {})[name] = scenarios.prompt_cache(server, p)
+
+    def _warm(self, server: Any, p: dict[str, Any]) -> None:
+        """One request at each concurrency level, so no timed run pays for compilation."""
+        for c in p["concurrency"]:
+            scenarios.throughput(server, {**p, "requests_per_stream": 1, "max_tokens": 8}, c)
+
+    def memory(self, model: Model) -> None:
+        m = self.profile["memory"]
+        self.log(f"5. memory: {m['requests']} mixed requests through the engine on {model.name}")
+        (record,) = run_job(_job("memory", model, **m), self.env, self.log)
+        self.results["memory"] = {**record, "model": model.name, **m}
+
+    def bound(self, model: Model) -> None:
+        if self.args.profile != "gpu":
+            return
+        bound = H200_BANDWIDTH / model.weight_bytes
+        rows = self.results.get("overhead", {}).get(model.name, [])
+        b1 = next((r for r in rows if r["batch"] == 1), None)
+        out: dict[str, Any] = {
+            "weight_bytes": model.weight_bytes,
+            "bandwidth_tb_s": 4.3,
+            "bound_tok_s": bound,
+        }
+        if b1:
+            out["bare_tok_s"] = b1["bare"]["decode_tok_s"]
+            out["bare_fraction"] = (b1["bare"]["decode_tok_s"] or 0) / bound
+            if b1["engine"]:
+                out["engine_tok_s"] = b1["engine"]["decode_tok_s"]
+                out["engine_fraction"] = (b1["engine"]["decode_tok_s"] or 0) / bound
+        self.results["bound"] = out
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:,.0f}"
+
+
+def main() -> None:
+    """Parse the command line and run the suite."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_const", const="quick", dest="profile")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="full")
+    parser.add_argument("--machine", default=None, help="results go to bench/results/MACHINE/")
+    parser.add_argument("--models", help="comma-separated: default, random-25m, llama-1b, tiny")
+    parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
+                        "responsiveness, prompt_cache, memory")  # fmt: skip
+    parser.add_argument("--out", help="write here instead of bench/results/MACHINE/")
+    args = parser.parse_args()
+    if args.machine is None:
+        args.machine = "gpu" if args.profile == "gpu" else "cpu"
+    Suite(args).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""In-process measurements, in a worker process of their own (one model load each).
+
+``python -m bench.suite.inproc JSON`` runs the jobs the JSON names and prints one
+JSON line per job result. Jobs:
+
+* ``bare``: a bare mlx-lm ``BatchGenerator`` loop, B rows of the same prompts and
+  ``max_tokens`` as the engine gets, greedy, no stop tokens;
+* ``engine``: ``engine.generate`` with B concurrent consumers in one Trio task each;
+* ``memory``: N mixed requests through the engine; RSS and MLX active memory.
+
+Bare and engine runs alternate per B for ``rounds`` rounds and the best round of
+each counts: load on a shared machine only ever slows a round down.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench.suite.loadgen import WORDS
+from bench.suite.timing import rates
+
+
+def prompt_text(rng: random.Random, words: int) -> str:
+    """A prompt of ``words`` random words (about one token each)."""
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def prompt_ids(tokenizer: Any, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` distinct prompts of exactly ``length`` tokens."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        ids = tokenizer.encode(prompt_text(rng, length * 2))
+        out.append(ids[:length])
+    return out
+
+
+def _logits_processors(logit_bias: dict[int, float] | None) -> Any:
+    if not logit_bias:
+        return None
+    from mlx_lm.sample_utils import make_logits_processors
+
+    return make_logits_processors(logit_bias=logit_bias)
+
+
+def bare_run(
+    model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, logit_bias: Any
+) -> dict[str, Any]:
+    """One bare ``BatchGenerator`` run of ``prompts``; rates as in :mod:`bench.suite.timing`."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    batch = len(prompts)
+    gen = BatchGenerator(
+        model,
+        max_tokens=max_tokens,
+        completion_batch_size=batch,
+        logits_processors=_logits_processors(logit_bias),
+    )
+    rows: dict[int, list[tuple[float, int]]] = {}
+    try:
+        start = time.perf_counter()
+        uids = gen.insert([list(p) for p in prompts], max_tokens=[max_tokens] * batch)
+        rows = {uid: [] for uid in uids}
+        done = 0
+        while done < batch:
+            responses = gen.next_generated()
+            now = time.perf_counter()
+            for r in responses:
+                rows[r.uid].append((now, 1))
+                done += r.finish_reason is not None
+        mx.synchronize()
+    finally:
+        gen.close()
+    result = rates(start, list(rows.values()))
+    result["complete"] = all(len(row) == max_tokens for row in rows.values())
+    return result
+
+
+async def engine_run(
+    engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int, logit_bias: Any
+) -> dict[str, Any]:
+    """B concurrent ``engine.generate`` consumers of ``prompts``; same rates as the bare loop."""
+    import trio
+
+    from trio_mlx import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=logit_bias)
+    rows: list[list[tuple[float, int]]] = [[] for _ in prompts]
+
+    async def consume(i: int) -> None:
+        async with engine.generate(list(prompts[i]), params) as stream:
+            async for delta in stream:
+                if delta.token_ids:
+                    rows[i].append((time.perf_counter(), len(delta.token_ids)))
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(consume, i)
+    result = rates(start, rows)
+    result["complete"] = all(sum(n for _, n in row) == max_tokens for row in rows)
+    return result
+
+
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    key = "decode_tok_s" if all(r["decode_tok_s"] for r in runs) else "e2e_tok_s"
+    best = max(runs, key=lambda r: r[key])
+    return {**best, "rounds": [r[key] for r in runs]}
+
+
+def overhead(job: dict[str, Any]) -> None:
+    """Engine vs bare at each B, alternating, best of ``rounds``; prints one line per B."""
+    import mlx_lm
+    import trio
+
+    import trio_mlx
+
+    model, tokenizer = mlx_lm.load(job["model"])
+    bias = {int(k): v for k, v in job["logit_bias"].items()} if job["logit_bias"] else None
+    max_tokens, rounds = job["max_tokens"], job["rounds"]
+    prompts_for = {b: prompt_ids(tokenizer, b, job["prompt_len"], seed=b) for b in job["batches"]}
+    # Warm up the bare loop's kernels for every B before timing anything.
+    for b in job["batches"]:
+        bare_run(model, prompts_for[b], 4, bias)
+
+    async def main() -> None:
+        async with trio_mlx.open_engine(job["model"], max_batch=max(job["batches"])) as engine:
+            for b in job["batches"]:
+                await engine_run(engine, prompts_for[b], 4, bias)
+            for b in job["batches"]:
+                bare, eng = [], []
+                for _ in range(rounds):
+                    bare.append(bare_run(model, prompts_for[b], max_tokens, bias))
+                    eng.append(await engine_run(engine, prompts_for[b], max_tokens, bias))
+                emit({"job": "overhead", "batch": b, "bare": _best(bare), "engine": _best(eng)})
+
+    if job.get("engine", True):
+        trio.run(main)
+        return
+    for b in job["batches"]:
+        runs = [bare_run(model, prompts_for[b], max_tokens, bias) for _ in range(rounds)]
+        emit({"job": "overhead", "batch": b, "bare": _best(runs), "engine": None})
+
+
+def _memory_now() -> dict[str, int]:
+    import mlx.core as mx
+
+    out = {"mlx_active": mx.get_active_memory(), "mlx_peak": mx.get_peak_memory()}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def memory(job: dict[str, Any]) -> None:
+    """``requests`` mixed requests (lengths, sampling, some serial), ``concurrency`` at a time."""
+    import trio
+
+    import trio_mlx
+    from trio_mlx import SamplingParams
+
+    bias = {int(k): v for k, v in job["logit_bias"].items()} if job["logit_bias"] else None
+    total, marks = job["requests"], sorted({job["mark"], job["requests"]})
+    snapshots: dict[str, Any] = {}
+    rng = random.Random(0)
+    done = 0
+
+    async def worker(engine: Any, tokenizer_len: int, work: Any) -> None:
+        nonlocal done
+        async for i in work:
+            words = rng.randint(4, job["max_prompt_words"])
+            params = SamplingParams(
+                max_tokens=rng.randint(4, job["max_tokens"]),
+                temperature=rng.choice((0.0, 0.7)),
+                seed=i if i % job["serial_every"] == 0 else None,
+                logit_bias=bias,
+            )
+            async with engine.generate(prompt_text(rng, words), params) as stream:
+                async for _ in stream:
+                    pass
+            done += 1
+            if done in marks:
+                snapshots[str(done)] = _memory_now()
+
+    async def main() -> None:
+        send, receive = trio.open_memory_channel[int](0)
+        async with trio_mlx.open_engine(job["model"], max_batch=job["concurrency"]) as engine:
+            snapshots["0"] = _memory_now()
+            async with trio.open_nursery() as nursery:
+                for _ in range(job["concurrency"]):
+                    nursery.start_soon(worker, engine, 0, receive.clone())
+                async with send:
+                    for i in range(total):
+                        await send.send(i)
+                        if i % max(1, total // 10) == 0:
+                            print(f"memory: {i}/{total} requests", file=sys.stderr, flush=True)
+                receive.close()
+
+    start = time.perf_counter()
+    trio.run(main)
+    emit({"job": "memory", "snapshots": snapshots, "seconds": time.perf_counter() - start})
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Print one result line for the parent process."""
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def main(argv: Sequence[str]) -> None:
+    """Run the job given as a JSON argument."""
+    job = json.loads(argv[0])
+    {"overhead": overhead, "memory": memory}[job["kind"]](job)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

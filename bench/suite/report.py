@@ -1,0 +1,295 @@
+"""Write a run's results: ``results.json``, ``results.md`` (tables) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _num(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value * 1000:,.0f}"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def _overhead_md(results: dict[str, Any]) -> list[str]:
+    lines = ["## 1. Engine overhead: `engine.generate` vs a bare `BatchGenerator` loop", ""]
+    lines += [
+        "Decode tokens/s in the steady state (every row decoding), best of the rounds; "
+        "goal: engine/bare >= 0.97 at every B.",
+        "",
+        "| model | B | bare tok/s | engine tok/s | engine/bare | bare e2e | engine e2e |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for model, rows in results.get("overhead", {}).items():
+        for row in rows:
+            bare, eng = row["bare"], row["engine"] or {}
+            lines.append(
+                f"| {model} | {row['batch']} | {_num(bare['decode_tok_s'])} | "
+                f"{_num(eng.get('decode_tok_s'))} | {_ratio(eng.get('decode_tok_s'), bare['decode_tok_s'])} | "
+                f"{_num(bare['e2e_tok_s'])} | {_num(eng.get('e2e_tok_s'))} |"
+            )
+    return [*lines, ""]
+
+
+def _server_md(results: dict[str, Any]) -> list[str]:
+    lines = ["## 2. Servers vs bare: closed-loop streaming chat", ""]
+    lines += [
+        "Aggregate output tokens/s of C streaming clients (in separate processes), "
+        "TTFT and request latency in ms; `x bare` divides by a bare `BatchGenerator` "
+        "run of C rows with the same prompt length and max_tokens (prompt processing "
+        "included). `client CPU` is the busiest client process's CPU use (1.0 = one core).",
+        "",
+        "| model | server | C | tok/s | x bare | TTFT p50 | TTFT p99 | latency p50 | latency p99 | exact tokens | client CPU | server CPU |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for model, data in results.get("server", {}).items():
+        bare = data.get("bare", {})
+        for c, b in sorted(bare.items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {model} | bare BatchGenerator | {c} | {_num(b['e2e_tok_s'])} | 1.00 | "
+                f"{_ms(b['ttft_max_s'])} (max) | | | | {b['complete']} | | |"
+            )
+        for name, rows in data.get("servers", {}).items():
+            for row in rows:
+                ceiling = bare.get(str(row["concurrency"]), {}).get("e2e_tok_s")
+                lines.append(
+                    f"| {model} | {name} | {row['concurrency']} | {_num(row['tok_s'])} | "
+                    f"{_ratio(row['tok_s'], ceiling)} | {_ms(row['ttft_p50_s'])} | "
+                    f"{_ms(row['ttft_p99_s'])} | {_ms(row['latency_p50_s'])} | "
+                    f"{_ms(row['latency_p99_s'])} | {row.get('exact_tokens')} | "
+                    f"{row['client_cpu_max']:.2f} | {row['server_cpu']:.2f} |"
+                )
+        vs = _server_ratios(data)
+        if vs:
+            lines += ["", f"trio-mlx / mlx_lm.server tok/s ({model}): {vs}"]
+    return [*lines, ""]
+
+
+def _server_ratios(data: dict[str, Any]) -> str:
+    servers = data.get("servers", {})
+    ref = {r["concurrency"]: r["tok_s"] for r in servers.get("mlx_lm.server", [])}
+    out = []
+    for name, rows in servers.items():
+        if name.startswith("trio-mlx"):
+            out += [
+                f"C={r['concurrency']}: {_ratio(r['tok_s'], ref.get(r['concurrency']))}"
+                for r in rows
+            ]
+    return ", ".join(out)
+
+
+def _fairness_md(results: dict[str, Any]) -> list[str]:
+    data = results.get("fairness", {})
+    if not data:
+        return []
+    lines = [
+        "## 3. Fairness: a serial (seeded) request among sustained batch rows, and the reverse",
+        "",
+    ]
+    lines += [
+        "Wait = time to first token, ms.",
+        "",
+        "| server | serial wait p50 | serial wait p99 | batch-row wait p50 under a serial flood | p99 | batch tok during probe | failed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, f in data.items():
+        s, r, b = (
+            f["serial_wait"],
+            f["batch_wait_under_serial_flood"],
+            f["batch_during_serial_probe"],
+        )
+        failed = s["failed"] + r["failed"] + b["failed"] + f["serial_flood"]["failed"]
+        lines.append(
+            f"| {name} | {_ms(s['ttft_p50_s'])} | {_ms(s['ttft_p99_s'])} | "
+            f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | {b['tokens']} | {failed} |"
+        )
+    return [*lines, ""]
+
+
+def _responsiveness_md(results: dict[str, Any]) -> list[str]:
+    data = results.get("responsiveness", {})
+    if not data:
+        return []
+    lines = ["## 4. Loop responsiveness: `GET /health` latency, ms", ""]
+    lines += [
+        "| server | idle p50 | idle p99 | busy p50 | busy p99 | busy max | rows |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in data.items():
+        i, b = r["idle"], r["busy"]
+        lines.append(
+            f"| {name} | {_ms(i['p50_s'])} | {_ms(i['p99_s'])} | {_ms(b['p50_s'])} | "
+            f"{_ms(b['p99_s'])} | {_ms(b['max_s'])} | {r['rows']} |"
+        )
+    return [*lines, ""]
+
+
+def _memory_md(results: dict[str, Any]) -> list[str]:
+    data = results.get("memory")
+    if not data:
+        return []
+    snaps = data["snapshots"]
+    keys = sorted(snaps, key=int)
+    mib = 1 << 20
+    lines = ["## 5. Memory after mixed requests through the engine", ""]
+    lines += ["| after requests | RSS MiB | peak RSS MiB | MLX active MiB | MLX peak MiB |"]
+    lines += ["| ---: | ---: | ---: | ---: | ---: |"]
+    for k in keys:
+        s = snaps[k]
+        lines.append(
+            f"| {k} | {s['VmRSS'] / mib:,.0f} | {s['VmHWM'] / mib:,.0f} | "
+            f"{s['mlx_active'] / mib:,.1f} | {s['mlx_peak'] / mib:,.1f} |"
+        )
+    if len(keys) >= 3:
+        a, b = snaps[keys[1]], snaps[keys[-1]]
+        lines += [
+            "",
+            f"Growth from request {keys[1]} to {keys[-1]}: RSS "
+            f"{(b['VmRSS'] - a['VmRSS']) / mib:+,.1f} MiB, MLX active "
+            f"{(b['mlx_active'] - a['mlx_active']) / mib:+,.2f} MiB.",
+        ]
+    return [*lines, ""]
+
+
+def _cache_md(results: dict[str, Any]) -> list[str]:
+    data = results.get("prompt_cache", {})
+    if not data:
+        return []
+    lines = ["## 6. Prompt cache: TTFT of a request sharing a long prefix with the one before", ""]
+    lines += [
+        "`cold`: a fresh prefix (nothing cached); `warm`: the same prefix as the request "
+        "before (different suffix). TTFT ms, p50 over the trials; `serial` requests carry a seed.",
+        "",
+        "| server | prefix words | lane | cold | warm | cold/warm |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for name, p in data.items():
+        for lane in ("batch", "serial"):
+            c, w = p[lane]["cold_ttft_p50_s"], p[lane]["warm_ttft_p50_s"]
+            lines.append(
+                f"| {name} | {p['prefix_words']} | {lane} | {_ms(c)} | {_ms(w)} | {_ratio(c, w)} |"
+            )
+    return [*lines, ""]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as Markdown tables, one section per benchmark."""
+    env = results["env"]
+    models = ", ".join(
+        f"`{n}` ({m['parameters'] / 1e6:,.1f}M params, {m['weight_bytes'] / 1e6:,.0f} MB)"
+        for n, m in results["models"].items()
+    )
+    lines = [
+        f"# trio-mlx benchmarks: {results['machine']} ({results['profile']})",
+        "",
+        f"{results['started']}; {env.get('device')}; mlx {env.get('mlx')}, mlx-lm "
+        f"{env.get('mlx_lm')}, {env.get('cpus')} CPUs; {env.get('blas', '')}. Models: {models}. "
+        f"Run took {results.get('duration_s', 0):,.0f} s.",
+        "",
+    ]
+    if results.get("bound"):
+        b = results["bound"]
+        lines += [
+            f"B=1 physical bound: {b['weight_bytes'] / 1e9:.2f} GB of weights per token at "
+            f"{b['bandwidth_tb_s']} TB/s = {b['bound_tok_s']:,.0f} tok/s; bare reaches "
+            f"{_num(b.get('bare_tok_s'))} ({b.get('bare_fraction', 0):.0%}), the engine "
+            f"{_num(b.get('engine_tok_s'))} ({(b.get('engine_fraction') or 0):.0%}).",
+            "",
+        ]
+    for section in (
+        _overhead_md,
+        _server_md,
+        _fairness_md,
+        _responsiveness_md,
+        _memory_md,
+        _cache_md,
+    ):
+        lines += section(results)
+    if results.get("not_run"):
+        lines += ["## Not run", ""] + [f"- not run: {reason}" for reason in results["not_run"]]
+        lines.append("")
+    for plot in results.get("plots", []):
+        lines += [f"![{plot}]({plot})", ""]
+    return "\n".join(lines)
+
+
+def plots(results: dict[str, Any], out: Path) -> list[str]:
+    """Draw the overhead and server plots into ``out``; return their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    overhead = results.get("overhead", {})
+    if overhead:
+        fig, axes = plt.subplots(1, len(overhead), figsize=(5 * len(overhead), 4), squeeze=False)
+        for ax, (model, rows) in zip(axes[0], overhead.items(), strict=True):
+            bs = [r["batch"] for r in rows]
+            ax.plot(
+                bs, [r["bare"]["decode_tok_s"] for r in rows], "o-", label="bare BatchGenerator"
+            )
+            if all(r["engine"] for r in rows):
+                ax.plot(
+                    bs, [r["engine"]["decode_tok_s"] for r in rows], "s-", label="engine.generate"
+                )
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="B (concurrent rows)",
+                ylabel="decode tok/s",
+                title=model,
+            )
+            ax.set_xticks(bs, [str(b) for b in bs])
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"Engine overhead ({results['machine']})")
+        fig.tight_layout()
+        fig.savefig(out / "overhead.png", dpi=100)
+        plt.close(fig)
+        names.append("overhead.png")
+    server = results.get("server", {})
+    if server:
+        fig, axes = plt.subplots(2, len(server), figsize=(5.5 * len(server), 8), squeeze=False)
+        for col, (model, data) in enumerate(server.items()):
+            top, bottom = axes[0][col], axes[1][col]
+            bare = data.get("bare", {})
+            if bare:
+                cs = sorted(int(c) for c in bare)
+                top.plot(
+                    cs, [bare[str(c)]["e2e_tok_s"] for c in cs], "k--o", label="bare BatchGenerator"
+                )
+            for name, rows in data.get("servers", {}).items():
+                cs = [r["concurrency"] for r in rows]
+                top.plot(cs, [r["tok_s"] for r in rows], "o-", label=name)
+                bottom.plot(cs, [(r["ttft_p99_s"] or 0) * 1000 for r in rows], "o-", label=name)
+            top.set(xscale="log", yscale="log", ylabel="output tok/s", title=model)
+            bottom.set(xscale="log", xlabel="concurrent streams", ylabel="TTFT p99 (ms)")
+            for ax in (top, bottom):
+                ax.grid(alpha=0.3)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(fontsize=8)
+        fig.suptitle(f"Servers vs bare ({results['machine']})")
+        fig.tight_layout()
+        fig.savefig(out / "server.png", dpi=100)
+        plt.close(fig)
+        names.append("server.png")
+    return names
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    """Write JSON, plots and Markdown into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plots(results, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=False))
+    (out / "results.md").write_text(markdown(results))

@@ -1,0 +1,578 @@
+"""The GPU-owner actor: one Trio task that feeds the arbiter and carries out its decisions.
+
+Theory of operation
+===================
+
+Submissions and cancellations are synchronous ``*_nowait`` calls on the Trio
+thread (the actor's own thread), so a full queue or a closed engine raises at
+once. They update the arbiter and ring the actor's doorbell. The actor task
+loops: ``arbiter.decide(now)`` and carry it out:
+
+- ``Admit`` / ``Resume``: remember the rows; they enter the batch with the next step;
+- ``Step``: ONE worker call removes cancelled rows, inserts admitted ones, runs one
+  decode step and returns every row's events; the actor routes them to the
+  requests' outboxes with ``put`` (never awaiting a consumer), then ``step_done``;
+- ``Park``: one worker call takes the rows' KV caches out of the batch;
+- ``Start``: a child task runs the exclusive job on the worker (a serial
+  generation, an adapter mount, a user function) and reports ``job_ended``;
+- ``Wait``: sleep until the doorbell rings.
+
+The worker thread is the only place MLX runs. When it dies, or when the engine
+shuts down, the arbiter closes and every pending request ends with
+:class:`~trio_mlx.EngineClosed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import attrs
+import outcome
+import trio
+
+from trio_mlx._arbiter import (
+    Admit,
+    Arbiter,
+    ArbiterPolicy,
+    ArbiterStatistics,
+    Outcome,
+    Park,
+    Rejection,
+    Resume,
+    Start,
+    State,
+    Step,
+    Wait,
+)
+from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._errors import EngineClosed, EngineOverloaded, GenerationFailed
+from trio_mlx._output import RowEvent
+from trio_mlx._worker import Worker
+
+__all__ = ["Actor", "EngineStatistics", "Outbox", "Request"]
+
+LANES = ("batch", "serial", "job")
+OUTCOMES = ("finished", "cancelled", "failed", "rejected", "closed")
+
+
+class Phase(enum.Enum):
+    """Where a request is, as the actor sees it."""
+
+    INBOX = "inbox"
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@attrs.define(eq=False)
+class Outbox:
+    """A request's unbounded buffer of events; ``put`` never blocks (max_tokens bounds it)."""
+
+    _items: deque[RowEvent] = attrs.field(init=False, factory=deque)
+    _lot: trio.lowlevel.ParkingLot = attrs.field(init=False, factory=trio.lowlevel.ParkingLot)
+    closed: bool = attrs.field(init=False, default=False)
+
+    def put(self, event: RowEvent) -> None:
+        """Append an event and wake the reader."""
+        self._items.append(event)
+        self._lot.unpark_all()
+
+    def close(self) -> None:
+        """No more events will come; wake the reader."""
+        self.closed = True
+        self._lot.unpark_all()
+
+    def take(self) -> list[RowEvent]:
+        """Every event buffered so far."""
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    async def wait(self) -> None:
+        """Wait until there is an event, or the outbox is closed."""
+        while not self._items and not self.closed:
+            await self._lot.park()
+
+
+@attrs.define(eq=False)
+class Request:
+    """One submitted item: a batch row, a serial generation or an exclusive job."""
+
+    id: int
+    lane: str
+    spec: RowSpec | None = None
+    work: Callable[[], Any] | None = None
+    adapter: str | None = None
+    outbox: Outbox = attrs.field(factory=Outbox)
+    cancel_flag: threading.Event = attrs.field(factory=threading.Event)
+    phase: Phase = Phase.INBOX
+    submitted: float = 0.0
+    first_token: float | None = None
+    finished_at: float | None = None
+    cached_tokens: int = 0
+    generated: int = 0
+    #: For jobs: the job's result, set when it ended.
+    result: outcome.Outcome[Any] | None = None
+    #: A serial generation's last event, delivered when its job has ended.
+    final: RowEvent | None = None
+    #: The lane has seen this row (it was part of a step).
+    inserted: bool = False
+    done: trio.Event = attrs.field(factory=trio.Event)
+    #: Set once the actor has taken the request from the inbox (``rejection`` says how).
+    accepted: trio.Event = attrs.field(factory=trio.Event)
+    rejection: BaseException | None = None
+
+
+@attrs.frozen
+class EngineStatistics:
+    """A frozen snapshot of the engine (tests and ``/metrics`` read this)."""
+
+    state: str
+    running_rows: int
+    queued_rows: int
+    parked_rows: int
+    waiting_jobs: int
+    worker_alive: bool
+    #: Rows the batch lane held after the last step (running or parked, on the MLX thread).
+    batch_rows: int
+    adapters: tuple[str, ...]
+    #: Requests by ``"lane:outcome"`` (lanes batch, serial, job).
+    requests: dict[str, int]
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    drains: int
+    preemptions: int
+    steps: int
+    arbiter: ArbiterStatistics
+
+
+@attrs.define(eq=False)
+class Actor:
+    """Owns the arbiter, the worker and the lanes; one per engine."""
+
+    policy: ArbiterPolicy
+    worker: Worker
+    lane: BatchLane
+    #: Builds the worker-side callable of a serial generation.
+    serial_work: Callable[[Request, Callable[[RowEvent], None], Callable[[int], None]], Any]
+    adapters: Callable[[], tuple[str, ...]]
+    #: Called with each decision and the arbiter's statistics after it (tests record them).
+    decision_hook: Callable[[Any, ArbiterStatistics], None] | None = None
+    _arbiter: Arbiter = attrs.field(init=False)
+    _requests: dict[int, Request] = attrs.field(init=False, factory=dict)
+    _ids: Any = attrs.field(init=False, factory=lambda: itertools.count(1))
+    _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _inserts: list[RowSpec] = attrs.field(init=False, factory=list)
+    _resumes: list[int] = attrs.field(init=False, factory=list)
+    _removes: list[int] = attrs.field(init=False, factory=list)
+    _closing: bool = attrs.field(init=False, default=False)
+    _stopped: bool = attrs.field(init=False, default=False)
+    _counts: Counter[str] = attrs.field(init=False, factory=Counter)
+    _tokens: Counter[str] = attrs.field(init=False, factory=Counter)
+    _batch_rows: int = attrs.field(init=False, default=0)
+    _inbox_send: trio.MemorySendChannel[Request] = attrs.field(init=False)
+    _inbox: trio.MemoryReceiveChannel[Request] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._arbiter = Arbiter(self.policy, now=trio.current_time())
+        # Room for a full queue plus a full batch: the arbiter, not the inbox,
+        # is what normally says no.
+        size = self.policy.max_queue + self.policy.max_batch
+        self._inbox_send, self._inbox = trio.open_memory_channel[Request](size)
+        self._idle.set()
+
+    # --- the synchronous core, called from the Trio thread ---
+
+    def new_id(self) -> int:
+        """A fresh request id (unique across rows and jobs)."""
+        return int(next(self._ids))
+
+    @property
+    def closed(self) -> bool:
+        """Whether new submissions are refused."""
+        return self._closing or self._stopped
+
+    def submit_nowait(self, request: Request) -> None:
+        """Put a request in the inbox, or raise EngineOverloaded / EngineClosed at once."""
+        if self.closed:
+            self._counts[f"{request.lane}:rejected"] += 1
+            raise EngineClosed("the engine is closed")
+        try:
+            self._inbox_send.send_nowait(request)
+        except trio.WouldBlock:
+            self._counts[f"{request.lane}:rejected"] += 1
+            raise EngineOverloaded("the engine's inbox is full", retry_after=1.0) from None
+        request.submitted = trio.current_time()
+        self._requests[request.id] = request
+        self._idle = trio.Event()
+        self._ring()
+
+    async def submit(self, request: Request) -> None:
+        """Submit and wait until the actor accepts (queues) the request, or raise why not."""
+        self.submit_nowait(request)
+        try:
+            await request.accepted.wait()
+        except BaseException:
+            self.cancel_nowait(request)
+            raise
+        if request.rejection is not None:
+            raise request.rejection
+
+    def _take_inbox(self) -> None:
+        """Move everything in the inbox to the arbiter (the actor's side of ``submit``)."""
+        while True:
+            try:
+                request = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            if request.phase is Phase.INBOX:
+                self._accept(request)
+
+    def _accept(self, request: Request) -> None:
+        now = trio.current_time()
+        if request.lane == "batch":
+            rejection = self._arbiter.submit_row(request.id, now)
+        else:
+            rejection = self._arbiter.submit_job(request.id, now)
+        if rejection is None:
+            request.phase = Phase.PENDING
+            if request.spec is not None:
+                self._tokens["prompt"] += len(request.spec.prompt)
+        elif rejection is Rejection.CLOSED:
+            request.rejection = EngineClosed("the engine is closed")
+            self._end(request, "rejected")
+        else:
+            request.rejection = EngineOverloaded(
+                f"the engine's queue is full ({self.policy.max_queue} waiting)", retry_after=1.0
+            )
+            self._end(request, "rejected")
+        request.accepted.set()
+
+    def cancel_nowait(self, request: Request) -> None:
+        """Withdraw a request; a running row leaves the batch at the next step."""
+        if request.phase is Phase.DONE or request.id not in self._requests:
+            return
+        now = trio.current_time()
+        request.cancel_flag.set()
+        if request.phase is Phase.INBOX:
+            # Never reached the arbiter; the actor skips it in the inbox.
+            self._end(request, "cancelled")
+        elif request.lane == "batch":
+            if request.phase is Phase.RUNNING:
+                self._arbiter.row_ended(request.id, Outcome.CANCELLED, now)
+                self._forget_pending(request)
+            else:
+                self._arbiter.cancel_row(request.id, now)
+                if request.inserted:
+                    self._removes.append(request.id)
+            self._end(request, "cancelled")
+        elif request.phase is Phase.PENDING:
+            self._arbiter.cancel_job(request.id, now)
+            self._end(request, "cancelled")
+        # A running job sees cancel_flag (a serial generation stops within a token).
+        self._ring()
+
+    def statistics(self) -> EngineStatistics:
+        """A frozen snapshot: arbiter state, counters, worker liveness."""
+        arb = self._arbiter.statistics()
+        requests = {f"{lane}:{o}": self._counts[f"{lane}:{o}"] for lane in LANES for o in OUTCOMES}
+        return EngineStatistics(
+            state=arb.state.name,
+            running_rows=arb.running_rows,
+            queued_rows=arb.queued_rows,
+            parked_rows=arb.parked_rows,
+            waiting_jobs=arb.waiting_jobs + (arb.running_job is not None),
+            worker_alive=self.worker.alive,
+            batch_rows=self._batch_rows,
+            adapters=self.adapters(),
+            requests=requests,
+            prompt_tokens=self._tokens["prompt"],
+            cached_prompt_tokens=self._tokens["cached"],
+            generated_tokens=self._tokens["generated"],
+            drains=arb.drains,
+            preemptions=arb.preemptions,
+            steps=arb.steps,
+            arbiter=arb,
+        )
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is pending."""
+        await self._idle.wait()
+
+    def close_nowait(self, reason: str = "the engine is shutting down") -> None:
+        """Close the arbiter: every pending request ends with EngineClosed."""
+        self._closing = True
+        if self._stopped:
+            return
+        self._stopped = True
+        self._inbox_send.close()
+        if self._arbiter.state is not State.CLOSED:
+            for item_id in self._arbiter.close(trio.current_time()):
+                request = self._requests.get(item_id)
+                if request is not None:
+                    self._close_request(request, reason)
+        for request in list(self._requests.values()):
+            self._close_request(request, reason)
+        self._ring()
+
+    def _close_request(self, request: Request, reason: str) -> None:
+        request.cancel_flag.set()
+        error = EngineClosed(reason)
+        if request.phase is Phase.INBOX:
+            request.rejection = error
+        request.result = outcome.Error(error)
+        request.outbox.put(RowEvent(request.id, error=error))
+        self._end(request, "closed")
+
+    def begin_close(self) -> None:
+        """Refuse new submissions; in-flight work carries on."""
+        self._closing = True
+
+    def on_worker_death(self, death: BaseException | None) -> None:
+        """The worker thread ended: if that was not the plan, the engine is dead."""
+        if not self._stopped:
+            self.close_nowait(f"the MLX worker thread died: {death!r}")
+
+    # --- the actor task ---
+
+    async def run(self, ready: Any = None, *, task_status: trio.TaskStatus[Any]) -> None:
+        """The actor loop; reports ``ready`` as started (the model is loaded and warm)."""
+        async with trio.open_nursery() as nursery:
+            task_status.started(ready)
+            try:
+                await self._loop(nursery)
+            except BaseException:
+                # Cancelled from outside, or a bug: nobody may wait forever.
+                self.close_nowait("the engine's actor stopped")
+                raise
+
+    async def _loop(self, nursery: trio.Nursery) -> None:
+        while not self._stopped:
+            self._wake = trio.Event()
+            self._take_inbox()
+            decision = self._arbiter.decide(trio.current_time())
+            if self.decision_hook is not None:
+                self.decision_hook(decision, self._arbiter.statistics())
+            match decision:
+                case Admit(ids):
+                    self._admit(ids)
+                case Resume(ids):
+                    self._resume(ids)
+                case Step():
+                    await self._step()
+                case Park(ids):
+                    await self._park(ids)
+                case Start(job_id):
+                    self._start(nursery, self._requests[job_id])
+                case Wait(deadline):
+                    if self._removes and self._arbiter.state is State.ADMITTING:
+                        await self._discard()
+                        continue
+                    with trio.move_on_at(deadline if deadline is not None else float("inf")):
+                        await self._wake.wait()
+
+    async def _discard(self) -> None:
+        """Free cancelled rows' caches now, when no step would do it soon."""
+        removes, self._removes = self._removes, []
+        with contextlib.suppress(Exception):
+            # Best effort: failing here only keeps the rows' caches a while longer.
+            self._batch_rows = await self.worker.run(partial(self.lane.discard, removes))
+
+    def _admit(self, ids: tuple[int, ...]) -> None:
+        for row_id in ids:
+            request = self._requests[row_id]
+            request.phase = Phase.RUNNING
+            assert request.spec is not None
+            if request.inserted:
+                self._resumes.append(row_id)
+            else:
+                self._inserts.append(request.spec)
+
+    def _resume(self, ids: tuple[int, ...]) -> None:
+        for row_id in ids:
+            request = self._requests[row_id]
+            request.phase = Phase.RUNNING
+            if request.inserted:
+                self._resumes.append(row_id)
+            else:
+                assert request.spec is not None
+                self._inserts.append(request.spec)
+
+    async def _step(self) -> None:
+        inserts, resumes, removes = self._inserts, self._resumes, self._removes
+        self._inserts, self._resumes, self._removes = [], [], []
+        for spec in inserts:
+            self._requests[spec.id].inserted = True
+        call = partial(self.lane.step, inserts, resumes, removes)
+        try:
+            result = await self.worker.run(call)
+        except Exception as exc:
+            if self._stopped:
+                return
+            events = [
+                RowEvent(r.id, error=exc)
+                for r in self._requests.values()
+                if r.lane == "batch" and r.phase is Phase.RUNNING
+            ]
+        else:
+            events = result.events
+            self._batch_rows = result.rows
+            for row_id, cached in result.cached.items():
+                request = self._requests.get(row_id)
+                if request is not None:
+                    request.cached_tokens = cached
+                    self._tokens["cached"] += cached
+        if self._stopped:
+            return
+        now = trio.current_time()
+        for event in events:
+            self._route_row(event, now)
+        self._arbiter.step_done(now)
+
+    def _route_row(self, event: RowEvent, now: float) -> None:
+        request = self._requests.get(event.id)
+        if request is None or request.phase is not Phase.RUNNING:
+            return
+        self._deliver(request, event, now)
+        if event.error is not None:
+            self._arbiter.row_ended(request.id, Outcome.FAILED, now)
+            self._end(request, "failed")
+        elif event.finish_reason is not None:
+            self._arbiter.row_ended(request.id, Outcome.FINISHED, now)
+            self._end(request, "finished")
+
+    def _deliver(self, request: Request, event: RowEvent, now: float) -> None:
+        if event.generated > request.generated:
+            self._tokens["generated"] += event.generated - request.generated
+            request.generated = event.generated
+        if request.first_token is None and event.token_ids:
+            request.first_token = now
+        if event.finish_reason is not None or event.error is not None:
+            request.finished_at = now
+        request.outbox.put(event)
+
+    async def _park(self, ids: tuple[int, ...]) -> None:
+        in_lane = []
+        for row_id in ids:
+            request = self._requests[row_id]
+            request.phase = Phase.PENDING
+            if any(spec.id == row_id for spec in self._inserts):
+                self._inserts = [s for s in self._inserts if s.id != row_id]
+                request.inserted = False
+            elif row_id in self._resumes:
+                self._resumes.remove(row_id)
+            else:
+                in_lane.append(row_id)
+        if in_lane:
+            try:
+                await self.worker.run(partial(self.lane.park, in_lane))
+            except Exception as exc:
+                if self._stopped:
+                    return
+                now = trio.current_time()
+                for row_id in in_lane:
+                    request = self._requests[row_id]
+                    self._arbiter.cancel_row(row_id, now)
+                    self._removes.append(row_id)
+                    self._deliver(request, RowEvent(row_id, error=exc), now)
+                    self._end(request, "failed")
+
+    def _start(self, nursery: trio.Nursery, request: Request) -> None:
+        request.phase = Phase.RUNNING
+        nursery.start_soon(self._run_job, request)
+
+    async def _run_job(self, request: Request) -> None:
+        if request.lane == "serial":
+            emit = partial(self.worker.call_soon_in_trio, self._route_serial)
+            cached = partial(self.worker.call_soon_in_trio, self._cached, request)
+            work = self.serial_work(request, emit, cached)
+        else:
+            assert request.work is not None
+            work = request.work
+        try:
+            value = await self.worker.run(work)
+        except Exception as exc:
+            result: outcome.Outcome[Any] = outcome.Error(exc)
+        else:
+            result = outcome.Value(value)
+        if request.phase is Phase.DONE:
+            return
+        now = trio.current_time()
+        request.result = result
+        if isinstance(result, outcome.Error):
+            if request.lane == "serial":
+                self._deliver(request, RowEvent(request.id, error=result.error), now)
+            self._arbiter.job_ended(request.id, Outcome.FAILED, now)
+            self._end(request, "failed")
+        elif request.cancel_flag.is_set():
+            self._arbiter.job_ended(request.id, Outcome.CANCELLED, now)
+            self._end(request, "cancelled")
+        else:
+            if request.final is not None:
+                self._deliver(request, request.final, now)
+            self._arbiter.job_ended(request.id, Outcome.FINISHED, now)
+            self._end(request, "finished")
+        self._ring()
+
+    def _route_serial(self, event: RowEvent) -> None:
+        request = self._requests.get(event.id)
+        if request is None or request.phase is not Phase.RUNNING:
+            return
+        if event.finish_reason is not None:
+            # Held until the job has ended, so the request ends exactly once, then.
+            request.final = event
+            return
+        self._deliver(request, event, trio.current_time())
+
+    def _cached(self, request: Request, cached: int) -> None:
+        request.cached_tokens = cached
+        self._tokens["cached"] += cached
+
+    # --- bookkeeping ---
+
+    def _forget_pending(self, request: Request) -> None:
+        if any(spec.id == request.id for spec in self._inserts):
+            self._inserts = [s for s in self._inserts if s.id != request.id]
+        else:
+            if request.id in self._resumes:
+                self._resumes.remove(request.id)
+            self._removes.append(request.id)
+
+    def _end(self, request: Request, how: str) -> None:
+        if request.phase is Phase.DONE:
+            return
+        request.phase = Phase.DONE
+        if request.finished_at is None:
+            request.finished_at = trio.current_time()
+        self._counts[f"{request.lane}:{how}"] += 1
+        self._requests.pop(request.id, None)
+        request.outbox.close()
+        request.done.set()
+        request.accepted.set()
+        if not self._requests:
+            self._idle.set()
+
+    def _ring(self) -> None:
+        self._wake.set()
+
+
+def failure(error: BaseException) -> BaseException:
+    """The error a consumer sees for a failed request."""
+    if isinstance(error, EngineClosed | GenerationFailed):
+        return error
+    from trio_mlx._errors import TrioMLXError
+
+    if isinstance(error, TrioMLXError):
+        return error
+    failed = GenerationFailed(f"generation failed: {type(error).__name__}: {error}")
+    failed.__cause__ = error
+    return failed

@@ -1,0 +1,322 @@
+"""The batch lane: continuous batching on mlx-lm's ``BatchGenerator`` (MLX thread only).
+
+Every row carries its own sampler (``make_sampler``) and logits processors
+(``make_logits_processors``: penalties and logit_bias), so the whole
+:class:`~trio_mlx.SamplingParams` surface batches. One :meth:`BatchLane.step`
+call is one worker call: it removes cancelled rows, inserts admitted and
+resumed ones, runs one ``BatchGenerator.next()`` and returns every row's
+:class:`~trio_mlx._output.RowEvent` at once.
+
+Parking (preemption) takes a row's KV cache out with
+``remove(..., return_prompt_caches=True)``. Decode is pipelined, so that
+cache already holds the last emitted token: it is trimmed by one and the row
+is re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``, which
+continues token for token like an uninterrupted run.
+
+Every mlx-lm call of the engine's batching lives in this module: its
+``BatchGenerator`` API moves between minor releases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import attrs
+
+from trio_mlx._output import RowEvent, RowOutput
+from trio_mlx._params import SamplingParams
+from trio_mlx._prompt_cache import PromptCache
+
+__all__ = ["BatchLane", "RowSpec", "StepResult", "make_processors", "make_row_sampler"]
+
+
+@attrs.frozen
+class RowSpec:
+    """A row to insert: the request id, its prompt tokens and its parameters."""
+
+    id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+
+@attrs.frozen
+class StepResult:
+    """What one lane call produced."""
+
+    events: list[RowEvent]
+    #: Request id -> prompt tokens served from the prompt cache, for rows inserted now.
+    cached: dict[int, int]
+    #: Rows the lane holds after the step (in the batch or parked).
+    rows: int = 0
+
+
+def make_row_sampler(params: SamplingParams, tokenizer: Any) -> Callable[[Any], Any] | None:
+    """mlx-lm's sampler for ``params``, or None for greedy (the batch's shared fallback)."""
+    if params.temperature == 0:
+        return None
+    from mlx_lm.sample_utils import make_sampler
+
+    special = list(tokenizer.encode("\n", add_special_tokens=False)) + sorted(
+        tokenizer.eos_token_ids
+    )
+    return make_sampler(
+        params.temperature,
+        top_p=params.top_p if params.top_p < 1.0 else 0.0,
+        min_p=params.min_p,
+        top_k=params.top_k,
+        xtc_probability=params.xtc_probability,
+        xtc_threshold=params.xtc_threshold,
+        xtc_special_tokens=special,
+    )
+
+
+def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
+    """mlx-lm's logits processors for ``params`` (empty when none apply)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    size = params.repetition_context_size
+    return list(
+        make_logits_processors(
+            dict(params.logit_bias) if params.logit_bias else None,
+            params.repetition_penalty,
+            size,
+            params.presence_penalty or None,
+            size,
+            params.frequency_penalty or None,
+            size,
+        )
+    )
+
+
+@attrs.define(eq=False)
+class _Row:
+    spec: RowSpec
+    output: RowOutput
+    sampler: Callable[[Any], Any] | None
+    processors: list[Callable[[Any, Any], Any]]
+    uid: int | None = None
+    last_token: int | None = None
+    #: (cache, tokens in it) while parked; None when parked before its first token.
+    parked: tuple[list[Any], list[int]] | None = None
+    error: BaseException | None = None
+
+
+def _guard(row: _Row, processor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """A processor that records its row's failure instead of failing the whole batch."""
+
+    def guarded(tokens: Any, logits: Any) -> Any:
+        if row.error is not None:
+            return logits
+        try:
+            return processor(tokens, logits)
+        except Exception as exc:
+            row.error = exc
+            return logits
+
+    return guarded
+
+
+@attrs.define(eq=False)
+class BatchLane:
+    """The continuous batch. Construct and call only on the MLX thread."""
+
+    model: Any
+    tokenizer: Any
+    max_batch: int
+    prompt_cache: PromptCache | None = None
+    cache_key: Hashable = "base"
+    prefill_step_size: int = 2048
+    _generator: Any = attrs.field(init=False, default=None)
+    _rows: dict[int, _Row] = attrs.field(init=False, factory=dict)
+    _by_uid: dict[int, int] = attrs.field(init=False, factory=dict)
+    _eos: Any = attrs.field(init=False, default=None)
+    _eos_ids: frozenset[int] = attrs.field(init=False, factory=frozenset)
+
+    def __attrs_post_init__(self) -> None:
+        from mlx_lm.generate import StopSequences
+
+        self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._eos = StopSequences([(t,) for t in sorted(self._eos_ids)])
+        self._generator = self._new_generator()
+
+    def _new_generator(self) -> Any:
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=min(self.max_batch, 8),
+            prefill_step_size=self.prefill_step_size,
+        )
+
+    @property
+    def rows(self) -> int:
+        """Rows in the lane, parked ones included."""
+        return len(self._rows)
+
+    def step(
+        self,
+        inserts: Sequence[RowSpec] = (),
+        resumes: Sequence[int] = (),
+        removes: Sequence[int] = (),
+    ) -> StepResult:
+        """Remove, insert and resume rows, then run one decode step."""
+        events: list[RowEvent] = []
+        cached: dict[int, int] = {}
+        self._remove(removes)
+        for spec in inserts:
+            try:
+                cached[spec.id] = self._insert(spec)
+            except Exception as exc:
+                self._rows.pop(spec.id, None)
+                events.append(RowEvent(spec.id, error=exc))
+        for row_id in resumes:
+            try:
+                self._resume(row_id)
+            except Exception as exc:
+                self._drop(row_id)
+                events.append(RowEvent(row_id, error=exc))
+        if self._by_uid:
+            events.extend(self._decode())
+        return StepResult(events, cached, len(self._rows))
+
+    def discard(self, ids: Sequence[int]) -> int:
+        """Remove rows without decoding; returns the rows left."""
+        self._remove(ids)
+        return len(self._rows)
+
+    def park(self, ids: Sequence[int]) -> None:
+        """Take rows out of the batch, keeping their KV caches to resume later."""
+        rows = [self._rows[i] for i in ids if i in self._rows]
+        uids = [row.uid for row in rows if row.uid is not None]
+        caches = self._generator.remove(uids, return_prompt_caches=True) if uids else {}
+        for row in rows:
+            if row.uid is None:
+                continue
+            del self._by_uid[row.uid]
+            entry = caches.get(row.uid)
+            row.parked = None
+            if row.output.generated > 0 and entry is not None:
+                cache, tokens = entry
+                for layer in cache:
+                    layer.trim(1)
+                row.parked = (cache, list(tokens))
+            row.uid = None
+
+    def fail_all(self, error: BaseException) -> list[RowEvent]:
+        """Fail and forget every row in the batch (parked rows stay)."""
+        events = []
+        for row_id, row in list(self._rows.items()):
+            if row.uid is not None:
+                events.append(RowEvent(row_id, error=error, generated=row.output.generated))
+                self._drop(row_id)
+        return events
+
+    def _insert(self, spec: RowSpec) -> int:
+        row = _Row(
+            spec,
+            RowOutput(spec.id, spec.params, self._eos_ids, self.tokenizer.detokenizer),
+            make_row_sampler(spec.params, self.tokenizer),
+            [],
+        )
+        row.processors = [_guard(row, p) for p in make_processors(spec.params)]
+        self._rows[spec.id] = row
+        return self._start(row)
+
+    def _start(self, row: _Row) -> int:
+        """Insert a new (or restarted) row from its prompt; returns the cached tokens."""
+        prompt = list(row.spec.prompt)
+        cache, rest = None, prompt
+        if self.prompt_cache is not None:
+            cache, rest = self.prompt_cache.fetch(self.cache_key, prompt)
+        done = len(prompt) - len(rest)
+        (uid,) = self._generator.insert(
+            [rest],
+            max_tokens=[row.spec.params.max_tokens - row.output.generated],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[prompt[:done]],
+            samplers=[row.sampler],
+            logits_processors=[row.processors],
+            stop_sequences=[self._eos],
+        )
+        row.uid = uid
+        self._by_uid[uid] = row.spec.id
+        return done
+
+    def _resume(self, row_id: int) -> None:
+        row = self._rows[row_id]
+        if row.parked is None or row.last_token is None:
+            self._start(row)
+            return
+        cache, tokens = row.parked
+        row.parked = None
+        (uid,) = self._generator.insert(
+            [[row.last_token]],
+            max_tokens=[row.spec.params.max_tokens - row.output.generated],
+            caches=[cache],
+            all_tokens=[tokens[:-1]],
+            samplers=[row.sampler],
+            logits_processors=[row.processors],
+            stop_sequences=[self._eos],
+        )
+        row.uid = uid
+        self._by_uid[uid] = row_id
+
+    def _remove(self, ids: Sequence[int]) -> None:
+        uids = [self._rows[i].uid for i in ids if i in self._rows]
+        present = [uid for uid in uids if uid is not None]
+        if present:
+            self._generator.remove(present)
+        for row_id in ids:
+            self._drop(row_id)
+
+    def _drop(self, row_id: int) -> None:
+        row = self._rows.pop(row_id, None)
+        if row is not None and row.uid is not None:
+            self._by_uid.pop(row.uid, None)
+
+    def _decode(self) -> list[RowEvent]:
+        try:
+            _prompt_responses, responses = self._generator.next()
+        except Exception as exc:
+            # The generator's state is unknown now: start a fresh one.
+            events = self.fail_all(exc)
+            self._generator = self._new_generator()
+            return events
+        events = []
+        finished: list[int] = []
+        for response in responses:
+            row_id = self._by_uid.get(response.uid)
+            if row_id is None:
+                continue
+            row = self._rows[row_id]
+            if row.error is not None:
+                events.append(RowEvent(row_id, error=row.error, generated=row.output.generated))
+                finished.append(row_id)
+                continue
+            row.last_token = response.token
+            event = row.output.push(response.token, response.logprobs, response.finish_reason)
+            events.append(event)
+            if event.finish_reason is None:
+                continue
+            if response.finish_reason is not None:
+                self._store(response)
+                self._by_uid.pop(response.uid, None)
+                self._rows.pop(row_id, None)
+            else:
+                finished.append(row_id)
+        # A failed processor may belong to a row that got no response this step.
+        finished.extend(
+            i for i, r in self._rows.items() if r.error is not None and i not in finished
+        )
+        for row_id in finished:
+            row = self._rows[row_id]
+            if row.error is not None and not any(e.id == row_id for e in events):
+                events.append(RowEvent(row_id, error=row.error))
+        self._remove(finished)
+        return events
+
+    def _store(self, response: Any) -> None:
+        if self.prompt_cache is not None and response.prompt_cache is not None:
+            self.prompt_cache.store(self.cache_key, response.all_tokens, response.prompt_cache)

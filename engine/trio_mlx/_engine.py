@@ -1,0 +1,553 @@
+"""The public Trio API: :func:`open_engine`, :class:`Engine`, :class:`GenerationStream`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from trio_mlx._actor import Actor, EngineStatistics, Phase, Request, failure
+from trio_mlx._adapters import AdapterRegistry
+from trio_mlx._arbiter import ArbiterPolicy
+from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._errors import EngineClosed, InvalidRequest, NotFound
+from trio_mlx._gate import choose_lane
+from trio_mlx._output import RowEvent
+from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
+from trio_mlx._prompt_cache import PromptCache
+from trio_mlx._serial import run_serial
+from trio_mlx._worker import Worker
+
+__all__ = ["Engine", "GenerationStream", "open_engine"]
+
+T = TypeVar("T")
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+#: Greedy decoding of up to 256 tokens.
+DEFAULT_PARAMS = SamplingParams()
+
+#: The default byte cap of the prompt cache.
+DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@attrs.define(eq=False)
+class _Loaded:
+    """What the worker thread built at start-up."""
+
+    model: Any
+    tokenizer: Any
+    config: dict[str, Any]
+    caches_merge: bool
+    lane: BatchLane
+    prompt_cache: PromptCache | None
+
+
+def _resolve_model(model: str | os.PathLike[str] | None) -> str:
+    if model is None:
+        try:
+            from trio_mlx.default_model import default_model_path
+        except ImportError:  # pragma: no cover - the bundled model ships with the package
+            raise NotFound("no model given and trio_mlx has no bundled default model") from None
+        path = default_model_path()
+        if not (path / "config.json").is_file():
+            raise NotFound(f"no model given and the bundled default model is missing ({path})")
+        return str(path)
+    text = os.fspath(model)
+    if Path(text).exists() or (text.count("/") == 1 and not text.startswith(("/", "."))):
+        return text
+    raise NotFound(f"model {text!r} not found", param="model")
+
+
+def _fuse_lora(model: Any) -> None:
+    from mlx.utils import tree_unflatten
+
+    fused = [(name, m.fuse()) for name, m in model.named_modules() if hasattr(m, "fuse")]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+
+
+def _load(
+    path: str,
+    adapter_path: str | None,
+    max_batch: int,
+    prompt_cache_bytes: int,
+    prefill_step_size: int,
+) -> _Loaded:
+    """Load, check and warm the model (on the worker thread)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    result: Any = mlx_lm.load(path, adapter_path=adapter_path, return_config=True)
+    model, tokenizer, config = result
+    if adapter_path is not None:
+        _fuse_lora(model)
+    caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+    lane = BatchLane(model, tokenizer, max_batch, prefill_step_size=prefill_step_size)
+    warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
+    if caches_merge:
+        lane.step([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))])
+        while lane.rows:
+            lane.step()
+    else:
+        mx.eval(model(mx.array([warm]), cache=make_prompt_cache(model)))
+    prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+    lane.prompt_cache = prompt_cache
+    return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache)
+
+
+@asynccontextmanager
+async def open_engine(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    adapter_path: str | os.PathLike[str] | None = None,
+    max_batch: int = 8,
+    max_queue: int = 256,
+    drain_timeout: float | None = 1.0,
+    min_batch_steps: int = 8,
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+    grace_period: float = 5.0,
+    prefill_step_size: int = 2048,
+) -> AsyncIterator[Engine]:
+    """Load a model on a dedicated MLX thread and serve it for the block's duration.
+
+    ``model`` is a model directory (or a Hugging Face repo id mlx-lm can load);
+    ``None`` means the bundled default model. ``adapter_path`` fuses a LoRA
+    adapter into the base model. ``max_batch`` rows decode together;
+    ``max_queue`` bounds the waiting requests (past it, submission raises
+    :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
+    most ``drain_timeout`` seconds for the batch to drain before the running
+    rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
+    caps the prompt cache (0 disables it).
+
+    Leaving the block stops admission, lets in-flight work finish within
+    ``grace_period`` seconds, ends the rest with
+    :class:`~trio_mlx.EngineClosed` and joins the MLX thread.
+    """
+    policy = ArbiterPolicy(
+        max_batch=max_batch,
+        max_queue=max_queue,
+        drain_timeout=drain_timeout,
+        min_batch_steps=min_batch_steps,
+    )
+    if prompt_cache_bytes < 0:
+        raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
+    path = _resolve_model(model)
+    adapter = os.fspath(adapter_path) if adapter_path is not None else None
+    load = partial(_load, path, adapter, max_batch, prompt_cache_bytes, prefill_step_size)
+    # The body's own exception is re-raised as itself, not wrapped in the
+    # nursery's ExceptionGroup.
+    body_error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        engine: Engine = await nursery.start(_serve, policy, Path(path).name, load)
+        try:
+            yield engine
+        except BaseException as exc:
+            body_error = exc
+        finally:
+            with trio.CancelScope(shield=True):
+                await engine._shutdown(grace_period)
+    if body_error is not None:
+        raise body_error
+
+
+async def _serve(
+    policy: ArbiterPolicy,
+    model_id: str,
+    load: Callable[[], _Loaded],
+    *,
+    task_status: trio.TaskStatus[Engine],
+) -> None:
+    """The engine's one long-lived task: start the thread, load, then run the actor."""
+    worker = Worker()
+    worker.start()
+    try:
+        loaded = await worker.run(load)
+        registry = AdapterRegistry()
+        engine = Engine(model_id, loaded, registry, policy.max_batch)
+        actor = Actor(
+            policy,
+            worker,
+            loaded.lane,
+            serial_work=engine._serial_work,
+            adapters=lambda: registry.names,
+        )
+        engine._actor = actor
+        worker.on_death = actor.on_worker_death
+        await actor.run(engine, task_status=task_status)
+    finally:
+        with trio.CancelScope(shield=True):
+            await worker.stop()
+
+
+@attrs.define(eq=False)
+class Engine:
+    """A loaded model served by one actor; use it through :func:`open_engine`."""
+
+    #: A name for the model (its directory name), e.g. for ``/v1/models``.
+    model_id: str
+    _loaded: _Loaded
+    _registry: AdapterRegistry
+    _max_batch: int
+    _actor: Actor = attrs.field(init=False)
+
+    @property
+    def tokenizer(self) -> Any:
+        """mlx-lm's ``TokenizerWrapper``; use it read-only (encode, decode, chat template)."""
+        return self._loaded.tokenizer
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context length (``max_position_embeddings``), when known."""
+        value = self._loaded.config.get("max_position_embeddings")
+        return int(value) if isinstance(value, int) else None
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """Names of the mounted LoRA adapters."""
+        return self._registry.names
+
+    @property
+    def closed(self) -> bool:
+        """Whether the engine refuses new work (shutting down, or its worker died)."""
+        return self._actor.closed
+
+    def statistics(self) -> EngineStatistics:
+        """A frozen snapshot of the engine: arbiter state, queues, counters."""
+        return self._actor.statistics()
+
+    def encode(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> list[int]:
+        """Tokenize a prompt exactly as :meth:`generate` does.
+
+        A string is raw text (no chat template); a sequence of ints is taken as
+        token ids; a sequence of mappings is a chat, rendered with the model's
+        chat template (``add_generation_prompt=True``, ``tools`` passed on).
+        Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
+        tokenizes to nothing, or one longer than the model's context.
+        """
+        tokenizer = self._loaded.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", param="prompt")
+            bos = tokenizer.bos_token
+            tokens = list(
+                tokenizer.encode(
+                    prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
+                )
+            )
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", param="prompt")
+            if all(isinstance(m, Mapping) for m in prompt):
+                tokens = self._chat(prompt, tools)
+            else:
+                tokens = self._token_ids(prompt)
+        else:
+            raise InvalidRequest(
+                "the prompt must be a string, token ids or chat messages", param="prompt"
+            )
+        if not tokens:
+            raise InvalidRequest("the prompt tokenizes to nothing", param="prompt")
+        limit = self.context_length
+        if limit is not None and len(tokens) > limit:
+            raise InvalidRequest(
+                f"the prompt has {len(tokens)} tokens, more than the model's context of {limit}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        return tokens
+
+    def _chat(self, messages: Sequence[Any], tools: Sequence[Any] | None) -> list[int]:
+        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
+        if tools:
+            kwargs["tools"] = list(tools)
+        try:
+            tokens = self._loaded.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], **kwargs
+            )
+        except Exception as exc:
+            raise InvalidRequest(
+                f"cannot apply the chat template: {exc}", param="messages"
+            ) from None
+        return list(tokens)
+
+    def _token_ids(self, ids: Sequence[Any]) -> list[int]:
+        vocab = self._loaded.config.get("vocab_size")
+        tokens = []
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest(f"{token!r} is not a token id", param="prompt")
+            if isinstance(vocab, int) and token >= vocab:
+                raise InvalidRequest(
+                    f"token id {token} is outside the vocabulary ({vocab})", param="prompt"
+                )
+            tokens.append(token)
+        return tokens
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams = DEFAULT_PARAMS,
+        *,
+        tools: Sequence[Any] | None = None,
+    ) -> GenerationStream:
+        """Stream one completion: ``async with engine.generate(...) as stream: async for delta in stream``.
+
+        Submission errors raise on entering the block (InvalidRequest,
+        NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
+        Leaving the block early cancels the request.
+        """
+        return GenerationStream(self, prompt, params, tools)
+
+    async def complete(
+        self,
+        prompt: Prompt,
+        params: SamplingParams = DEFAULT_PARAMS,
+        *,
+        tools: Sequence[Any] | None = None,
+    ) -> Completion:
+        """Generate a whole completion and return it."""
+        texts: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        async with self.generate(prompt, params, tools=tools) as stream:
+            async for delta in stream:
+                texts.append(delta.text)
+                ids.extend(delta.token_ids)
+                if delta.logprobs:
+                    logprobs.extend(delta.logprobs)
+        return Completion(
+            "".join(texts),
+            tuple(ids),
+            tuple(logprobs) if params.logprobs else None,
+            stream.result,
+        )
+
+    async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
+        """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""
+        model, tokenizer = self._loaded.model, self._loaded.tokenizer
+        value: T = await self._job(lambda: fn(model, tokenizer))
+        return value
+
+    async def mount_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Mount the LoRA adapter at ``path`` as ``name``; requests name it in ``params.adapter``."""
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("an adapter name must be a non-empty string", param="name")
+        folder = Path(path)
+        if not folder.exists():
+            raise NotFound(f"no adapter at {folder}", param="path")
+        folder = AdapterRegistry.check_path(folder)
+        if name in self._registry:
+            raise InvalidRequest(f"an adapter named {name!r} is already mounted", param="name")
+        model = self._loaded.model
+        await self._job(lambda: self._registry.mount(model, name, folder))
+
+    async def unmount_adapter(self, name: str) -> None:
+        """Unmount the adapter ``name`` (waits for requests using it to finish first)."""
+        if name not in self._registry:
+            raise NotFound(f"no adapter named {name!r} is mounted", param="adapter")
+        await self._job(lambda: self._registry.unmount(name))
+
+    async def _job(self, work: Callable[[], T]) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        request = Request(self._actor.new_id(), "job", work=work)
+        await self._actor.submit(request)
+        try:
+            await request.done.wait()
+        except BaseException:
+            self._actor.cancel_nowait(request)
+            raise
+        if request.result is None:
+            raise EngineClosed("the engine closed before the job ran")
+        value: T = request.result.unwrap()
+        return value
+
+    async def _submit(self, prompt: Prompt, params: SamplingParams, tools: Any) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params must be a SamplingParams")
+        if self._actor.closed:
+            raise EngineClosed("the engine is closed")
+        tokens = self.encode(prompt, tools=tools)
+        if params.adapter is not None and params.adapter not in self._registry:
+            raise NotFound(f"no adapter named {params.adapter!r} is mounted", param="adapter")
+        if params.kv_bits is not None:
+            self._check_kv_group(params.kv_group_size)
+        lane = choose_lane(
+            params, max_batch=self._max_batch, caches_merge=self._loaded.caches_merge
+        )
+        request_id = self._actor.new_id()
+        request = Request(
+            request_id,
+            "batch" if lane.batch else "serial",
+            spec=RowSpec(request_id, tuple(tokens), params),
+            adapter=params.adapter,
+        )
+        await self._actor.submit(request)
+        return request
+
+    def _check_kv_group(self, group: int) -> None:
+        config = self._loaded.config
+        head_dim = config.get("head_dim")
+        if not isinstance(head_dim, int):
+            hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+            if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+                return
+            head_dim = hidden // heads
+        if head_dim % group:
+            raise InvalidRequest(
+                f"kv_group_size {group} does not divide the model's head size {head_dim}",
+                param="kv_group_size",
+            )
+
+    def _serial_work(
+        self,
+        request: Request,
+        emit: Callable[[RowEvent], None],
+        on_cached: Callable[[int], None],
+    ) -> Callable[[], Any]:
+        loaded, registry = self._loaded, self._registry
+        spec = request.spec
+        assert spec is not None
+
+        def work() -> Any:
+            run = partial(
+                run_serial,
+                loaded.model,
+                loaded.tokenizer,
+                spec,
+                cancelled=request.cancel_flag,
+                emit=emit,
+                on_cached=on_cached,
+            )
+            if request.adapter is None:
+                return run(prompt_cache=loaded.prompt_cache)
+            with registry.use(loaded.model, request.adapter):
+                return run()
+
+        return work
+
+    async def _shutdown(self, grace_period: float) -> None:
+        self._actor.begin_close()
+        with trio.move_on_after(grace_period):
+            await self._actor.wait_idle()
+        self._actor.close_nowait()
+
+
+@attrs.define(eq=False)
+class GenerationStream:
+    """One streaming completion; an async context manager and an async iterator of deltas."""
+
+    _engine: Engine
+    _prompt: Prompt
+    _params: SamplingParams
+    _tools: Any
+    _request: Request | None = attrs.field(init=False, default=None)
+    _result: GenerationResult | None = attrs.field(init=False, default=None)
+    _error: BaseException | None = attrs.field(init=False, default=None)
+    _ended: bool = attrs.field(init=False, default=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """How many tokens the prompt has."""
+        if self._request is None or self._request.spec is None:
+            raise RuntimeError("enter the stream with 'async with' first")
+        return len(self._request.spec.prompt)
+
+    @property
+    def lane(self) -> str:
+        """``"batch"`` or ``"serial"``: where the request runs."""
+        if self._request is None:
+            raise RuntimeError("enter the stream with 'async with' first")
+        return self._request.lane
+
+    @property
+    def result(self) -> GenerationResult:
+        """How the completion ended, with usage and timings (after the iteration ended)."""
+        if self._result is None:
+            raise RuntimeError("the stream has not finished")
+        return self._result
+
+    async def __aenter__(self) -> GenerationStream:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._request = await self._engine._submit(self._prompt, self._params, self._tools)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        request = self._request
+        if request is not None and request.phase is not Phase.DONE:
+            self._engine._actor.cancel_nowait(request)
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        request = self._request
+        if request is None:
+            raise RuntimeError("enter the stream with 'async with' first")
+        await trio.lowlevel.checkpoint()
+        while True:
+            if self._error is not None:
+                error, self._error = self._error, None
+                self._ended = True
+                raise error
+            if self._ended:
+                raise StopAsyncIteration
+            events = request.outbox.take()
+            if not events:
+                if request.outbox.closed:
+                    self._ended = True
+                    self._error = EngineClosed("the request ended without a result")
+                    continue
+                await request.outbox.wait()
+                continue
+            delta = self._merge(request, events)
+            if delta is not None:
+                return delta
+
+    def _merge(self, request: Request, events: list[RowEvent]) -> Delta | None:
+        texts: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        for event in events:
+            if event.error is not None:
+                self._error = failure(event.error)
+                break
+            texts.append(event.text)
+            ids.extend(event.token_ids)
+            if event.logprobs:
+                logprobs.extend(event.logprobs)
+            if event.finish_reason is not None:
+                self._result = self._make_result(request, event.finish_reason)
+                self._ended = True
+                break
+        text = "".join(texts)
+        if not text and not ids:
+            return None
+        return Delta(text, tuple(ids), tuple(logprobs) if self._params.logprobs else None)
+
+    def _make_result(self, request: Request, finish_reason: str) -> GenerationResult:
+        end = request.finished_at if request.finished_at is not None else trio.current_time()
+        first = request.first_token
+        assert request.spec is not None
+        return GenerationResult(
+            finish_reason=finish_reason,
+            prompt_tokens=len(request.spec.prompt),
+            completion_tokens=request.generated,
+            cached_tokens=request.cached_tokens,
+            lane=request.lane,
+            time_to_first_token=None if first is None else first - request.submitted,
+            duration=end - request.submitted,
+        )

@@ -1,0 +1,121 @@
+"""Turn one row's generated tokens into deltas: text, stop strings, logprobs.
+
+Runs on the MLX thread, next to the lane that produced the tokens, so the
+Trio loop only routes finished :class:`RowEvent` values. Stop strings are
+matched on decoded text (robust to how a tokenizer splits them); any tail
+that could still grow into a stop string is held back, so text past a stop
+is never emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from trio_mlx._params import SamplingParams, TokenLogprob
+
+__all__ = ["RowEvent", "RowOutput", "StopScanner"]
+
+
+@attrs.frozen
+class RowEvent:
+    """What one step produced for one request (batch row or serial job)."""
+
+    id: int
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    #: "stop" or "length" when the request finished at this step.
+    finish_reason: str | None = None
+    #: Set when the request failed; it then ends with this error.
+    error: BaseException | None = None
+    #: Tokens generated in all, including an EOS that is not in ``token_ids``.
+    generated: int = 0
+
+
+@attrs.define
+class StopScanner:
+    """Finds the first stop string in streamed text, holding back possible starts."""
+
+    stops: tuple[str, ...]
+    _held: str = ""
+
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was found)."""
+        buf = self._held + text
+        self._held = ""
+        best = -1
+        for stop in self.stops:
+            index = buf.find(stop)
+            if index >= 0 and (best < 0 or index < best):
+                best = index
+        if best >= 0:
+            return buf[:best], True
+        if final or not self.stops:
+            return buf, False
+        keep = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(buf)), keep, -1):
+                if buf.endswith(stop[:k]):
+                    keep = k
+                    break
+        if keep:
+            self._held = buf[-keep:]
+            return buf[:-keep], False
+        return buf, False
+
+
+@attrs.define(eq=False)
+class RowOutput:
+    """Per-request output state: a streaming detokenizer and a stop scanner."""
+
+    id: int
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    detokenizer: Any
+    scanner: StopScanner = attrs.field(init=False)
+    generated: int = 0
+    done: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.scanner = StopScanner(self.params.stop)
+
+    def push(self, token: int, logprobs: Any, finish: str | None) -> RowEvent:
+        """Take one generated token (and its log-probability vector) from a lane."""
+        self.generated += 1
+        if finish is None and self.generated >= self.params.max_tokens:
+            finish = "length"
+        if token in self.eos_ids:
+            self.detokenizer.finalize()
+            text, _ = self.scanner.feed(self.detokenizer.last_segment, final=True)
+            self.done = True
+            return RowEvent(self.id, text, (), self._empty_lps(), "stop", None, self.generated)
+        self.detokenizer.add_token(token)
+        segment = self.detokenizer.last_segment
+        if finish is not None:
+            self.detokenizer.finalize()
+            segment += self.detokenizer.last_segment
+        text, stopped = self.scanner.feed(segment, final=finish is not None)
+        if stopped:
+            finish = "stop"
+        self.done = finish is not None
+        lps = self._logprobs(token, logprobs)
+        return RowEvent(self.id, text, (token,), lps, finish, None, self.generated)
+
+    def _empty_lps(self) -> tuple[TokenLogprob, ...] | None:
+        return () if self.params.logprobs else None
+
+    def _logprobs(self, token: int, vector: Any) -> tuple[TokenLogprob, ...] | None:
+        if not self.params.logprobs or vector is None:
+            return None
+        top: tuple[tuple[int, float], ...] = ()
+        k = self.params.top_logprobs
+        if k > 0:
+            import mlx.core as mx
+
+            indices = mx.argpartition(-vector, kth=k - 1)[:k]
+            ids: list[int] = indices.tolist()  # type: ignore[assignment]
+            values: list[float] = vector[indices].tolist()
+            top = tuple(sorted(zip(ids, values, strict=True), key=lambda p: -p[1]))
+        return (TokenLogprob(token, float(vector[token].item()), top),)

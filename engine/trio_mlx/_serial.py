@@ -1,0 +1,81 @@
+"""The serial lane: one request alone on mlx-lm's ``generate_step`` (MLX thread only).
+
+It serves what cannot batch: a fixed seed, a quantized KV cache, a LoRA
+adapter, a model whose caches cannot merge. It checks its cancellation flag
+between tokens, so a cancelled request stops within one token.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from trio_mlx._batch import RowSpec, make_processors, make_row_sampler
+from trio_mlx._output import RowEvent, RowOutput
+from trio_mlx._prompt_cache import PromptCache
+
+__all__ = ["run_serial"]
+
+
+def run_serial(
+    model: Any,
+    tokenizer: Any,
+    spec: RowSpec,
+    *,
+    cancelled: threading.Event,
+    emit: Callable[[RowEvent], None],
+    prompt_cache: PromptCache | None = None,
+    cache_key: Hashable = "base",
+    on_cached: Callable[[int], None] | None = None,
+) -> tuple[bool, int]:
+    """Generate ``spec`` to its end, emitting one event per token.
+
+    Returns (whether it was cancelled, prompt tokens served from the cache).
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    params = spec.params
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    prompt = list(spec.prompt)
+    cache, rest = None, prompt
+    use_cache = prompt_cache is not None and params.kv_bits is None
+    if use_cache:
+        assert prompt_cache is not None
+        cache, rest = prompt_cache.fetch(cache_key, prompt)
+    if cache is None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+    cached = len(prompt) - len(rest)
+    if on_cached is not None:
+        on_cached(cached)
+    output = RowOutput(spec.id, params, frozenset(tokenizer.eos_token_ids), tokenizer.detokenizer)
+    generated: list[int] = []
+    steps = generate_step(
+        mx.array(rest),
+        model,
+        max_tokens=params.max_tokens,
+        sampler=make_row_sampler(params, tokenizer),
+        logits_processors=make_processors(params) or None,
+        prompt_cache=cache,
+        kv_bits=params.kv_bits,
+        kv_group_size=params.kv_group_size,
+        quantized_kv_start=0,
+    )
+    for token, logprobs in steps:
+        if cancelled.is_set():
+            return True, cached
+        generated.append(int(token))
+        event = output.push(int(token), logprobs, None)
+        emit(event)
+        if event.finish_reason is not None:
+            break
+    if use_cache and prompt_cache is not None:
+        tokens = prompt + generated
+        offset = int(cache[0].offset) if cache and hasattr(cache[0], "offset") else -1
+        if 0 < offset <= len(tokens):
+            prompt_cache.store(cache_key, tokens[:offset], cache)
+    return False, cached

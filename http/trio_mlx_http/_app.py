@@ -1,0 +1,280 @@
+"""The Quart-Trio app: ``create_app(engine, settings)`` and every route.
+
+Handlers parse with :mod:`._schema`, call the engine's public API, and
+return plain dicts or responses; every error goes through :mod:`._errors`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST
+from quart import Response, g, request
+from quart_trio import QuartTrio
+
+from trio_mlx import Engine, EngineClosed, InvalidRequest, NotFound
+from trio_mlx_http import _generation, _schema
+from trio_mlx_http._errors import Forbidden, Unauthorized, install_error_handlers
+from trio_mlx_http._metrics import Metrics
+from trio_mlx_http._openai import TokenTexts
+from trio_mlx_http._openapi import openapi
+from trio_mlx_http._settings import Settings
+from trio_mlx_http._state import Access, ServerState
+
+__all__ = ["create_app", "shutdown_trigger"]
+
+logger = logging.getLogger("trio_mlx_http")
+
+#: Paths served without the API key.
+_PUBLIC = frozenset({"/health"})
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(
+        json.dumps(payload, ensure_ascii=False), status=status, mimetype="application/json"
+    )
+
+
+async def _body() -> dict[str, Any]:
+    # Quart raises 413 here, from Content-Length or while the body streams in,
+    # before holding more than max_body_bytes.
+    data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+    return _schema.parse_json(data)
+
+
+def _state() -> ServerState:
+    state: ServerState = g.trio_mlx
+    return state
+
+
+def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
+    """Build the OpenAI-compatible app around a running engine."""
+    settings = settings or Settings()
+    app = QuartTrio("trio_mlx_http")
+    app.config.update(
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        RESPONSE_TIMEOUT=None,  # streams last as long as generation does
+        BODY_TIMEOUT=60,
+        PROVIDE_AUTOMATIC_OPTIONS=True,
+    )
+    metrics = Metrics()
+    metrics.watch_engine(engine.statistics)
+    state = ServerState(
+        engine=engine,
+        settings=settings,
+        metrics=metrics,
+        texts=TokenTexts(engine.tokenizer),
+        model_id=settings.model_name or engine.model_id,
+        vocab_size=len(engine.tokenizer.get_vocab()),
+    )
+    app.extensions["trio_mlx"] = state
+    install_error_handlers(app)
+    _install_hooks(app, state)
+    _install_generation(app)
+    _install_models(app)
+    _install_adapters(app)
+    _install_tokens(app)
+    _install_service(app)
+    return app
+
+
+def shutdown_trigger(app: QuartTrio, event: trio.Event) -> Callable[[], Awaitable[None]]:
+    """Hypercorn's ``shutdown_trigger`` for ``app``: fires with ``event``.
+
+    From then on every response carries ``Connection: close``: Hypercorn
+    otherwise waits for idle keep-alive connections until its graceful deadline.
+    """
+    state: ServerState = app.extensions["trio_mlx"]
+
+    async def trigger() -> None:
+        await event.wait()
+        state.draining = True
+
+    return trigger
+
+
+def _install_hooks(app: QuartTrio, state: ServerState) -> None:
+    @app.before_request
+    async def start() -> None:
+        g.trio_mlx = state
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        g.access = Access(state, rule, request.method, request.path)
+        if request.method == "OPTIONS" or request.path in _PUBLIC:
+            return
+        key = state.settings.api_key
+        if key is not None:
+            sent = request.headers.get("Authorization", "")
+            scheme, _, token = sent.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), key.encode()
+            ):
+                raise Unauthorized(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+
+    @app.after_request
+    async def finish(response: Response) -> Response:
+        origin = state.settings.cors_origin
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
+        if state.draining:
+            response.headers["Connection"] = "close"
+        access: Access | None = g.get("access")
+        if access is not None and not access.by_body:
+            access.done(response.status_code)
+        return response
+
+
+def _install_generation(app: QuartTrio) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response | dict[str, Any]:
+        state = _state()
+        parsed = _schema.parse_chat(await _body(), state.settings)
+        return await _generation.respond(state, parsed, chat=True, access=g.access)
+
+    @app.post("/v1/completions")
+    async def completions() -> Response | dict[str, Any]:
+        state = _state()
+        parsed = _schema.parse_completion(await _body(), state.settings)
+        return await _generation.respond(state, parsed, chat=False, access=g.access)
+
+
+def _model_card(state: ServerState, model_id: str, parent: str | None = None) -> dict[str, Any]:
+    card: dict[str, Any] = {
+        "id": model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "trio-mlx",
+    }
+    if parent is None:
+        card["context_length"] = state.engine.context_length
+    else:
+        card["parent"] = parent
+    return card
+
+
+def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+    # Mounted adapters are models of their own: send their name as "model".
+    return [_model_card(state, state.model_id)] + [
+        _model_card(state, name, parent=state.model_id) for name in state.engine.adapters
+    ]
+
+
+def _install_models(app: QuartTrio) -> None:
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": _model_cards(_state())}
+
+    @app.get("/v1/models/<path:model_id>")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        for card in _model_cards(_state()):
+            if card["id"] == model_id:
+                return card
+        raise NotFound(
+            f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+
+
+def _adapter_path(settings: Settings, path: str) -> Path:
+    """Resolve ``path`` inside ``--adapter-dir``; anything that escapes it is refused."""
+    root = settings.adapter_dir
+    if root is None:
+        raise Forbidden(
+            "mounting adapters is disabled: start the server with --adapter-dir",
+            param="path",
+            code="adapters_disabled",
+        )
+    if ".." in Path(path).parts:
+        raise InvalidRequest("path must not contain '..'", param="path", code="invalid_path")
+    root = root.resolve()
+    # resolve() follows symlinks, so a link pointing out of the folder is caught too.
+    resolved = (root / path).resolve()
+    if not resolved.is_relative_to(root):
+        raise Forbidden(
+            "path must be inside the server's adapter folder", param="path", code="path_outside"
+        )
+    if not resolved.is_dir():
+        raise NotFound(
+            f"no adapter folder {path!r} in the adapter folder", param="path", code="not_found"
+        )
+    return resolved
+
+
+def _install_adapters(app: QuartTrio) -> None:
+    def card(state: ServerState, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "adapter", "path": state.adapter_paths.get(name)}
+
+    @app.get("/v1/adapters")
+    async def list_adapters() -> dict[str, Any]:
+        state = _state()
+        return {"object": "list", "data": [card(state, n) for n in state.engine.adapters]}
+
+    @app.post("/v1/adapters")
+    async def mount_adapter() -> Response:
+        state = _state()
+        mount = _schema.parse_adapter_mount(await _body())
+        path = _adapter_path(state.settings, mount.path)
+        await state.engine.mount_adapter(mount.name, str(path))
+        root = state.settings.adapter_dir
+        assert root is not None
+        state.adapter_paths[mount.name] = str(path.relative_to(root.resolve()))
+        return _json(card(state, mount.name), status=201)
+
+    @app.delete("/v1/adapters/<name>")
+    async def unmount_adapter(name: str) -> dict[str, Any]:
+        state = _state()
+        await state.engine.unmount_adapter(name)
+        state.adapter_paths.pop(name, None)
+        return {"id": name, "object": "adapter", "deleted": True}
+
+
+def _install_tokens(app: QuartTrio) -> None:
+    @app.post("/tokenize")
+    async def tokenize() -> dict[str, Any]:
+        state = _state()
+        parsed = _schema.parse_tokenize(await _body())
+        tokens = state.engine.encode(parsed.prompt, tools=parsed.tools)
+        return {
+            "tokens": list(tokens),
+            "count": len(tokens),
+            "max_model_len": state.engine.context_length,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize() -> dict[str, Any]:
+        state = _state()
+        ids = _schema.parse_detokenize(await _body(), state.vocab_size)
+        return {"prompt": str(state.engine.tokenizer.decode(ids))}
+
+
+def _install_service(app: QuartTrio) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        state = _state()
+        if state.engine.closed:
+            raise EngineClosed("the engine is closed", code="engine_closed")
+        stats = state.engine.statistics()
+        return {
+            "status": "ok",
+            "model": state.model_id,
+            "state": stats.state,
+            "running_rows": stats.running_rows,
+            "queued_rows": stats.queued_rows,
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(_state().metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> dict[str, Any]:
+        return openapi(_state().model_id)

@@ -1,0 +1,122 @@
+"""THE translation point: every failure becomes OpenAI's error JSON here.
+
+Inside, the server raises only the engine's error family (``trio_mlx``'s
+:class:`~trio_mlx.TrioMLXError`, plus the two HTTP-only members below);
+Quart's own HTTP exceptions (404 route, 405, 413 body too large) and any
+unexpected exception are mapped here too, so no other module builds an error
+body and bad input never turns into a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from quart import Quart, Response
+from werkzeug.exceptions import HTTPException
+
+from trio_mlx import EngineOverloaded, TrioMLXError
+
+__all__ = [
+    "Forbidden",
+    "Unauthorized",
+    "error_body",
+    "error_response",
+    "install_error_handlers",
+]
+
+logger = logging.getLogger("trio_mlx_http")
+
+#: OpenAI's ``error.type`` for the HTTP statuses Quart raises by itself.
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class Unauthorized(TrioMLXError):
+    """The request lacks the right ``Authorization: Bearer`` key (401)."""
+
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class Forbidden(TrioMLXError):
+    """The request names something it may not touch, e.g. a path outside ``--adapter-dir`` (403)."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+
+def error_body(error: BaseException) -> dict[str, Any]:
+    """Return OpenAI's ``{"error": {...}}`` for any exception."""
+    if isinstance(error, TrioMLXError):
+        detail = {
+            "message": error.message,
+            "type": error.error_type,
+            "param": error.param,
+            "code": error.code,
+        }
+    elif isinstance(error, HTTPException):
+        status = error.code or 500
+        detail = {
+            "message": error.description or error.name,
+            "type": _HTTP_TYPES.get(status, "server_error"),
+            "param": None,
+            "code": error.name.lower().replace(" ", "_"),
+        }
+    else:
+        detail = {
+            "message": "internal server error",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    return {"error": detail}
+
+
+def status_of(error: BaseException) -> int:
+    """The HTTP status an exception answers with."""
+    if isinstance(error, TrioMLXError):
+        return error.status_code
+    if isinstance(error, HTTPException):
+        return error.code or 500
+    return 500
+
+
+def error_response(error: BaseException) -> Response:
+    """The JSON response for ``error``, with ``Retry-After`` on 429."""
+    response = Response(
+        json.dumps(error_body(error)), status=status_of(error), mimetype="application/json"
+    )
+    if isinstance(error, EngineOverloaded):
+        response.headers["Retry-After"] = str(max(1, round(error.retry_after)))
+    if response.status_code == 413:
+        # The unread rest of the body is still on the wire: the connection
+        # cannot carry another request, so tell the client not to reuse it.
+        response.headers["Connection"] = "close"
+    if isinstance(error, HTTPException) and error.code == 405:
+        allowed = getattr(error, "valid_methods", None)
+        if allowed:
+            response.headers["Allow"] = ", ".join(allowed)
+    return response
+
+
+def install_error_handlers(app: Quart) -> None:
+    """Route every exception a handler raises through :func:`error_response`."""
+
+    async def on_error(error: Exception) -> Response:
+        if not isinstance(error, TrioMLXError | HTTPException):
+            logger.exception("unexpected error", exc_info=error)
+        return error_response(error)
+
+    app.register_error_handler(TrioMLXError, on_error)
+    app.register_error_handler(HTTPException, on_error)
+    app.register_error_handler(Exception, on_error)

@@ -1,0 +1,329 @@
+"""``/v1/chat/completions`` and ``/v1/completions``: engine requests in, OpenAI shapes out.
+
+Streaming and disconnects ride on ordinary Trio cancellation: Quart-Trio
+cancels the handler (or the response body) when the client goes away, and
+leaving ``engine.generate`` cancels the engine request. A stream's engine
+requests are entered before the status line is sent (the body generator is
+primed in the handler), so a 400/404/429/503 at submission is a real HTTP
+status; a failure after that is an error event that ends the stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+from quart import Response
+
+from trio_mlx import Completion, Delta, GenerationResult, InvalidRequest, NotFound, TrioMLXError
+from trio_mlx_http import _openai, _sse
+from trio_mlx_http._errors import error_body, status_of
+from trio_mlx_http._schema import GenerationRequest, Prompt
+from trio_mlx_http._state import Access, ServerState
+from trio_mlx_http._tools import ToolCallExtractor
+
+__all__ = ["respond"]
+
+logger = logging.getLogger("trio_mlx_http")
+
+
+class _Format(Protocol):
+    """How one endpoint renders choices: whole, or as stream chunks."""
+
+    envelope: _openai.Envelope
+
+    def start(self, index: int) -> list[dict[str, Any]]: ...
+    def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]: ...
+    def end(self, index: int, result: GenerationResult) -> list[dict[str, Any]]: ...
+    def whole(self, index: int, completion: Completion) -> dict[str, Any]: ...
+
+
+def _finish_reason(result: GenerationResult, extractor: ToolCallExtractor | None) -> str:
+    if extractor is not None and extractor.called and result.finish_reason == "stop":
+        return "tool_calls"
+    return result.finish_reason
+
+
+@attrs.define(eq=False)
+class _ChatFormat:
+    envelope: _openai.Envelope
+    texts: _openai.TokenTexts
+    extractors: list[ToolCallExtractor | None]
+    _calls_sent: list[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._calls_sent = [0] * len(self.extractors)
+
+    def _chunk(
+        self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return self.envelope.body([choice])
+
+    def _split(self, index: int, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        extractor = self.extractors[index]
+        if extractor is None:
+            return text, []
+        shown, calls = extractor.feed(text)
+        if final:
+            rest, more = extractor.finish()
+            shown, calls = shown + rest, calls + more
+        first = self._calls_sent[index]
+        self._calls_sent[index] += len(calls)
+        return shown, [c.as_openai(first + k) for k, c in enumerate(calls)]
+
+    def start(self, index: int) -> list[dict[str, Any]]:
+        return [self._chunk(index, {"role": "assistant", "content": ""})]
+
+    def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        text, calls = self._split(index, delta.text, final=False)
+        logprobs = _openai.chat_logprobs(delta.logprobs, self.texts) if delta.logprobs else None
+        body: dict[str, Any] = {}
+        if text:
+            body["content"] = text
+        if calls:
+            body["tool_calls"] = calls
+        if not body and logprobs is None:
+            return []
+        return [self._chunk(index, body, logprobs)]
+
+    def end(self, index: int, result: GenerationResult) -> list[dict[str, Any]]:
+        text, calls = self._split(index, "", final=True)
+        chunks = []
+        if text or calls:
+            body: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                body["tool_calls"] = calls
+            chunks.append(self._chunk(index, body))
+        reason = _finish_reason(result, self.extractors[index])
+        chunks.append(self._chunk(index, {}, finish=reason))
+        return chunks
+
+    def whole(self, index: int, completion: Completion) -> dict[str, Any]:
+        text, calls = self._split(index, completion.text, final=True)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [
+                {k: v for k, v in call.items() if k != "index"} for call in calls
+            ]
+        logprobs = (
+            _openai.chat_logprobs(completion.logprobs, self.texts)
+            if completion.logprobs is not None
+            else None
+        )
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": _finish_reason(completion.result, self.extractors[index]),
+        }
+
+
+@attrs.define(eq=False)
+class _TextFormat:
+    envelope: _openai.Envelope
+    texts: _openai.TokenTexts
+    choices: int
+    _offsets: list[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._offsets = [0] * self.choices
+
+    def _chunk(
+        self, index: int, text: str, logprobs: Any = None, finish: str | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return self.envelope.body([choice])
+
+    def start(self, index: int) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        logprobs = None
+        if delta.logprobs:
+            logprobs = _openai.completion_logprobs(delta.logprobs, self.texts, self._offsets[index])
+        self._offsets[index] += len(delta.text)
+        if not delta.text and logprobs is None:
+            return []
+        return [self._chunk(index, delta.text, logprobs)]
+
+    def end(self, index: int, result: GenerationResult) -> list[dict[str, Any]]:
+        return [self._chunk(index, "", finish=result.finish_reason)]
+
+    def whole(self, index: int, completion: Completion) -> dict[str, Any]:
+        logprobs = (
+            _openai.completion_logprobs(completion.logprobs, self.texts)
+            if completion.logprobs is not None
+            else None
+        )
+        return {
+            "index": index,
+            "text": completion.text,
+            "logprobs": logprobs,
+            "finish_reason": completion.result.finish_reason,
+        }
+
+
+def _resolve_model(state: ServerState, request: GenerationRequest) -> tuple[str, GenerationRequest]:
+    """The model id to answer with; a mounted adapter's name selects that adapter."""
+    name = request.model
+    if name is None or name == state.model_id:
+        return state.model_id, request
+    if name in state.engine.adapters:
+        if request.params.adapter not in (None, name):
+            raise InvalidRequest(
+                f"model {name!r} is an adapter, but adapter {request.params.adapter!r} was asked for",
+                param="adapter",
+            )
+        params = attrs.evolve(request.params, adapter=name)
+        return name, attrs.evolve(request, params=params)
+    raise NotFound(
+        f"the model {name!r} does not exist; GET /v1/models lists the served models",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _check_tools(state: ServerState, tools: list[dict[str, Any]] | None) -> None:
+    if tools and not state.engine.tokenizer.has_tool_calling:
+        raise InvalidRequest(
+            f"the model {state.model_id!r} does not support tool calling "
+            "(its tokenizer has no tool-call markers); send the request without tools",
+            param="tools",
+            code="tools_unsupported",
+        )
+
+
+def _extractor(state: ServerState, tools: list[dict[str, Any]] | None) -> ToolCallExtractor | None:
+    if not tools:
+        return None
+    tokenizer = state.engine.tokenizer
+    return ToolCallExtractor(
+        start=tokenizer.tool_call_start,
+        end=tokenizer.tool_call_end,
+        parser=tokenizer.tool_parser,
+        tools=tools,
+    )
+
+
+async def respond(
+    state: ServerState, request: GenerationRequest, *, chat: bool, access: Access
+) -> Response | dict[str, Any]:
+    """Run ``request``; a streaming response or the whole JSON body."""
+    model, request = _resolve_model(state, request)
+    _check_tools(state, request.tools)
+    choices = len(request.prompts) * request.n
+    fmt: _Format
+    if chat:
+        extractors = [_extractor(state, request.tools) for _ in range(choices)]
+        fmt = _ChatFormat(
+            _openai.Envelope.chat(model, chunk=request.stream), state.texts, extractors
+        )
+    else:
+        fmt = _TextFormat(_openai.Envelope.text(model), state.texts, choices)
+    jobs = [prompt for prompt in request.prompts for _ in range(request.n)]
+    if request.stream:
+        body = _stream(state, request, jobs, fmt, access)
+        await anext(body)  # enters every engine request: admission errors become statuses
+        access.by_body = True
+        return Response(body, status=200, headers=_sse.SSE_HEADERS, content_type=_sse.CONTENT_TYPE)
+    completions = await _complete_all(state, request, jobs)
+    access.tokens = sum(c.result.completion_tokens for c in completions)
+    for completion in completions:
+        state.metrics.finished(access.endpoint, completion.result, completion.result.finish_reason)
+    results = [c.result for c in completions]
+    return fmt.envelope.body(
+        [fmt.whole(i, c) for i, c in enumerate(completions)],
+        usage=_openai.usage(results, request.n),
+    )
+
+
+async def _complete_all(
+    state: ServerState, request: GenerationRequest, jobs: Sequence[Prompt]
+) -> list[Completion]:
+    """One engine request per choice, run together; the first error wins and cancels the rest."""
+    engine = state.engine
+    if len(jobs) == 1:
+        return [await engine.complete(jobs[0], request.params, tools=request.tools)]
+    out: list[Completion | None] = [None] * len(jobs)
+    failure: list[TrioMLXError] = []
+
+    async def one(index: int, nursery: trio.Nursery) -> None:
+        try:
+            out[index] = await engine.complete(jobs[index], request.params, tools=request.tools)
+        except TrioMLXError as error:
+            failure.append(error)
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(jobs)):
+            nursery.start_soon(one, index, nursery)
+    if failure:
+        raise failure[0]
+    return [c for c in out if c is not None]
+
+
+async def _stream(
+    state: ServerState,
+    request: GenerationRequest,
+    jobs: Sequence[Prompt],
+    fmt: _Format,
+    access: Access,
+) -> AsyncIterator[bytes]:
+    """The SSE body: every choice's chunks, round-robin, then usage and ``[DONE]``."""
+    status = 499  # nginx's "client closed request", logged if the client leaves
+    admitted = False
+    engine = state.engine
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [
+                await stack.enter_async_context(
+                    engine.generate(prompt, request.params, tools=request.tools)
+                )
+                for prompt in jobs
+            ]
+            admitted = True
+            yield b""  # primed: all admitted
+            results: list[GenerationResult | None] = [None] * len(streams)
+            try:
+                for index in range(len(streams)):
+                    for chunk in fmt.start(index):
+                        yield _sse.event(chunk)
+                iterators = [aiter(s) for s in streams]
+                active = list(range(len(streams)))
+                while active:
+                    for index in list(active):
+                        try:
+                            delta = await anext(iterators[index])
+                        except StopAsyncIteration:
+                            active.remove(index)
+                            result = results[index] = streams[index].result
+                            access.tokens += result.completion_tokens
+                            state.metrics.finished(access.endpoint, result, result.finish_reason)
+                            chunks = fmt.end(index, result)
+                        else:
+                            chunks = fmt.delta(index, delta)
+                        for chunk in chunks:
+                            yield _sse.event(chunk)
+            except TrioMLXError as error:
+                logger.warning("stream failed: %s", error.message)
+                state.metrics.failed(access.endpoint, "error")
+                status = status_of(error)
+                yield _sse.event(error_body(error))
+                yield _sse.DONE
+                return
+        if request.include_usage:
+            done = [r for r in results if r is not None]
+            yield _sse.event(fmt.envelope.body([], usage=_openai.usage(done, request.n)))
+        yield _sse.DONE
+        status = 200
+    finally:
+        # Refused at admission, the handler answers with the error and logs it.
+        if admitted:
+            if status == 499:
+                state.metrics.failed(access.endpoint, "disconnected")
+            access.done(status)

@@ -1,0 +1,139 @@
+"""Prometheus metrics, one registry per app.
+
+Two sources: the HTTP layer counts what it sees (requests by endpoint and
+status, generations by endpoint, lane and outcome, latency histograms), and
+a collector reads :meth:`Engine.statistics` at scrape time for the engine's
+own gauges and counters (rows, queues, arbiter state, tokens, drains,
+preemptions), so the numbers never drift from the engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from trio_mlx import EngineStatistics, GenerationResult
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+#: Engine statistics exported as gauges (name in statistics -> help).
+_GAUGES = {
+    "running_rows": "Rows decoding in the continuous batch.",
+    "queued_rows": "Requests waiting for a batch row.",
+    "parked_rows": "Rows parked (preempted) with their cache, waiting to resume.",
+    "waiting_jobs": "Serial or exclusive jobs waiting for the model.",
+}
+#: Engine statistics exported as counters (name in statistics -> help).
+_COUNTERS = {
+    "generated_tokens": "Tokens generated.",
+    "drains": "Times the batch was drained for a serial or exclusive job.",
+    "preemptions": "Batch rows parked to make room.",
+    "steps": "Decode steps run.",
+}
+
+
+@attrs.define(eq=False)
+class _EngineCollector:
+    """Reads one statistics() snapshot per scrape."""
+
+    statistics: Callable[[], EngineStatistics]
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.statistics()
+        for name, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"trio_mlx_{name}", doc, value=getattr(stats, name))
+        yield GaugeMetricFamily(
+            "trio_mlx_worker_alive",
+            "1 while the MLX worker thread runs.",
+            value=float(stats.worker_alive),
+        )
+        yield GaugeMetricFamily(
+            "trio_mlx_adapters_mounted", "Mounted LoRA adapters.", value=len(stats.adapters)
+        )
+        for name, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"trio_mlx_{name}", doc, value=getattr(stats, name))
+        prompt = CounterMetricFamily(
+            "trio_mlx_prompt_tokens", "Prompt tokens, by cached or computed.", labels=["source"]
+        )
+        prompt.add_metric(["cached"], stats.cached_prompt_tokens)
+        prompt.add_metric(["computed"], max(0, stats.prompt_tokens - stats.cached_prompt_tokens))
+        yield prompt
+        requests = CounterMetricFamily(
+            "trio_mlx_engine_requests",
+            "Engine requests ended, by lane and outcome.",
+            labels=["lane", "outcome"],
+        )
+        for key, count in sorted(stats.requests.items()):
+            lane, _, outcome = key.partition(":")
+            requests.add_metric([lane, outcome], count)
+        yield requests
+        # One series per state, 1 for the current one (Prometheus' "state set" idiom).
+        state = GaugeMetricFamily(
+            "trio_mlx_arbiter_state", "1 for the arbiter's current state.", labels=["state"]
+        )
+        current = stats.arbiter.state
+        for member in type(current):
+            state.add_metric([member.value.lower()], float(member is current))
+        yield state
+
+
+@attrs.define(eq=False)
+class Metrics:
+    """The app's registry and the metrics the HTTP layer updates."""
+
+    registry: CollectorRegistry = attrs.field(factory=CollectorRegistry)
+    requests: Counter = attrs.field(init=False)
+    generations: Counter = attrs.field(init=False)
+    ttft: Histogram = attrs.field(init=False)
+    duration: Histogram = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.requests = Counter(
+            "trio_mlx_http_requests",
+            "HTTP requests answered, by endpoint and status.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.generations = Counter(
+            "trio_mlx_http_generations",
+            "Choices generated over HTTP, by endpoint, lane and outcome.",
+            ["endpoint", "lane", "outcome"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "trio_mlx_time_to_first_token_seconds",
+            "Seconds from submission to the first token.",
+            ["lane"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "trio_mlx_request_duration_seconds",
+            "Seconds a generation request took, end to end.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def watch_engine(self, statistics: Callable[[], EngineStatistics]) -> None:
+        """Export the engine's statistics on every scrape."""
+        self.registry.register(_EngineCollector(statistics))
+
+    def finished(self, endpoint: str, result: GenerationResult, outcome: str) -> None:
+        """Count one finished choice."""
+        self.generations.labels(endpoint, result.lane, outcome).inc()
+        if result.time_to_first_token is not None:
+            self.ttft.labels(result.lane).observe(result.time_to_first_token)
+
+    def failed(self, endpoint: str, outcome: str) -> None:
+        """Count a choice that ended without a result (error or a gone client)."""
+        self.generations.labels(endpoint, "none", outcome).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

@@ -1,0 +1,424 @@
+"""A hand-written OpenAPI 3 description of the server, served at ``GET /openapi.json``.
+
+It describes what the handlers accept (extra fields are allowed, as the
+server ignores them) and every status they answer with, so a schema fuzzer
+can check that no input yields a 500.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trio_mlx import __version__
+
+__all__ = ["openapi"]
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_ERRORS = {
+    str(status): _json(_ref("Error"), text)
+    for status, text in (
+        (400, "Bad request: malformed JSON or a bad field (error.param names it)."),
+        (401, "Missing or wrong API key."),
+        (404, "Unknown model, adapter or route."),
+        (413, "Request body too large."),
+        (429, "Engine overloaded; see Retry-After."),
+        (503, "Engine closed."),
+    )
+}
+
+_NUMBER = {"type": "number"}
+_INT = {"type": "integer"}
+_STOP = {
+    "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}],
+    "nullable": True,
+}
+_SAMPLING: dict[str, Any] = {
+    "model": {"type": "string", "nullable": True},
+    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 100, "nullable": True},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "nullable": True},
+    "top_k": {"type": "integer", "minimum": 0, "nullable": True},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
+    "stop": _STOP,
+    "seed": {"type": "integer", "minimum": 0, "nullable": True},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16, "nullable": True},
+    "repetition_penalty": {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "maximum": 10,
+        "nullable": True,
+    },
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+    "logit_bias": {
+        "type": "object",
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "nullable": True,
+    },
+    "stream": {"type": "boolean", "nullable": True},
+    "stream_options": {
+        "type": "object",
+        "properties": {"include_usage": {"type": "boolean"}},
+        "nullable": True,
+    },
+    "adapter": {"type": "string", "nullable": True, "description": "A mounted adapter's name."},
+    "user": {"type": "string", "nullable": True},
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {
+            "type": "string",
+            "enum": ["system", "developer", "user", "assistant", "tool", "function"],
+        },
+        "content": {
+            "nullable": True,
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["text"]},
+                            "text": {"type": "string"},
+                        },
+                    },
+                },
+            ],
+        },
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+_TOOL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+            },
+        },
+    },
+}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": "string", "nullable": True},
+                    "code": {"type": "string", "nullable": True},
+                },
+            }
+        },
+    },
+    "ChatCompletionRequest": {
+        "type": "object",
+        "required": ["messages"],
+        "properties": {
+            **_SAMPLING,
+            "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+            "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+            "logprobs": {"type": "boolean", "nullable": True},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
+            "tools": {"type": "array", "items": _TOOL, "nullable": True},
+            "tool_choice": {
+                "nullable": True,
+                "oneOf": [
+                    {"type": "string", "enum": ["none", "auto", "required"]},
+                    {"type": "object"},
+                ],
+            },
+        },
+    },
+    "CompletionRequest": {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            **_SAMPLING,
+            "prompt": {
+                "oneOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {"type": "integer", "minimum": 0},
+                        },
+                    },
+                ]
+            },
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
+        },
+    },
+    "Completion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string"},
+            "created": _INT,
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {"type": "object"}},
+            "usage": {
+                "type": "object",
+                "properties": {
+                    "prompt_tokens": _INT,
+                    "completion_tokens": _INT,
+                    "total_tokens": _INT,
+                },
+            },
+        },
+    },
+    "Model": {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["model"]},
+            "created": _INT,
+            "owned_by": {"type": "string"},
+            "parent": {"type": "string", "description": "Set on adapters: the base model."},
+            "context_length": {"type": "integer", "nullable": True},
+        },
+    },
+    "List": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "data": {"type": "array", "items": {"type": "object"}},
+        },
+    },
+    "AdapterMount": {
+        "type": "object",
+        "required": ["name", "path"],
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"},
+            "path": {"type": "string", "description": "Relative to --adapter-dir."},
+        },
+    },
+    "Adapter": {
+        "type": "object",
+        "required": ["id", "object"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["adapter"]},
+            "path": {"type": "string", "nullable": True},
+            "deleted": {"type": "boolean"},
+        },
+    },
+    "TokenizeRequest": {
+        "type": "object",
+        "properties": {
+            "prompt": {"type": "string", "minLength": 1},
+            "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        },
+    },
+    "Tokens": {
+        "type": "object",
+        "required": ["tokens", "count"],
+        "properties": {
+            "tokens": {"type": "array", "items": _INT},
+            "count": _INT,
+            "max_model_len": {"type": "integer", "nullable": True},
+        },
+    },
+    "DetokenizeRequest": {
+        "type": "object",
+        "required": ["tokens"],
+        "properties": {"tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
+    },
+    "Text": {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {"prompt": {"type": "string"}},
+    },
+    "Health": {
+        "type": "object",
+        "required": ["status"],
+        "properties": {"status": {"type": "string"}, "model": {"type": "string"}},
+    },
+}
+
+
+def _op(
+    summary: str,
+    ok: dict[str, Any],
+    *,
+    body: str | None = None,
+    errors: tuple[int, ...] = (400, 401, 413),
+    ok_status: str = "200",
+    public: bool = False,
+) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {ok_status: ok, **{str(s): _ERRORS[str(s)] for s in errors}},
+    }
+    if body is not None:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(body)}},
+        }
+    if public:
+        operation["security"] = []
+    return operation
+
+
+_GENERATION_OK = {
+    "description": "The completion, or with stream=true a text/event-stream of chunks.",
+    "content": {
+        "application/json": {"schema": _ref("Completion")},
+        "text/event-stream": {"schema": {"type": "string"}},
+    },
+}
+_GENERATION_ERRORS = (400, 401, 404, 413, 429, 503)
+
+
+def openapi(model_id: str) -> dict[str, Any]:
+    """The OpenAPI 3.0 document for this server."""
+    name_param = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    model_param = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "trio-mlx",
+            "version": __version__,
+            "description": f"OpenAI-compatible API serving {model_id}.",
+        },
+        "components": {
+            "schemas": _SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": {
+                "post": _op(
+                    "Chat completion",
+                    _GENERATION_OK,
+                    body="ChatCompletionRequest",
+                    errors=_GENERATION_ERRORS,
+                )
+            },
+            "/v1/completions": {
+                "post": _op(
+                    "Text completion",
+                    _GENERATION_OK,
+                    body="CompletionRequest",
+                    errors=_GENERATION_ERRORS,
+                )
+            },
+            "/v1/models": {
+                "get": _op(
+                    "Served models and mounted adapters",
+                    _json(_ref("List"), "Models"),
+                    errors=(401,),
+                )
+            },
+            "/v1/models/{model_id}": {
+                "get": {
+                    **_op("One model", _json(_ref("Model"), "The model"), errors=(401, 404)),
+                    "parameters": [model_param],
+                }
+            },
+            "/v1/adapters": {
+                "get": _op("Mounted adapters", _json(_ref("List"), "Adapters"), errors=(401,)),
+                "post": {
+                    **_op(
+                        "Mount an adapter from --adapter-dir",
+                        _json(_ref("Adapter"), "Mounted"),
+                        body="AdapterMount",
+                        errors=(400, 401, 404, 413, 503),
+                        ok_status="201",
+                    ),
+                    "responses": {
+                        "201": _json(_ref("Adapter"), "Mounted"),
+                        "403": _json(
+                            _ref("Error"), "Path outside --adapter-dir, or no --adapter-dir."
+                        ),
+                        **{str(s): _ERRORS[str(s)] for s in (400, 401, 404, 413, 503)},
+                    },
+                },
+            },
+            "/v1/adapters/{name}": {
+                "delete": {
+                    **_op(
+                        "Unmount an adapter",
+                        _json(_ref("Adapter"), "Unmounted"),
+                        errors=(401, 404, 503),
+                    ),
+                    "parameters": [name_param],
+                }
+            },
+            "/tokenize": {
+                "post": _op(
+                    "Text or messages to token ids",
+                    _json(_ref("Tokens"), "Tokens"),
+                    body="TokenizeRequest",
+                )
+            },
+            "/detokenize": {
+                "post": _op(
+                    "Token ids to text", _json(_ref("Text"), "Text"), body="DetokenizeRequest"
+                )
+            },
+            "/health": {
+                "get": _op(
+                    "Liveness",
+                    _json(_ref("Health"), "Serving"),
+                    errors=(503,),
+                    public=True,
+                )
+            },
+            "/metrics": {
+                "get": _op(
+                    "Prometheus metrics",
+                    {
+                        "description": "Prometheus text",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    errors=(401,),
+                )
+            },
+            "/openapi.json": {
+                "get": _op(
+                    "This document",
+                    {
+                        "description": "OpenAPI 3.0",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    errors=(401,),
+                )
+            },
+        },
+    }

@@ -1,0 +1,150 @@
+"""What ``trio-mlx serve`` and ``trio-mlx generate`` run, inside ``trio.run``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import hypercorn.trio
+import trio
+from hypercorn.config import Config
+from quart_trio import QuartTrio
+
+import trio_mlx
+from trio_mlx_http._app import create_app, shutdown_trigger
+from trio_mlx_http._settings import Settings
+
+__all__ = ["generate", "serve"]
+
+logger = logging.getLogger("trio_mlx_http")
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"model": args.model, "adapter_path": args.adapter_path}
+    for name in ("max_batch", "max_queue", "drain_timeout"):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    if getattr(args, "prompt_concurrency", None) is not None:
+        # The engine prefills admitted prompts together up to max_batch; there
+        # is no separate knob yet, so the flag is accepted for mlx_lm.server parity.
+        logger.warning("--prompt-concurrency is accepted but not used by this engine")
+    return options
+
+
+def _apply_chat_template(engine: trio_mlx.Engine, template: str | None) -> None:
+    if template is None:
+        return
+    path = Path(template)
+    text = path.read_text() if len(template) < 4096 and path.is_file() else template
+    engine.tokenizer.chat_template = text
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The server settings the flags ask for."""
+    return Settings(
+        api_key=args.api_key or None,
+        adapter_dir=args.adapter_dir,
+        max_body_bytes=args.max_body_bytes,
+        cors_origin=args.cors_origin,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+    )
+
+
+def hypercorn_config(host: str, port: int, graceful_timeout: float) -> Config:
+    """Hypercorn's config: one bind, our own access log, a graceful deadline."""
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.graceful_timeout = graceful_timeout
+    config.accesslog = None  # the app logs one line per request, with token counts
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
+    return config
+
+
+async def _on_signals(shutdown: trio.Event, cancel: trio.CancelScope) -> None:
+    """First SIGINT/SIGTERM: stop accepting and drain; a second one: stop now."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if shutdown.is_set():
+                logger.warning(
+                    "second %s: cancelling in-flight requests", signal.Signals(signum).name
+                )
+                cancel.cancel()
+                return
+            logger.info(
+                "%s: no new requests; in-flight ones may finish", signal.Signals(signum).name
+            )
+            shutdown.set()
+
+
+async def _http(
+    app: QuartTrio,
+    config: Config,
+    shutdown: trio.Event,
+    done: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Hypercorn until the shutdown trigger, in-flight requests drained; then end ``done``."""
+    trigger = shutdown_trigger(app, shutdown)
+    await hypercorn.trio.serve(app, config, shutdown_trigger=trigger, task_status=task_status)
+    done.cancel()
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Open the engine, serve HTTP until a signal, shut down gracefully; exit status 0."""
+    settings = settings_from(args)
+    config = hypercorn_config(args.host, args.port, args.graceful_timeout)
+    shutdown = trio.Event()
+    async with trio_mlx.open_engine(**_engine_options(args)) as engine:
+        _apply_chat_template(engine, args.chat_template)
+        app = create_app(engine, settings)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
+            binds = await nursery.start(_http, app, config, shutdown, nursery.cancel_scope)
+            logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
+    logger.info("stopped")
+    return 0
+
+
+async def generate(args: argparse.Namespace) -> int:
+    """Generate one completion, streaming its text to stdout."""
+    async with trio_mlx.open_engine(model=args.model, adapter_path=args.adapter_path) as engine:
+        _apply_chat_template(engine, args.chat_template)
+        prompt: Any = args.prompt
+        if not args.raw and engine.tokenizer.has_chat_template:
+            prompt = [{"role": "user", "content": args.prompt}]
+            if args.system:
+                prompt.insert(0, {"role": "system", "content": args.system})
+        params = trio_mlx.SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+        )
+        try:
+            async with engine.generate(prompt, params) as stream:
+                async for delta in stream:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                result = stream.result
+        except trio_mlx.TrioMLXError as error:
+            print(f"\nerror: {error.message}", file=sys.stderr)
+            return 1
+        sys.stdout.write("\n")
+        tps = result.completion_tokens / result.duration if result.duration else 0.0
+        print(
+            f"[{result.prompt_tokens} prompt tokens, {result.completion_tokens} generated, "
+            f"{tps:.1f} tokens/s, finish: {result.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,62 @@
+"""What every handler shares: the engine, the settings, metrics, and a request's access record."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import attrs
+
+from trio_mlx import Engine
+from trio_mlx_http._metrics import Metrics
+from trio_mlx_http._openai import TokenTexts
+from trio_mlx_http._settings import Settings
+
+__all__ = ["Access", "ServerState"]
+
+access_logger = logging.getLogger("trio_mlx_http.access")
+
+
+@attrs.define(eq=False)
+class ServerState:
+    """The app's view of the engine (an identity object: one per app)."""
+
+    engine: Engine
+    settings: Settings
+    metrics: Metrics
+    texts: TokenTexts
+    #: The id clients see in ``/v1/models`` and send as ``model``.
+    model_id: str
+    #: Token ids at or above this are not in the vocabulary.
+    vocab_size: int
+    started: int = attrs.field(factory=lambda: int(time.time()))
+    #: Adapters mounted over HTTP: name -> path relative to ``--adapter-dir``.
+    adapter_paths: dict[str, str] = attrs.field(factory=dict)
+    #: Set at shutdown: responses then close their connection, so that no idle
+    #: keep-alive connection holds the server open until the graceful deadline.
+    draining: bool = False
+
+
+@attrs.define(eq=False)
+class Access:
+    """One request's access-log line and HTTP metrics, written once when it is over."""
+
+    state: ServerState
+    endpoint: str
+    method: str
+    path: str
+    started: float = attrs.field(factory=time.perf_counter)
+    #: Tokens generated for this request.
+    tokens: int = 0
+    #: Set when a streaming body will write the line itself, at its end.
+    by_body: bool = False
+
+    def done(self, status: int) -> None:
+        """Log the request and count it."""
+        elapsed = time.perf_counter() - self.started
+        self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
+        if self.tokens or self.endpoint.endswith("completions"):
+            self.state.metrics.duration.labels(self.endpoint).observe(elapsed)
+        access_logger.info(
+            "%s %s %d tokens=%d %.3fs", self.method, self.path, status, self.tokens, elapsed
+        )

@@ -1,0 +1,42 @@
+"""Helpers shared by the engine tests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+
+def make_adapter(model_path: Path, out: Path) -> Path:
+    """A random LoRA adapter for the tiny model (lora_b non-zero, so it changes outputs)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _tokenizer = mlx_lm.load(str(model_path))
+    lora = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    model.freeze()
+    linear_to_lora_layers(model, 2, lora)
+    mx.random.seed(3)
+    weights = {
+        name: mx.random.normal(value.shape) * 0.5
+        for name, value in tree_flatten(model.trainable_parameters())
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+async def wait_until(predicate: Callable[[], bool], *, poll: float = 0.005) -> None:
+    """Poll ``predicate`` (it reads ``engine.statistics()``) until it holds.
+
+    Statistics are snapshots, not events: polling them is what an outside
+    observer (a test, ``/metrics``) does. Wrap the call in ``trio.fail_after``.
+    """
+    while not predicate():  # noqa: ASYNC110 - polling a snapshot on purpose
+        await trio.sleep(poll)

@@ -1,0 +1,120 @@
+"""Per-row sampling parameters in one batch: each changes its own row only."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import trio
+
+import trio_mlx
+from trio_mlx import SamplingParams
+
+pytestmark = pytest.mark.model
+
+PROMPT = "The quick brown fox jumps"
+NO_EOS = {0: -100.0, 2: -100.0}
+
+
+async def _batch(
+    engine: trio_mlx.Engine, params: list[SamplingParams]
+) -> list[trio_mlx.Completion]:
+    """Run the requests together (one batch) and return their completions in order."""
+    out: list[trio_mlx.Completion | None] = [None] * len(params)
+
+    async def one(i: int) -> None:
+        out[i] = await engine.complete(PROMPT, params[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(params)):
+            nursery.start_soon(one, i)
+    assert all(c is not None for c in out)
+    return [c for c in out if c is not None]
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        SamplingParams(max_tokens=20, logit_bias={**NO_EOS, 0: -100.0}, temperature=1.0, top_k=3),
+        SamplingParams(max_tokens=20, logit_bias=NO_EOS, temperature=1.0, top_p=0.5),
+        SamplingParams(max_tokens=20, logit_bias=NO_EOS, temperature=1.0, min_p=0.2),
+        SamplingParams(max_tokens=20, logit_bias=NO_EOS, presence_penalty=2.0),
+        SamplingParams(max_tokens=20, logit_bias=NO_EOS, frequency_penalty=2.0),
+        SamplingParams(max_tokens=20, logit_bias=NO_EOS, repetition_penalty=3.0),
+        SamplingParams(max_tokens=20, logit_bias=NO_EOS, logprobs=True, top_logprobs=5),
+    ],
+    ids=["top_k", "top_p", "min_p", "presence", "frequency", "repetition", "logprobs"],
+)
+async def test_a_row_parameter_leaves_its_greedy_neighbours_alone(
+    tiny_model_path: Path, changed: SamplingParams
+) -> None:
+    plain = SamplingParams(max_tokens=20, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        alone = await engine.complete(PROMPT, plain)
+        left, middle, right = await _batch(engine, [plain, changed, plain])
+    assert left.token_ids == alone.token_ids
+    assert right.token_ids == alone.token_ids
+    assert len(middle.token_ids) == 20
+
+
+async def test_logit_bias_banning_a_token_affects_only_its_row(tiny_model_path: Path) -> None:
+    plain = SamplingParams(max_tokens=20, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        alone = await engine.complete(PROMPT, plain)
+        banned_token = alone.token_ids[0]
+        banned = SamplingParams(max_tokens=20, logit_bias={**NO_EOS, banned_token: -100.0})
+        neighbour, changed = await _batch(engine, [plain, banned])
+    assert neighbour.token_ids == alone.token_ids
+    assert banned_token not in changed.token_ids
+    assert changed.token_ids != alone.token_ids
+
+
+async def test_penalties_change_the_penalised_row(tiny_model_path: Path) -> None:
+    plain = SamplingParams(max_tokens=40, logit_bias=NO_EOS)
+    penalised = SamplingParams(max_tokens=40, logit_bias=NO_EOS, frequency_penalty=2.0)
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        a, b = await _batch(engine, [plain, penalised])
+    assert a.token_ids != b.token_ids
+    # A frequency penalty of 2 repeats tokens less.
+    assert len(set(b.token_ids)) >= len(set(a.token_ids))
+
+
+async def test_greedy_logprobs_are_the_top_choice_and_normalised(tiny_model_path: Path) -> None:
+    params = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=4, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        completion = await engine.complete(PROMPT, params)
+        without = await engine.complete(PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS))
+    assert without.logprobs is None
+    assert completion.logprobs is not None
+    assert len(completion.logprobs) == 8
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert entry.token_id == token_id
+        assert entry.logprob <= 0.0
+        assert len(entry.top) == 4
+        assert entry.top[0][0] == token_id
+        assert math.isclose(entry.top[0][1], entry.logprob, rel_tol=1e-5, abs_tol=1e-5)
+        values = [lp for _, lp in entry.top]
+        assert values == sorted(values, reverse=True)
+
+
+async def test_sampled_rows_in_one_batch_differ(tiny_model_path: Path) -> None:
+    params = SamplingParams(max_tokens=20, temperature=2.0, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        a, b = await _batch(engine, [params, params])
+    assert a.token_ids != b.token_ids
+
+
+async def test_prompt_cache_serves_a_shared_prefix(tiny_model_path: Path) -> None:
+    params = SamplingParams(max_tokens=6, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        first = await engine.complete(PROMPT, params)
+        second = await engine.complete(PROMPT + " over the lazy dog", params)
+        stats = engine.statistics()
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        uncached = await engine.complete(PROMPT + " over the lazy dog", params)
+    assert first.result.cached_tokens == 0
+    assert second.result.cached_tokens >= first.result.prompt_tokens - 1
+    assert stats.cached_prompt_tokens == second.result.cached_tokens
+    assert uncached.result.cached_tokens == 0
+    assert uncached.token_ids == second.token_ids

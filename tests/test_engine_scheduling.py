@@ -1,0 +1,211 @@
+"""Drain, preemption, cancellation and backpressure on the real tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_mlx
+from engine_helpers import wait_until
+from trio_mlx import EngineOverloaded, SamplingParams
+
+pytestmark = pytest.mark.model
+
+NO_EOS = {0: -100.0, 2: -100.0}
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog",
+    "def main():\n    return 1",
+]
+
+
+async def _collect(stream: trio_mlx.GenerationStream) -> tuple[int, ...]:
+    ids: list[int] = []
+    async for delta in stream:
+        ids.extend(delta.token_ids)
+    return tuple(ids)
+
+
+async def _wait_for(predicate: Any, poll: float = 0.005) -> None:
+    with trio.fail_after(20):
+        await wait_until(predicate, poll=poll)
+
+
+async def test_parked_rows_finish_like_unparked_rows(tiny_model_path: Path) -> None:
+    params = SamplingParams(max_tokens=40, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        unparked = [await engine.complete(p, params) for p in PROMPTS]
+
+    async with trio_mlx.open_engine(
+        tiny_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_cache_bytes=0
+    ) as engine:
+        parked: list[tuple[int, ...]] = [()] * 3
+        started = trio.Event()
+
+        async def row(i: int) -> None:
+            async with engine.generate(PROMPTS[i], params) as stream:
+                ids: list[int] = []
+                async for delta in stream:
+                    ids.extend(delta.token_ids)
+                    if len(ids) >= 10:
+                        started.set()
+                parked[i] = tuple(ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(row, i)
+            await started.wait()
+            await engine.run_exclusive(lambda model, tokenizer: None)
+        stats = engine.statistics()
+    assert stats.preemptions >= 3
+    assert [len(p) for p in parked] == [40, 40, 40]
+    assert parked == [u.token_ids for u in unparked]
+
+
+async def test_serial_job_is_not_starved_by_sustained_batch_traffic(tiny_model_path: Path) -> None:
+    drain_timeout = 0.2
+    async with trio_mlx.open_engine(
+        tiny_model_path, max_batch=4, drain_timeout=drain_timeout
+    ) as engine:
+        stop = trio.Event()
+        finished_rows = 0
+
+        async def traffic(i: int) -> None:
+            nonlocal finished_rows
+            while not stop.is_set():
+                async with engine.generate(
+                    PROMPTS[i % 3], SamplingParams(max_tokens=200, logit_bias=NO_EOS)
+                ) as stream:
+                    await _collect(stream)
+                finished_rows += 1
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(traffic, i)
+            await _wait_for(lambda: engine.statistics().running_rows == 4)
+            start = trio.current_time()
+            seen = await engine.run_exclusive(lambda model, tokenizer: "ran")
+            waited = trio.current_time() - start
+            stop.set()
+            # The parked rows resume and the traffic winds down.
+        stats = engine.statistics()
+    assert seen == "ran"
+    # Within drain_timeout plus a step (generous for a shared CI machine).
+    assert waited < drain_timeout + 1.0
+    assert stats.preemptions >= 1
+    assert stats.running_rows == stats.parked_rows == stats.queued_rows == 0
+
+
+async def test_leaving_generate_early_frees_the_row_within_one_step(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        params = SamplingParams(max_tokens=500, logit_bias=NO_EOS)
+        async with trio.open_nursery() as nursery:
+
+            async def other() -> None:
+                async with engine.generate(
+                    PROMPTS[0], SamplingParams(max_tokens=60, logit_bias=NO_EOS)
+                ) as s:
+                    await _collect(s)
+
+            nursery.start_soon(other)
+            async with engine.generate(PROMPTS[1], params) as stream:
+                async for _delta in stream:
+                    break
+            at_exit = engine.statistics()
+            # The step in flight (if any) was sent before the cancel; the next one drops the row.
+            bound = at_exit.steps + 1 + int(at_exit.arbiter.step_in_flight)
+            assert engine.statistics().requests["batch:cancelled"] == 1
+            # Poll at every checkpoint, so each step's statistics are seen.
+            await _wait_for(lambda: engine.statistics().batch_rows <= 1, poll=0)
+            assert engine.statistics().steps <= bound
+        stats = engine.statistics()
+    assert stats.running_rows == 0
+    assert stats.batch_rows == 0
+    assert stats.generated_tokens < 200
+
+
+async def test_cancel_scope_around_generate_cancels_the_row(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        with trio.move_on_after(0.2):
+            async with engine.generate(
+                PROMPTS[0], SamplingParams(max_tokens=100_000, logit_bias=NO_EOS)
+            ) as stream:
+                await _collect(stream)
+        await _wait_for(lambda: engine.statistics().batch_rows == 0)
+        stats = engine.statistics()
+    assert stats.requests["batch:cancelled"] == 1
+    assert stats.running_rows == 0
+
+
+async def test_submission_past_max_queue_raises_engine_overloaded(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path, max_batch=2, max_queue=3) as engine:
+        params = SamplingParams(max_tokens=1000, logit_bias=NO_EOS)
+        async with trio.open_nursery() as nursery:
+            entered = 0
+
+            async def hold() -> None:
+                nonlocal entered
+                async with engine.generate(PROMPTS[0], params):
+                    entered += 1
+                    await trio.sleep_forever()
+
+            for _ in range(5):  # 2 running + 3 queued
+                nursery.start_soon(hold)
+            await _wait_for(lambda: entered == 5)
+            with pytest.raises(EngineOverloaded, match="queue is full") as info:
+                async with engine.generate(PROMPTS[0], params):
+                    pass  # pragma: no cover
+            assert info.value.status_code == 429
+            assert engine.statistics().requests["batch:rejected"] == 1
+            nursery.cancel_scope.cancel()
+        await _wait_for(lambda: engine.statistics().queued_rows == 0)
+
+
+async def test_cancelled_waiting_job_leaves_the_queue_and_admission_resumes(
+    tiny_model_path: Path,
+) -> None:
+    async with trio_mlx.open_engine(tiny_model_path, drain_timeout=None) as engine:
+        params = SamplingParams(max_tokens=100_000, logit_bias=NO_EOS)
+        async with trio.open_nursery() as nursery:
+
+            async def long_row() -> None:
+                async with engine.generate(PROMPTS[0], params) as stream:
+                    await _collect(stream)
+
+            nursery.start_soon(long_row)
+            await _wait_for(lambda: engine.statistics().running_rows == 1)
+            with trio.move_on_after(0.1):
+                await engine.run_exclusive(lambda model, tokenizer: None)
+            stats = engine.statistics()
+            assert stats.requests["job:cancelled"] == 1
+            assert stats.state == "ADMITTING"
+            # A new row is admitted again.
+            done = await engine.complete(PROMPTS[1], SamplingParams(max_tokens=3))
+            assert len(done.token_ids) == 3
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_burst_past_the_inbox_is_refused_at_once(tiny_model_path: Path) -> None:
+    # The inbox holds max_queue + max_batch = 5 submissions the actor has not read yet.
+    async with trio_mlx.open_engine(tiny_model_path, max_batch=2, max_queue=3) as engine:
+        outcomes: list[str] = []
+
+        async def submit() -> None:
+            try:
+                async with engine.generate(PROMPTS[0], SamplingParams(max_tokens=2)) as stream:
+                    await _collect(stream)
+                outcomes.append("finished")
+            except EngineOverloaded as exc:
+                outcomes.append("inbox" if "inbox" in str(exc) else "queue")
+
+        async with trio.open_nursery() as nursery:
+            # All seven submit before the actor runs again.
+            for _ in range(7):
+                nursery.start_soon(submit)
+        stats = engine.statistics()
+    assert sorted(outcomes) == ["finished"] * 5 + ["inbox"] * 2
+    assert stats.requests["batch:rejected"] == 2
+    assert stats.requests["batch:finished"] == 5

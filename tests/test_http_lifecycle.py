@@ -1,0 +1,235 @@
+"""A live server under load and at its edges in time: disconnects, concurrency, shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+import trio_mlx
+from http_helpers import NO_EOS, live_server, sse_events
+from trio_mlx_http._app import create_app
+
+pytestmark = pytest.mark.model
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    """Poll the engine's statistics (they have no wake-up) until ``predicate`` holds."""
+    with trio.fail_after(10):
+        while True:
+            if predicate():
+                return
+            await trio.sleep(0.005)
+
+
+async def _wait_for_no_rows(engine: trio_mlx.Engine) -> int:
+    """Wait until no row runs; return how many decode steps that took."""
+    start = engine.statistics().steps
+    await _until(
+        lambda: not engine.statistics().running_rows and not engine.statistics().queued_rows
+    )
+    return engine.statistics().steps - start
+
+
+async def test_disconnect_mid_stream_frees_the_row(tiny_model_path: Path) -> None:
+    async with (
+        live_server(tiny_model_path) as server,
+        httpx.AsyncClient(base_url=server.url) as http,
+    ):
+        body = {"prompt": "Hello", "max_tokens": 1500, "stream": True, "logit_bias": NO_EOS}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    break
+            assert server.engine.statistics().running_rows == 1
+        # Leaving the block closed the connection mid-stream.
+        assert await _wait_for_no_rows(server.engine) <= 5
+        assert server.engine.statistics().generated_tokens < 200
+        assert (await http.get("/health")).status_code == 200
+
+
+async def test_disconnect_mid_non_streaming_request_frees_the_row(tiny_model_path: Path) -> None:
+    async with (
+        live_server(tiny_model_path) as server,
+        httpx.AsyncClient(base_url=server.url) as http,
+    ):
+        body = {"prompt": "Hello", "max_tokens": 1500, "logit_bias": NO_EOS}
+        with trio.move_on_after(0.5):
+            await http.post("/v1/completions", json=body)
+        assert server.engine.statistics().running_rows == 1
+        assert await _wait_for_no_rows(server.engine) <= 5
+        assert server.engine.statistics().generated_tokens < 1000
+
+
+async def _stream_tokens(http: httpx.AsyncClient, index: int, max_tokens: int) -> tuple[int, int]:
+    """One streaming chat; (tokens seen in logprobs, completion_tokens in usage)."""
+    body = {
+        "messages": [{"role": "user", "content": f"Request {index}"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": True,
+        "logit_bias": NO_EOS,
+    }
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    events = sse_events(response.content)
+    assert events[-1] == "[DONE]"
+    seen = sum(
+        len(choice["logprobs"]["content"])
+        for event in events[:-1]
+        for choice in event["choices"]
+        if choice["logprobs"]
+    )
+    return seen, events[-2]["usage"]["completion_tokens"]
+
+
+async def test_32_concurrent_streams_complete_while_health_answers(tiny_model_path: Path) -> None:
+    limits = httpx.Limits(max_connections=64)
+    async with (
+        live_server(tiny_model_path, max_batch=8) as server,
+        httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as http,
+    ):
+        counts: list[tuple[int, int]] = []
+        health: list[int] = []
+
+        async def stream(index: int) -> None:
+            counts.append(await _stream_tokens(http, index, 24))
+
+        async def probe(done: trio.Event) -> None:
+            while not done.is_set():
+                health.append((await http.get("/health")).status_code)
+                await trio.sleep(0.02)
+
+        done = trio.Event()
+        async with trio.open_nursery() as probes:
+            probes.start_soon(probe, done)
+            async with trio.open_nursery() as streams:
+                for index in range(32):
+                    streams.start_soon(stream, index)
+            done.set()
+        assert counts == [(24, 24)] * 32
+        assert len(health) >= 3
+        assert set(health) == {200}
+        assert server.engine.statistics().requests["batch:finished"] == 32
+
+
+async def test_graceful_shutdown_finishes_requests_in_flight(tiny_model_path: Path) -> None:
+    async with live_server(tiny_model_path, graceful_timeout=10) as server:
+        replies: list[httpx.Response] = []
+
+        async def request(http: httpx.AsyncClient) -> None:
+            body = {"prompt": "Hello", "max_tokens": 60, "logit_bias": NO_EOS}
+            replies.append(await http.post("/v1/completions", json=body))
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(request, http)
+                await _until(lambda: server.engine.statistics().running_rows == 3)
+                server.shutdown.set()
+            with trio.fail_after(10):
+                await server.stopped.wait()
+        assert [r.status_code for r in replies] == [200] * 3
+        assert [json.loads(r.content)["usage"]["completion_tokens"] for r in replies] == [60] * 3
+        with pytest.raises(httpx.ConnectError):
+            async with httpx.AsyncClient(base_url=server.url) as late:
+                await late.get("/health")
+
+
+async def test_graceful_shutdown_cancels_what_outlives_the_deadline(tiny_model_path: Path) -> None:
+    async with (
+        live_server(tiny_model_path, graceful_timeout=0.3) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        body = {"prompt": "Hello", "max_tokens": 1800, "stream": True, "logit_bias": NO_EOS}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            server.shutdown.set()
+            with pytest.raises(httpx.RemoteProtocolError):
+                async for _ in response.aiter_bytes():
+                    pass
+        with trio.fail_after(5):
+            await server.stopped.wait()
+        assert await _wait_for_no_rows(server.engine) <= 5
+
+
+async def test_failure_mid_stream_sends_an_error_event_and_ends_the_stream(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trio_mlx._batch as batch  # fault injection only
+
+    real = batch.make_processors
+
+    def failing_later(params: trio_mlx.SamplingParams) -> list[Any]:
+        processors = real(params)
+        calls = 0
+
+        def explode(tokens: Any, logits: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 4:
+                raise ValueError("processor exploded")
+            return logits
+
+        if params.logit_bias and 511 in params.logit_bias:
+            processors.append(explode)
+        return processors
+
+    monkeypatch.setattr(batch, "make_processors", failing_later)
+    async with (
+        live_server(tiny_model_path) as server,
+        httpx.AsyncClient(base_url=server.url) as http,
+    ):
+        body = {"prompt": "Hello", "max_tokens": 50, "stream": True}
+        body["logit_bias"] = {**NO_EOS, "511": 0}
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200
+        events = sse_events(response.content)
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert (error["type"], error["code"]) == ("server_error", error["code"])
+        assert any(e["choices"][0]["text"] for e in events[:-2])
+        ok = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+        assert ok.status_code == 200
+
+
+async def test_a_full_queue_is_429_with_retry_after(tiny_model_path: Path) -> None:
+    async with (
+        live_server(tiny_model_path, max_batch=1, max_queue=1) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+        contextlib.AsyncExitStack() as streams,
+    ):
+        body = {"prompt": "Hello", "max_tokens": 1500, "stream": True, "logit_bias": NO_EOS}
+        statuses = []
+        for _ in range(4):
+            response = await streams.enter_async_context(
+                http.stream("POST", "/v1/completions", json=body)
+            )
+            statuses.append(response.status_code)
+            if response.status_code == 429:
+                break
+        assert statuses[0] == 200
+        assert statuses[-1] == 429
+        await response.aread()
+        assert json.loads(response.content)["error"]["type"] == "rate_limit_error"
+        assert int(response.headers["retry-after"]) >= 1
+        assert (await http.get("/health")).status_code == 200
+
+
+async def test_a_closed_engine_answers_503(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        app = create_app(engine)
+    client = app.test_client()
+    health = await client.get("/health")
+    assert health.status_code == 503
+    assert (await health.get_json())["error"]["type"] == "service_unavailable"
+    reply = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    assert reply.status_code == 503

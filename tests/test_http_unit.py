@@ -1,0 +1,308 @@
+"""The HTTP layer's pure parts, without an engine: request parsing, SSE framing,
+response shapes, tool-call extraction, the adapter folder check, error bodies."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm.tool_parsers import json_tools
+from werkzeug.exceptions import NotFound as RouteNotFound
+
+from trio_mlx import EngineOverloaded, GenerationResult, InvalidRequest, TokenLogprob
+from trio_mlx_http import _openai, _schema, _sse
+from trio_mlx_http._app import _adapter_path
+from trio_mlx_http._errors import Forbidden, error_body, error_response
+from trio_mlx_http._settings import Settings
+from trio_mlx_http._tools import ToolCallExtractor
+
+SETTINGS = Settings()
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _chat(**fields: object) -> _schema.GenerationRequest:
+    return _schema.parse_chat({"messages": USER, **fields}, SETTINGS)
+
+
+def _rejects(param: str, body: dict[str, object], *, chat: bool = True) -> InvalidRequest:
+    parse = _schema.parse_chat if chat else _schema.parse_completion
+    with pytest.raises(InvalidRequest) as caught:
+        parse(body, SETTINGS)
+    assert caught.value.param == param, caught.value.message
+    return caught.value
+
+
+def test_unknown_fields_are_ignored_and_defaults_apply() -> None:
+    request = _chat(frobnicate=True, response_format={"type": "text"}, user="u1")
+    assert request.params.max_tokens == SETTINGS.max_tokens
+    assert request.params.temperature == 0.0
+    assert (request.n, request.stream, request.include_usage) == (1, False, False)
+
+
+def test_null_fields_mean_absent() -> None:
+    request = _chat(temperature=None, max_tokens=None, stop=None, n=None)
+    assert request.params.max_tokens == SETTINGS.max_tokens
+
+
+@pytest.mark.parametrize(
+    ("param", "fields"),
+    [
+        ("max_tokens", {"max_tokens": 0}),
+        ("max_completion_tokens", {"max_completion_tokens": -1}),
+        ("temperature", {"temperature": "hot"}),
+        ("temperature", {"temperature": -1}),
+        ("top_p", {"top_p": 0}),
+        ("n", {"n": 0}),
+        ("n", {"n": True}),
+        ("stream", {"stream": "yes"}),
+        ("stop", {"stop": 3}),
+        ("logit_bias", {"logit_bias": {"x": 1}}),
+        ("seed", {"seed": 1.5}),
+        ("top_logprobs", {"top_logprobs": 3}),
+        ("tools", {"tools": "f"}),
+        ("tools[0]", {"tools": [{"type": "function"}]}),
+        ("tool_choice", {"tool_choice": 3}),
+        ("model", {"model": 7}),
+        ("stream_options", {"stream_options": {"include_usage": "y"}}),
+    ],
+)
+def test_bad_chat_field_is_named(param: str, fields: dict[str, object]) -> None:
+    _rejects(param, {"messages": USER, **fields})
+
+
+@pytest.mark.parametrize(
+    ("param", "messages"),
+    [
+        ("messages", None),
+        ("messages", []),
+        ("messages", "hi"),
+        ("messages[0]", ["hi"]),
+        ("messages[0].role", [{"role": "wizard", "content": "x"}]),
+        ("messages[0].content", [{"role": "user", "content": 5}]),
+        ("messages[0].content", [{"role": "user", "content": [{"type": "image_url"}]}]),
+    ],
+)
+def test_bad_messages_are_named(param: str, messages: object) -> None:
+    _rejects(param, {"messages": messages})
+
+
+def test_content_parts_join_into_text() -> None:
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    request = _schema.parse_chat({"messages": [{"role": "user", "content": parts}]}, SETTINGS)
+    assert request.prompts == ([{"role": "user", "content": "Hello, world"}],)
+
+
+def test_assistant_tool_call_arguments_become_a_mapping_for_the_template() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    request = _schema.parse_chat({"messages": messages}, SETTINGS)
+    assistant: Any = request.prompts[0][1]
+    assert assistant["content"] == ""
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert _chat(max_tokens=5, max_completion_tokens=7).params.max_tokens == 7
+
+
+def test_tool_choice_none_drops_the_tools() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert _chat(tools=tools, tool_choice="none").tools is None
+    assert _chat(tools=tools).tools == tools
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hi", ("hi",)),
+        (["a", "b"], ("a", "b")),
+        ([1, 2, 3], ([1, 2, 3],)),
+        ([[1], [2, 3]], ([1], [2, 3])),
+    ],
+)
+def test_completion_prompt_forms(prompt: object, expected: tuple[object, ...]) -> None:
+    assert _schema.parse_completion({"prompt": prompt}, SETTINGS).prompts == expected
+
+
+@pytest.mark.parametrize("prompt", [None, "", [], [""], [-1], [1.5], [[1], []], {"a": 1}, [True]])
+def test_bad_completion_prompt_is_named(prompt: object) -> None:
+    _rejects("prompt", {"prompt": prompt}, chat=False)
+
+
+def test_completion_logprobs_is_the_number_of_alternatives() -> None:
+    params = _schema.parse_completion({"prompt": "x", "logprobs": 3}, SETTINGS).params
+    assert (params.logprobs, params.top_logprobs) == (True, 3)
+    error = _rejects("logprobs", {"prompt": "x", "logprobs": 99}, chat=False)
+    assert "logprobs" in error.message
+
+
+def test_prompts_times_n_is_bounded() -> None:
+    _rejects("n", {"prompt": ["a", "b"], "n": 9}, chat=False)
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"{", b"[1]", b'"x"', b"\xff\xfe", b"[" * 100_000, b"{'a': 1}"]
+)
+def test_malformed_json_is_an_invalid_request(data: bytes) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        _schema.parse_json(data)
+    assert caught.value.code == "invalid_json"
+
+
+def test_detokenize_checks_the_vocabulary() -> None:
+    assert _schema.parse_detokenize({"tokens": [0, 9]}, 10) == [0, 9]
+    for bad in ([10], [-1], ["a"], "x", None):
+        with pytest.raises(InvalidRequest):
+            _schema.parse_detokenize({"tokens": bad}, 10)
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "a b", 3, "x" * 200])
+def test_adapter_names_are_plain(name: object) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        _schema.parse_adapter_mount({"name": name, "path": "p"})
+    assert caught.value.param == "name"
+
+
+def test_sse_event_is_one_data_line() -> None:
+    assert (
+        _sse.event({"a": "line\nbreak", "b": "é"})
+        == 'data: {"a":"line\\nbreak","b":"é"}\n\n'.encode()
+    )
+    assert _sse.DONE == b"data: [DONE]\n\n"
+
+
+def test_error_body_has_openai_shape() -> None:
+    body = error_body(InvalidRequest("bad top_p", param="top_p"))
+    assert body == {
+        "error": {
+            "message": "bad top_p",
+            "type": "invalid_request_error",
+            "param": "top_p",
+            "code": None,
+        }
+    }
+    assert error_body(RuntimeError("secret detail"))["error"]["message"] == "internal server error"
+    assert error_body(RouteNotFound())["error"]["type"] == "not_found_error"
+
+
+def test_overloaded_answers_429_with_retry_after() -> None:
+    response = error_response(EngineOverloaded("full", retry_after=2.4))
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == "2"
+
+
+class _Tokens:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_chat_and_completion_logprob_shapes() -> None:
+    texts = _openai.TokenTexts(_Tokens())
+    lps = (TokenLogprob(0, -0.25, ((0, -0.25), (1, float("-inf")))), TokenLogprob(2, -1.0))
+    chat = _openai.chat_logprobs(lps, texts)
+    assert chat["content"][0] == {
+        "token": "a",
+        "logprob": -0.25,
+        "bytes": [97],
+        "top_logprobs": [
+            {"token": "a", "logprob": -0.25, "bytes": [97]},
+            {"token": "b", "logprob": -9999.0, "bytes": [98]},
+        ],
+    }
+    text = _openai.completion_logprobs(lps, texts, offset=5)
+    assert text == {
+        "tokens": ["a", "c"],
+        "token_logprobs": [-0.25, -1.0],
+        "top_logprobs": [{"a": -0.25, "b": -9999.0}, {}],
+        "text_offset": [5, 6],
+    }
+    json.dumps(chat, allow_nan=False)
+
+
+def test_usage_counts_a_shared_prompt_once() -> None:
+    result = GenerationResult("stop", 10, 3, 4, "batch", 0.1, 0.2)
+    assert _openai.usage([result, result], n=2) == {
+        "prompt_tokens": 10,
+        "completion_tokens": 6,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+
+
+def _extractor() -> ToolCallExtractor:
+    return ToolCallExtractor(
+        start=json_tools.tool_call_start,
+        end=json_tools.tool_call_end,
+        parser=json_tools.parse_tool_call,
+        tools=None,
+    )
+
+
+def test_tool_calls_are_cut_out_of_streamed_text_even_when_split() -> None:
+    extractor = _extractor()
+    text = 'Sure. <tool_call>{"name": "get", "arguments": {"city": "Oslo"}}</tool_call> done'
+    shown, calls = [], []
+    for i in range(0, len(text), 3):
+        piece, found = extractor.feed(text[i : i + 3])
+        shown.append(piece)
+        calls.extend(found)
+        assert "<" not in piece
+    rest, more = extractor.finish()
+    assert "".join(shown) + rest == "Sure.  done"
+    assert more == []
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get", {"city": "Oslo"})]
+    assert extractor.called
+
+
+def test_a_held_back_prefix_that_is_not_a_marker_is_released() -> None:
+    extractor = _extractor()
+    assert extractor.feed("a <tool") == ("a ", [])
+    assert extractor.feed("kit>") == ("<toolkit>", [])
+
+
+def test_an_unparseable_tool_call_is_dropped() -> None:
+    extractor = _extractor()
+    assert extractor.feed("<tool_call>{not json") == ("", [])
+    assert extractor.finish() == ("", [])
+    assert not extractor.called
+
+
+def test_adapter_paths_must_stay_inside_the_folder(tmp_path: Path) -> None:
+    root = tmp_path / "adapters"
+    (root / "good").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", root / "escape")
+    settings = Settings(adapter_dir=root)
+    assert _adapter_path(settings, "good") == (root / "good").resolve()
+    with pytest.raises(InvalidRequest):
+        _adapter_path(settings, "../outside")
+    for path in (str(tmp_path / "outside"), "escape", "/etc"):
+        with pytest.raises(Forbidden):
+            _adapter_path(settings, path)
+    with pytest.raises(Forbidden):
+        _adapter_path(Settings(), "good")
+
+
+def test_streamed_tool_calls_become_indexed_deltas_and_finish_with_tool_calls() -> None:
+    from trio_mlx import Delta
+    from trio_mlx_http._generation import _ChatFormat
+
+    fmt = _ChatFormat(
+        _openai.Envelope.chat("m", chunk=True), _openai.TokenTexts(_Tokens()), [_extractor()]
+    )
+    pieces = ["Let me check. <tool_", 'call>{"name": "now", "arguments": {}}</tool_call>']
+    chunks = [c for p in pieces for c in fmt.delta(0, Delta(p, (1,)))]
+    chunks += fmt.end(0, GenerationResult("stop", 5, 9, 0, "batch", 0.1, 0.2))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"content": "Let me check. "}
+    call = deltas[1]["tool_calls"][0]
+    assert (call["index"], call["type"], call["function"]) == (
+        0,
+        "function",
+        {"name": "now", "arguments": "{}"},
+    )
+    assert call["id"].startswith("call_")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
