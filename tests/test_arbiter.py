@@ -26,7 +26,6 @@ from trio_mlx._arbiter import (
     State,
     Step,
     Wait,
-    render_block,
     replace_block,
 )
 

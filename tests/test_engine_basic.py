@@ -138,3 +138,18 @@ async def test_statistics_count_requests_and_tokens(tiny_model_path: Path) -> No
     assert stats.generated_tokens == 5
     assert stats.running_rows == stats.queued_rows == 0
     assert stats.state == "ADMITTING"
+
+
+async def test_open_engine_reports_a_missing_model_as_not_found(tmp_path: Path) -> None:
+    with pytest.raises(trio_mlx.NotFound, match="not found"):
+        async with trio_mlx.open_engine(tmp_path / "nowhere"):
+            pass  # pragma: no cover
+    with pytest.raises(trio_mlx.NotFound, match="cannot load the model"):
+        async with trio_mlx.open_engine(tmp_path):
+            pass  # pragma: no cover
+
+
+async def test_an_error_in_the_engine_block_propagates_unwrapped(tiny_model_path: Path) -> None:
+    with pytest.raises(KeyError, match="from the body"):
+        async with trio_mlx.open_engine(tiny_model_path):
+            raise KeyError("from the body")

@@ -81,6 +81,23 @@ async def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_model_pat
 
 
 @pytest.mark.model
+async def test_seeded_request_is_reproducible_under_batch_traffic(tiny_model_path: Path) -> None:
+    seeded = SamplingParams(max_tokens=16, temperature=1.5, seed=11, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path, drain_timeout=0.05) as engine:
+        quiet = await engine.complete(PROMPT, seeded)
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(
+                    engine.complete,
+                    PROMPT + " x" * i,
+                    SamplingParams(max_tokens=40, temperature=1.0, logit_bias=NO_EOS),
+                )
+            await wait_until(lambda: engine.statistics().running_rows > 0)
+            busy = await engine.complete(PROMPT, seeded)
+    assert busy.token_ids == quiet.token_ids
+
+
+@pytest.mark.model
 async def test_serial_greedy_equals_batch_greedy(tiny_model_path: Path) -> None:
     params = SamplingParams(max_tokens=20, logit_bias=NO_EOS)
     async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:

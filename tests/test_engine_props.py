@@ -47,10 +47,14 @@ def adapter_dir(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def _check_decisions(log: list[tuple[Any, Any]]) -> None:
     """The arbiter's invariants, on the decisions the actor carried out."""
+    last_job = 0
     for decision, after in log:
         assert after.running_rows <= MAX_BATCH
         if isinstance(decision, Start):
             assert after.running_rows == 0, "a job started while rows ran"
+            # Ids grow with submission order: jobs start first come, first served.
+            assert decision.job_id > last_job
+            last_job = decision.job_id
         if isinstance(decision, Admit | Resume):
             assert after.state.name == "ADMITTING", "rows admitted outside ADMITTING"
         if isinstance(decision, Step):
@@ -60,7 +64,8 @@ def _check_decisions(log: list[tuple[Any, Any]]) -> None:
 
 
 def _idle(stats: trio_mlx.EngineStatistics) -> bool:
-    busy = stats.running_rows + stats.queued_rows + stats.parked_rows + stats.waiting_jobs
+    busy = stats.running_rows + stats.queued_rows + stats.parked_rows
+    busy += stats.waiting_jobs + stats.running_jobs
     return busy == 0 and stats.batch_rows == 0
 
 
@@ -121,7 +126,7 @@ async def _scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]) -> N
         stats = engine.statistics()
 
     assert all(len(o) == 1 for o in outcomes.values()), outcomes
-    assert stats.running_rows == stats.queued_rows == stats.parked_rows == stats.waiting_jobs == 0
+    assert _idle(stats)
     assert stats.arbiter.running_job is None
     assert stats.batch_rows == 0
     assert stats.requests["batch:failed"] == 0

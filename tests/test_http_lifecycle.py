@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -233,3 +237,48 @@ async def test_a_closed_engine_answers_503(tiny_model_path: Path) -> None:
     assert (await health.get_json())["error"]["type"] == "service_unavailable"
     reply = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     assert reply.status_code == 503
+
+
+async def test_cli_serves_and_exits_0_on_sigterm(tiny_model_path: Path) -> None:
+    command = [sys.executable, "-m", "trio_mlx_http", "serve", "--model", str(tiny_model_path)]
+    command += ["--port", "0", "--no-fast-blas", "--graceful-timeout", "5"]
+    process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
+    assert process.stderr is not None
+    try:
+        log = b""
+        with trio.fail_after(60):
+            while b"serving " not in log:
+                chunk = await process.stderr.receive_some()
+                assert chunk, log.decode()
+                log += chunk
+        url = re.search(rb"serving \S+ on (http://\S+)", log)
+        assert url is not None, log.decode()
+        async with httpx.AsyncClient(base_url=url.group(1).decode()) as http:
+            reply = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+            assert reply.json()["usage"]["completion_tokens"] == 3
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            assert await process.wait() == 0
+        while chunk := await process.stderr.receive_some():
+            log += chunk
+        assert b"POST /v1/completions 200 tokens=3" in log
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_disconnect_mid_serial_request_stops_its_job(tiny_model_path: Path) -> None:
+    async with (
+        live_server(tiny_model_path) as server,
+        httpx.AsyncClient(base_url=server.url) as http,
+    ):
+        # A seed sends the request to the serial lane.
+        body = {"prompt": "Hello", "max_tokens": 2000, "seed": 1, "logit_bias": NO_EOS}
+        with trio.move_on_after(0.3):
+            await http.post("/v1/completions", json=body)
+        await _until(lambda: server.engine.statistics().requests["serial:cancelled"] == 1)
+        generated = server.engine.statistics().generated_tokens
+        await trio.sleep(0.1)
+        assert server.engine.statistics().generated_tokens == generated < 1000
+        assert (await http.get("/health")).status_code == 200

@@ -290,3 +290,25 @@ async def test_adapter_mounts_serves_as_a_model_and_unmounts(
         assert (await http.delete("/v1/adapters/shout")).json()["deleted"] is True
         body["model"] = "shout"
         _error(await http.post("/v1/completions", json=body), 404, "model")
+
+
+async def test_cors_preflight_needs_no_key_and_responses_carry_the_origin(
+    tiny_model_path: Path,
+) -> None:
+    settings = Settings(api_key=KEY, cors_origin="https://app.example")
+    async with (
+        live_server(tiny_model_path, settings) as server,
+        httpx.AsyncClient(base_url=server.url) as http,
+    ):
+        headers = {
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        preflight = await http.options("/v1/chat/completions", headers=headers)
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        assert "Authorization" in preflight.headers["access-control-allow-headers"]
+        denied = await http.get("/v1/models")
+        assert denied.status_code == 401
+        assert denied.headers["access-control-allow-origin"] == "https://app.example"

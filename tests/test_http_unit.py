@@ -3,12 +3,16 @@ response shapes, tool-call extraction, the adapter folder check, error bodies.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools
 from werkzeug.exceptions import NotFound as RouteNotFound
 
@@ -306,3 +310,58 @@ def test_streamed_tool_calls_become_indexed_deltas_and_finish_with_tool_calls() 
     )
     assert call["id"].startswith("call_")
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+_FIELDS = st.sampled_from(
+    [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "seed",
+        "n",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "stream_options",
+        "adapter",
+        "user",
+        "tools",
+        "tool_choice",
+    ]
+)
+
+
+@pytest.mark.props
+@given(body=st.dictionaries(_FIELDS, _JSON, max_size=6), chat=st.booleans())
+def test_any_json_body_parses_or_raises_invalid_request(
+    body: dict[str, object], chat: bool
+) -> None:
+    parse = _schema.parse_chat if chat else _schema.parse_completion
+    with contextlib.suppress(InvalidRequest):
+        parse(body, SETTINGS)
+
+
+def test_max_tokens_beyond_the_context_is_cut_to_it() -> None:
+    from trio_mlx_http._generation import _clamp_max_tokens
+
+    state: Any = SimpleNamespace(engine=SimpleNamespace(context_length=100))
+    assert _clamp_max_tokens(state, _chat(max_tokens=10**9)).params.max_tokens == 100
+    assert _clamp_max_tokens(state, _chat(max_tokens=7)).params.max_tokens == 7

@@ -98,28 +98,54 @@ async def _sse_lines(response: Any) -> Any:
         yield buffer.decode()
 
 
+#: Attempts at a request that failed before any response (a refused or reset connection:
+#: ``mlx_lm.server``'s listen backlog is 5), as a real client (``openai``) retries it.
+ATTEMPTS = 5
+
+
 async def _chat(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     record: dict[str, Any] = {"start": time.monotonic(), "first": None, "tokens": None}
-    chunks = 0
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            record["status"] = response.status_code
-            async for line in _sse_lines(response):
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if data.get("usage"):
-                    record["tokens"] = data["usage"].get("completion_tokens")
-                for choice in data.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        chunks += 1
-                        if record["first"] is None:
-                            record["first"] = time.monotonic()
-    except Exception as exc:  # a failed request is a result, not a crash of the client
-        record["error"] = f"{type(exc).__name__}: {exc}"
+    record["retries"] = 0
+    for attempt in range(ATTEMPTS):
+        record.pop("error", None)
+        try:
+            await _stream_chat(client, url, body, record)
+            break
+        except Exception as exc:  # a failed request is a result, not a crash of the client
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            if "status" in record or attempt == ATTEMPTS - 1:
+                break
+            record["retries"] += 1
+            await _sleep(0.05 * (attempt + 1))
     record["end"] = time.monotonic()
-    record["chunks"] = chunks
     return record
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+async def _stream_chat(client: Any, url: str, body: dict[str, Any], record: dict[str, Any]) -> None:
+    """Send one streaming chat request; fill in ``record`` as the stream goes."""
+    record["chunks"] = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        record["status"] = response.status_code
+        if response.status_code != 200:
+            record["error"] = (await response.aread()).decode(errors="replace")[:300]
+            return
+        async for line in _sse_lines(response):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                record["tokens"] = data["usage"].get("completion_tokens")
+            for choice in data.get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    record["chunks"] += 1
+                    if record["first"] is None:
+                        record["first"] = time.monotonic()
 
 
 async def _closed(client: Any, spec: dict[str, Any], t0: float) -> list[dict[str, Any]]:

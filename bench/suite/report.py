@@ -46,27 +46,33 @@ def _server_md(results: dict[str, Any]) -> list[str]:
     lines += [
         "Aggregate output tokens/s of C streaming clients (in separate processes), "
         "TTFT and request latency in ms; `x bare` divides by a bare `BatchGenerator` "
-        "run of C rows with the same prompt length and max_tokens (prompt processing "
-        "included). `client CPU` is the busiest client process's CPU use (1.0 = one core).",
+        "run of C rows with the same prompt length and max_tokens, end to end (prompt "
+        "processing and tail included), `x bare decode` by its steady-state decode rate. "
+        "`failed (retries)`: requests that failed, and connections retried before any "
+        "response (as the `openai` client does). `client CPU` is the busiest client "
+        "process's CPU use (1.0 = one core); `server CPU` the server process's.",
         "",
-        "| model | server | C | tok/s | x bare | TTFT p50 | TTFT p99 | latency p50 | latency p99 | exact tokens | client CPU | server CPU |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| model | server | C | tok/s | x bare | x bare decode | TTFT p50 | TTFT p99 | latency p50 | latency p99 | exact tokens | failed (retries) | client CPU | server CPU |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for model, data in results.get("server", {}).items():
         bare = data.get("bare", {})
         for c, b in sorted(bare.items(), key=lambda kv: int(kv[0])):
             lines.append(
                 f"| {model} | bare BatchGenerator | {c} | {_num(b['e2e_tok_s'])} | 1.00 | "
-                f"{_ms(b['ttft_max_s'])} (max) | | | | {b['complete']} | | |"
+                f"{_num(b['decode_tok_s'])} tok/s | {_ms(b['ttft_max_s'])} (max) | | | | "
+                f"{b['complete']} | | | |"
             )
         for name, rows in data.get("servers", {}).items():
             for row in rows:
-                ceiling = bare.get(str(row["concurrency"]), {}).get("e2e_tok_s")
+                ceiling = bare.get(str(row["concurrency"]), {})
                 lines.append(
                     f"| {model} | {name} | {row['concurrency']} | {_num(row['tok_s'])} | "
-                    f"{_ratio(row['tok_s'], ceiling)} | {_ms(row['ttft_p50_s'])} | "
+                    f"{_ratio(row['tok_s'], ceiling.get('e2e_tok_s'))} | "
+                    f"{_ratio(row['tok_s'], ceiling.get('decode_tok_s'))} | {_ms(row['ttft_p50_s'])} | "
                     f"{_ms(row['ttft_p99_s'])} | {_ms(row['latency_p50_s'])} | "
                     f"{_ms(row['latency_p99_s'])} | {row.get('exact_tokens')} | "
+                    f"{row['failed']} ({row.get('retries', 0)}) | "
                     f"{row['client_cpu_max']:.2f} | {row['server_cpu']:.2f} |"
                 )
         vs = _server_ratios(data)
@@ -170,14 +176,16 @@ def _cache_md(results: dict[str, Any]) -> list[str]:
         "`cold`: a fresh prefix (nothing cached); `warm`: the same prefix as the request "
         "before (different suffix). TTFT ms, p50 over the trials; `serial` requests carry a seed.",
         "",
-        "| server | prefix words | lane | cold | warm | cold/warm |",
-        "| --- | ---: | --- | ---: | ---: | ---: |",
+        "| server | prefix words | lane | cold | warm | cold/warm | errors |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- |",
     ]
     for name, p in data.items():
         for lane in ("batch", "serial"):
             c, w = p[lane]["cold_ttft_p50_s"], p[lane]["warm_ttft_p50_s"]
+            errors = "; ".join(p[lane].get("errors", []))
             lines.append(
-                f"| {name} | {p['prefix_words']} | {lane} | {_ms(c)} | {_ms(w)} | {_ratio(c, w)} |"
+                f"| {name} | {p['prefix_words']} | {lane} | {_ms(c)} | {_ms(w)} | "
+                f"{_ratio(c, w)} | {errors} |"
             )
     return [*lines, ""]
 
@@ -215,6 +223,8 @@ def markdown(results: dict[str, Any]) -> str:
         _cache_md,
     ):
         lines += section(results)
+    if results.get("notes"):
+        lines += ["## Notes", ""] + [f"- {note}" for note in results["notes"]] + [""]
     if results.get("not_run"):
         lines += ["## Not run", ""] + [f"- not run: {reason}" for reason in results["not_run"]]
         lines.append("")

@@ -46,6 +46,7 @@ def _stats(records: Sequence[dict[str, Any]], max_tokens: int | None) -> dict[st
     errors = sorted({str(r.get("error") or r.get("status")) for r in records if r not in ok})
     if errors:
         out["errors"] = errors[:5]
+    out["retries"] = sum(r.get("retries", 0) for r in records)
     return out
 
 
@@ -174,6 +175,7 @@ def prompt_cache(server: Server, profile: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"prefix_words": p["prefix_words"]}
     for lane, with_seed in (("batch", False), ("serial", True)):
         ttft: dict[str, list[float]] = {"cold": [], "warm": []}
+        errors: set[str] = set()
         for trial in range(p["trials"]):
             words = (f"{lane}{trial}x{i}" for i in range(p["prefix_words"]))
             prefix = " ".join(words) + " "
@@ -184,8 +186,11 @@ def prompt_cache(server: Server, profile: dict[str, Any]) -> dict[str, Any]:
                 record = run_clients([spec])[0]["records"][0]
                 if record.get("first"):
                     ttft[kind].append(record["first"] - record["start"])
+                else:
+                    errors.add(str(record.get("error") or record.get("status"))[:200])
         out[lane] = {
             "cold_ttft_p50_s": percentile(ttft["cold"], 50),
             "warm_ttft_p50_s": percentile(ttft["warm"], 50),
+            "errors": sorted(errors),
         }
     return out

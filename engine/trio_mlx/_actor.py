@@ -3,10 +3,14 @@
 Theory of operation
 ===================
 
-Submissions and cancellations are synchronous ``*_nowait`` calls on the Trio
-thread (the actor's own thread), so a full queue or a closed engine raises at
-once. They update the arbiter and ring the actor's doorbell. The actor task
-loops: ``arbiter.decide(now)`` and carry it out:
+Submissions go through a bounded ``trio`` memory channel, the inbox:
+``submit`` is ``send_nowait`` (a full inbox raises EngineOverloaded at once)
+and then waits until the actor has taken the request to the arbiter (which
+may still say the queue is full, or that the engine is closed).
+Cancellations do not queue behind anything: ``cancel_nowait`` is a
+synchronous call on the Trio thread, the actor's own thread, so it can never
+be dropped or blocked. Both ring the actor's doorbell. The actor task drains
+the inbox, then asks ``arbiter.decide(now)`` and carries the decision out:
 
 - ``Admit`` / ``Resume``: remember the rows; they enter the batch with the next step;
 - ``Step``: ONE worker call removes cancelled rows, inserts admitted ones, runs one
@@ -29,8 +33,9 @@ import enum
 import itertools
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -139,12 +144,16 @@ class EngineStatistics:
     queued_rows: int
     parked_rows: int
     waiting_jobs: int
+    #: 1 while an exclusive job (a serial generation, a mount, a user function) runs.
+    running_jobs: int
     worker_alive: bool
+    #: Seconds the MLX thread spent running calls since the engine started.
+    worker_busy_seconds: float
     #: Rows the batch lane held after the last step (running or parked, on the MLX thread).
     batch_rows: int
     adapters: tuple[str, ...]
     #: Requests by ``"lane:outcome"`` (lanes batch, serial, job).
-    requests: dict[str, int]
+    requests: Mapping[str, int]
     prompt_tokens: int
     cached_prompt_tokens: int
     generated_tokens: int
@@ -290,11 +299,13 @@ class Actor:
             running_rows=arb.running_rows,
             queued_rows=arb.queued_rows,
             parked_rows=arb.parked_rows,
-            waiting_jobs=arb.waiting_jobs + (arb.running_job is not None),
+            waiting_jobs=arb.waiting_jobs,
+            running_jobs=int(arb.running_job is not None),
             worker_alive=self.worker.alive,
+            worker_busy_seconds=self.worker.busy_seconds,
             batch_rows=self._batch_rows,
             adapters=self.adapters(),
-            requests=requests,
+            requests=MappingProxyType(requests),
             prompt_tokens=self._tokens["prompt"],
             cached_prompt_tokens=self._tokens["cached"],
             generated_tokens=self._tokens["generated"],

@@ -659,7 +659,7 @@ class Arbiter:
                 self._drain_deadline = None
                 return None
             case Does.END_CYCLE:
-                self._steps_owed = 0
+                self._steps_owed = self._policy.min_batch_steps
                 return None
             case Does.WAIT:
                 return Wait(None)

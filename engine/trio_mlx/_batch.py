@@ -127,6 +127,7 @@ class BatchLane:
     prompt_cache: PromptCache | None = None
     cache_key: Hashable = "base"
     prefill_step_size: int = 2048
+    prefill_batch_size: int = 8
     _generator: Any = attrs.field(init=False, default=None)
     _rows: dict[int, _Row] = attrs.field(init=False, factory=dict)
     _by_uid: dict[int, int] = attrs.field(init=False, factory=dict)
@@ -146,7 +147,7 @@ class BatchLane:
         return BatchGenerator(
             self.model,
             completion_batch_size=self.max_batch,
-            prefill_batch_size=min(self.max_batch, 8),
+            prefill_batch_size=min(self.max_batch, self.prefill_batch_size),
             prefill_step_size=self.prefill_step_size,
         )
 
@@ -180,6 +181,15 @@ class BatchLane:
         if self._by_uid:
             events.extend(self._decode())
         return StepResult(events, cached, len(self._rows))
+
+    def close(self) -> None:
+        """Drop every row and release the generator (on the MLX thread, at shutdown)."""
+        self._rows.clear()
+        self._by_uid.clear()
+        self._generator.close()
+        self._generator = self._new_generator()
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
 
     def discard(self, ids: Sequence[int]) -> int:
         """Remove rows without decoding; returns the rows left."""

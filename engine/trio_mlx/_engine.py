@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -80,6 +81,7 @@ def _load(
     max_batch: int,
     prompt_cache_bytes: int,
     prefill_step_size: int,
+    prefill_batch_size: int,
 ) -> _Loaded:
     """Load, check and warm the model (on the worker thread)."""
     import mlx.core as mx
@@ -91,7 +93,13 @@ def _load(
     if adapter_path is not None:
         _fuse_lora(model)
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
-    lane = BatchLane(model, tokenizer, max_batch, prefill_step_size=prefill_step_size)
+    lane = BatchLane(
+        model,
+        tokenizer,
+        max_batch,
+        prefill_step_size=prefill_step_size,
+        prefill_batch_size=prefill_batch_size,
+    )
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
         lane.step([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))])
@@ -116,6 +124,7 @@ async def open_engine(
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
     grace_period: float = 5.0,
     prefill_step_size: int = 2048,
+    prefill_batch_size: int = 8,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -126,7 +135,9 @@ async def open_engine(
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
-    caps the prompt cache (0 disables it).
+    caps the prompt cache (0 disables it). ``prefill_step_size`` and
+    ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
+    prompts prefilled together.
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -142,21 +153,38 @@ async def open_engine(
         raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
     path = _resolve_model(model)
     adapter = os.fspath(adapter_path) if adapter_path is not None else None
-    load = partial(_load, path, adapter, max_batch, prompt_cache_bytes, prefill_step_size)
-    # The body's own exception is re-raised as itself, not wrapped in the
-    # nursery's ExceptionGroup.
-    body_error: BaseException | None = None
+    if prefill_step_size < 1 or prefill_batch_size < 1:
+        raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
+    load = partial(
+        _load,
+        path,
+        adapter,
+        max_batch,
+        prompt_cache_bytes,
+        prefill_step_size,
+        prefill_batch_size,
+    )
+    # Errors of the start and of the body are re-raised as themselves, not
+    # wrapped in the nursery's ExceptionGroup.
+    error: BaseException | None = None
     async with trio.open_nursery() as nursery:
-        engine: Engine = await nursery.start(_serve, policy, Path(path).name, load)
         try:
-            yield engine
-        except BaseException as exc:
-            body_error = exc
-        finally:
-            with trio.CancelScope(shield=True):
-                await engine._shutdown(grace_period)
-    if body_error is not None:
-        raise body_error
+            engine: Engine = await nursery.start(_serve, policy, Path(path).name, load)
+        except FileNotFoundError as exc:
+            error = NotFound(f"cannot load the model at {path}: {exc}", param="model")
+            error.__cause__ = exc
+        except Exception as exc:
+            error = exc
+        else:
+            try:
+                yield engine
+            except BaseException as exc:
+                error = exc
+            finally:
+                with trio.CancelScope(shield=True):
+                    await engine._shutdown(grace_period)
+    if error is not None:
+        raise error
 
 
 async def _serve(
@@ -182,7 +210,12 @@ async def _serve(
         )
         engine._actor = actor
         worker.on_death = actor.on_worker_death
-        await actor.run(engine, task_status=task_status)
+        try:
+            await actor.run(engine, task_status=task_status)
+        finally:
+            # KV caches are MLX arrays: free them on the thread that made them.
+            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await worker.run(loaded.lane.close)
     finally:
         with trio.CancelScope(shield=True):
             await worker.stop()
@@ -476,6 +509,8 @@ class GenerationStream:
         return self._result
 
     async def __aenter__(self) -> GenerationStream:
+        if self._request is not None:
+            raise RuntimeError("a GenerationStream can be entered only once")
         await trio.lowlevel.checkpoint_if_cancelled()
         self._request = await self._engine._submit(self._prompt, self._params, self._tools)
         return self

@@ -49,6 +49,10 @@ class PromptCache:
         self.cached_tokens += len(tokens) - len(rest)
         return cache, rest
 
+    def clear(self) -> None:
+        """Drop every cached entry."""
+        self._lru.trim_to(n_sequences=0)
+
     def store(self, key: Hashable, tokens: Sequence[int], cache: list[Any]) -> None:
         """Keep ``cache`` (holding exactly ``tokens``) for later requests."""
         if self.max_bytes <= 0 or not tokens:

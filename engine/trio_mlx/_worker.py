@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -45,6 +46,7 @@ class Worker:
     _alive: bool = attrs.field(init=False, default=False)
     _ended: trio.Event = attrs.field(init=False, factory=trio.Event)
     _calls: int = attrs.field(init=False, default=0)
+    _busy: float = attrs.field(init=False, default=0.0)
 
     @property
     def alive(self) -> bool:
@@ -55,6 +57,11 @@ class Worker:
     def calls(self) -> int:
         """How many calls the worker has run."""
         return self._calls
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the thread has spent running calls (the rest it waited for work)."""
+        return self._busy
 
     def start(self) -> None:
         """Start the thread; must be called from Trio."""
@@ -114,7 +121,9 @@ class Worker:
                 if item is _STOP:
                     break
                 fn, deliver = item
+                start = time.perf_counter()
                 result = outcome.capture(fn)
+                self._busy += time.perf_counter() - start
                 self._calls += 1
                 if isinstance(result, outcome.Error) and not isinstance(result.error, Exception):
                     death = result.error

@@ -188,6 +188,14 @@ def _resolve_model(state: ServerState, request: GenerationRequest) -> tuple[str,
     )
 
 
+def _clamp_max_tokens(state: ServerState, request: GenerationRequest) -> GenerationRequest:
+    """No completion outgrows the context: a larger max_tokens is cut to the context length."""
+    limit = state.engine.context_length
+    if limit is None or request.params.max_tokens <= limit:
+        return request
+    return attrs.evolve(request, params=attrs.evolve(request.params, max_tokens=limit))
+
+
 def _check_tools(state: ServerState, tools: list[dict[str, Any]] | None) -> None:
     if tools and not state.engine.tokenizer.has_tool_calling:
         raise InvalidRequest(
@@ -214,7 +222,7 @@ async def respond(
     state: ServerState, request: GenerationRequest, *, chat: bool, access: Access
 ) -> Response | dict[str, Any]:
     """Run ``request``; a streaming response or the whole JSON body."""
-    model, request = _resolve_model(state, request)
+    model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
     choices = len(request.prompts) * request.n
     fmt: _Format

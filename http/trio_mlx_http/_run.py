@@ -41,7 +41,9 @@ def _apply_chat_template(engine: trio_mlx.Engine, template: str | None) -> None:
         return
     path = Path(template)
     text = path.read_text() if len(template) < 4096 and path.is_file() else template
+    # What mlx_lm.server does; open_engine has no chat_template option yet.
     engine.tokenizer.chat_template = text
+    engine.tokenizer.has_chat_template = True
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
