@@ -6,6 +6,14 @@ concurrent ``engine.generate`` consumers; the bare loop inserts B rows into
 one ``BatchGenerator`` and calls ``next()`` until they are done. Both count
 the tokens actually generated (greedy, so the two produce the same ones).
 
+Columns: the best tok/s of each over the runs, the median of the ratios of
+back-to-back pairs (the engine run right after its bare run), the share of
+wall time the engine's MLX thread spent in calls (the rest it waited for the
+actor; MLX's own threads may still be computing the step queued with
+``async_eval``), and the ratio of CPU seconds per token (all threads of the
+process): the engine's extra work, which is what a busy shared machine shows
+least noisily.
+
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         python bench/engine_vs_bare.py
 """
@@ -27,6 +35,12 @@ from trio_mlx.testing import make_random_llama
 
 #: The MLX thread's busy fraction in each engine run: the rest is the engine's own overhead.
 BUSY: list[float] = []
+#: CPU seconds (all threads of this process) per generated token, per run.
+CPU: dict[str, list[float]] = {"bare": [], "engine": []}
+#: The engine's own work per token, in microseconds: the Trio thread's CPU time
+#: (actor, routing, consumers) and the MLX thread's time outside
+#: ``BatchGenerator.next()`` (detokenizing, stop strings, events).
+OVERHEAD: dict[str, list[float]] = {"trio": [], "worker": []}
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -52,6 +66,7 @@ def bare(path: Path, rows: list[list[int]], tokens: int) -> tuple[int, float]:
         gen.insert(rows[:1], max_tokens=[4])  # warm up
         while gen.next_generated() or len(gen._generation_batch):
             pass
+        cpu = time.process_time()
         start = time.perf_counter()
         gen.insert(rows, max_tokens=[tokens] * len(rows))
         count, live = 0, len(rows)
@@ -61,6 +76,7 @@ def bare(path: Path, rows: list[list[int]], tokens: int) -> tuple[int, float]:
                 if response.finish_reason is not None:
                     live -= 1
         out.append((count, time.perf_counter() - start))
+        CPU["bare"].append((time.process_time() - cpu) / count)
         gen.close()
 
     thread = threading.Thread(target=run)
@@ -72,7 +88,10 @@ def bare(path: Path, rows: list[list[int]], tokens: int) -> tuple[int, float]:
 async def engine(path: Path, rows: list[list[int]], tokens: int) -> tuple[int, float]:
     """(tokens generated, seconds) for B concurrent engine.generate consumers."""
     params = trio_mlx.SamplingParams(max_tokens=tokens)
-    async with trio_mlx.open_engine(path, max_batch=len(rows), prompt_cache_bytes=0) as eng:
+    # max_batch=1 would send every request to the serial lane: keep the batch lane.
+    async with trio_mlx.open_engine(
+        path, max_batch=max(2, len(rows)), prompt_cache_bytes=0
+    ) as eng:
 
         async def one(row: list[int]) -> None:
             async with eng.generate(row, params) as stream:
@@ -80,14 +99,24 @@ async def engine(path: Path, rows: list[list[int]], tokens: int) -> tuple[int, f
                     pass
 
         busy = eng.statistics().worker_busy_seconds
+        lane = eng._actor.lane
+        inside = lane.generator_seconds
+        trio_cpu = time.thread_time()
+        cpu = time.process_time()
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for row in rows:
                 nursery.start_soon(one, row)
         elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+        trio_cpu = time.thread_time() - trio_cpu
         stats = eng.statistics()
         generated = stats.generated_tokens
         BUSY.append((stats.worker_busy_seconds - busy) / elapsed)
+        CPU["engine"].append(cpu / generated)
+        worker = stats.worker_busy_seconds - busy - (lane.generator_seconds - inside)
+        OVERHEAD["trio"].append(trio_cpu / generated * 1e6)
+        OVERHEAD["worker"].append(worker / generated * 1e6)
     return generated, elapsed
 
 
@@ -112,13 +141,18 @@ def main() -> None:
         )
         print(
             f"{'B':>4} {'bare tok/s':>11} {'engine tok/s':>13} {'best ratio':>11}"
-            f" {'median paired ratio':>20} {'MLX thread busy':>16}"
+            f" {'median paired ratio':>20} {'MLX thread busy':>16} {'CPU/token ratio':>16}"
+            f" {'engine us/token (trio+mlx thread)':>34}"
             f"  (best of {args.repeats}; pairs run back to back)"
         )
         for batch in args.batches:
             rows = prompts(batch, args.prompt, vocab)
             bare_rates, engine_rates = [], []
             BUSY.clear()
+            CPU["bare"].clear()
+            CPU["engine"].clear()
+            OVERHEAD["trio"].clear()
+            OVERHEAD["worker"].clear()
             for _ in range(args.repeats):
                 count, seconds = bare(path, rows, args.tokens)
                 bare_rates.append(count / seconds)
@@ -128,7 +162,10 @@ def main() -> None:
             print(
                 f"{batch:>4} {max(bare_rates):>11.1f} {max(engine_rates):>13.1f}"
                 f" {max(engine_rates) / max(bare_rates):>11.3f} {paired:>20.3f}"
-                f" {statistics.median(BUSY):>16.1%}",
+                f" {statistics.median(BUSY):>16.1%}"
+                f" {statistics.median(CPU['engine']) / statistics.median(CPU['bare']):>16.3f}"
+                f" {statistics.median(OVERHEAD['trio']):>20.1f} +"
+                f" {statistics.median(OVERHEAD['worker']):>11.1f}",
                 flush=True,
             )
 

@@ -220,3 +220,22 @@ async def test_shutdown_lets_short_work_finish_within_the_grace_period(
     assert len(results) == 1
     assert isinstance(results[0], trio_mlx.Completion)
     assert len(results[0].token_ids) == 50
+
+
+async def test_cancelling_the_engine_block_skips_the_grace_period(tiny_model_path: Path) -> None:
+    outcomes: list[Any] = []
+    forever = SamplingParams(max_tokens=100_000, logit_bias=NO_EOS)
+    start = trio.current_time()
+    with trio.move_on_after(0.5) as scope:
+        async with trio_mlx.open_engine(tiny_model_path, grace_period=60.0) as engine:
+
+            async def run() -> None:
+                outcomes.append(await _outcome(engine, forever))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                await trio.sleep_forever()
+    assert scope.cancelled_caught
+    assert trio.current_time() - start < 10.0
+    assert engine.statistics().state == "CLOSED"
+    assert _worker_threads() == []

@@ -67,37 +67,43 @@ async def test_parked_rows_finish_like_unparked_rows(tiny_model_path: Path) -> N
 
 
 async def test_serial_job_is_not_starved_by_sustained_batch_traffic(tiny_model_path: Path) -> None:
-    drain_timeout = 0.2
+    # Rows far longer than the drain timeout, so the job must preempt them.
+    drain_timeout = 0.05
+    row_params = SamplingParams(max_tokens=300, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        reference = {p: await engine.complete(p, row_params) for p in PROMPTS}
     async with trio_mlx.open_engine(
-        tiny_model_path, max_batch=4, drain_timeout=drain_timeout
+        tiny_model_path, max_batch=4, drain_timeout=drain_timeout, prompt_cache_bytes=0
     ) as engine:
         stop = trio.Event()
-        finished_rows = 0
+        rows: list[tuple[str, tuple[int, ...]]] = []
 
         async def traffic(i: int) -> None:
-            nonlocal finished_rows
+            # Each row is resubmitted as soon as it finishes.
             while not stop.is_set():
-                async with engine.generate(
-                    PROMPTS[i % 3], SamplingParams(max_tokens=200, logit_bias=NO_EOS)
-                ) as stream:
-                    await _collect(stream)
-                finished_rows += 1
+                async with engine.generate(PROMPTS[i % 3], row_params) as stream:
+                    rows.append((PROMPTS[i % 3], await _collect(stream)))
 
         async with trio.open_nursery() as nursery:
             for i in range(4):
                 nursery.start_soon(traffic, i)
             await _wait_for(lambda: engine.statistics().running_rows == 4)
-            start = trio.current_time()
-            seen = await engine.run_exclusive(lambda model, tokenizer: "ran")
-            waited = trio.current_time() - start
+            serial = SamplingParams(max_tokens=5, seed=3, logit_bias=NO_EOS)
+            async with engine.generate(PROMPTS[0], serial) as stream:
+                await _collect(stream)
             stop.set()
-            # The parked rows resume and the traffic winds down.
         stats = engine.statistics()
-    assert seen == "ran"
+    waited = stream.result.time_to_first_token
+    assert stream.result.lane == "serial"
+    assert waited is not None
     # Within drain_timeout plus a step (generous for a shared CI machine).
     assert waited < drain_timeout + 1.0
     assert stats.preemptions >= 1
     assert stats.running_rows == stats.parked_rows == stats.queued_rows == 0
+    # Parked rows finished with exactly max_tokens, the same tokens as unparked runs.
+    assert rows
+    for prompt, tokens in rows:
+        assert tokens == reference[prompt].token_ids
 
 
 async def test_leaving_generate_early_frees_the_row_within_one_step(tiny_model_path: Path) -> None:

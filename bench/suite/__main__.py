@@ -382,13 +382,16 @@ def _ms(value: float | None) -> str:
 def main() -> None:
     """Parse the command line and run the suite."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_const", const="quick", dest="profile")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="full")
+    parser.add_argument(
+        "--quick", action="store_const", const="quick", dest="profile", help="--profile quick"
+    )
+    parser.add_argument("--profile", choices=sorted(PROFILES), help="default: full")
     parser.add_argument("--machine", default=None, help="results go to bench/results/MACHINE/")
     parser.add_argument("--models", help="comma-separated: default, random-25m, llama-1b, tiny")
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/MACHINE/")
+    parser.set_defaults(profile="full")
     args = parser.parse_args()
     if args.machine is None:
         args.machine = "gpu" if args.profile == "gpu" else "cpu"

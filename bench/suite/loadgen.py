@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 #: Words the prompts are made of: plain English, so any BPE tokenizes them.
@@ -247,6 +248,8 @@ def run_clients(specs: Sequence[dict[str, Any]], timeout: float = 900.0) -> list
     """Run every spec in its own process, started together; return their results in order."""
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)  # clients load no model
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "bench.suite.loadgen", json.dumps(spec)],

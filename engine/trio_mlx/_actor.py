@@ -171,7 +171,9 @@ class Actor:
     worker: Worker
     lane: BatchLane
     #: Builds the worker-side callable of a serial generation.
-    serial_work: Callable[[Request, Callable[[RowEvent], None], Callable[[int], None]], Any]
+    serial_work: Callable[
+        [Request, Callable[[list[RowEvent]], None], Callable[[int], None]], Any
+    ]
     adapters: Callable[[], tuple[str, ...]]
     #: Called with each decision and the arbiter's statistics after it (tests record them).
     decision_hook: Callable[[Any, ArbiterStatistics], None] | None = None
@@ -534,15 +536,17 @@ class Actor:
             self._end(request, "finished")
         self._ring()
 
-    def _route_serial(self, event: RowEvent) -> None:
-        request = self._requests.get(event.id)
-        if request is None or request.phase is not Phase.RUNNING:
-            return
-        if event.finish_reason is not None:
-            # Held until the job has ended, so the request ends exactly once, then.
-            request.final = event
-            return
-        self._deliver(request, event, trio.current_time())
+    def _route_serial(self, events: list[RowEvent]) -> None:
+        now = trio.current_time()
+        for event in events:
+            request = self._requests.get(event.id)
+            if request is None or request.phase is not Phase.RUNNING:
+                return
+            if event.finish_reason is not None:
+                # Held until the job has ended, so the request ends exactly once, then.
+                request.final = event
+                return
+            self._deliver(request, event, now)
 
     def _cached(self, request: Request, cached: int) -> None:
         request.cached_tokens = cached

@@ -19,6 +19,7 @@ Every mlx-lm call of the engine's batching lives in this module: its
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -128,6 +129,8 @@ class BatchLane:
     cache_key: Hashable = "base"
     prefill_step_size: int = 2048
     prefill_batch_size: int = 8
+    #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
+    generator_seconds: float = attrs.field(init=False, default=0.0)
     _generator: Any = attrs.field(init=False, default=None)
     _rows: dict[int, _Row] = attrs.field(init=False, factory=dict)
     _by_uid: dict[int, int] = attrs.field(init=False, factory=dict)
@@ -287,6 +290,7 @@ class BatchLane:
             self._by_uid.pop(row.uid, None)
 
     def _decode(self) -> list[RowEvent]:
+        start = time.perf_counter()
         try:
             _prompt_responses, responses = self._generator.next()
         except Exception as exc:
@@ -294,6 +298,7 @@ class BatchLane:
             events = self.fail_all(exc)
             self._generator = self._new_generator()
             return events
+        self.generator_seconds += time.perf_counter() - start
         events = []
         finished: list[int] = []
         for response in responses:

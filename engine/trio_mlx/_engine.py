@@ -181,8 +181,10 @@ async def open_engine(
             except BaseException as exc:
                 error = exc
             finally:
+                # Cancelled from outside: no grace, end the work now.
+                grace = 0.0 if isinstance(error, trio.Cancelled) else grace_period
                 with trio.CancelScope(shield=True):
-                    await engine._shutdown(grace_period)
+                    await engine._shutdown(grace)
     if error is not None:
         raise error
 
@@ -443,7 +445,7 @@ class Engine:
     def _serial_work(
         self,
         request: Request,
-        emit: Callable[[RowEvent], None],
+        emit: Callable[[list[RowEvent]], None],
         on_cached: Callable[[int], None],
     ) -> Callable[[], Any]:
         loaded, registry = self._loaded, self._registry
@@ -532,7 +534,11 @@ class GenerationStream:
         request = self._request
         if request is None:
             raise RuntimeError("enter the stream with 'async with' first")
-        await trio.lowlevel.checkpoint()
+        # A full checkpoint either way, but only one task switch per delta in
+        # the steady state: a reader that parks for its next tokens already
+        # yielded, so only the no-wait path adds a schedule point.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             if self._error is not None:
                 error, self._error = self._error, None
@@ -547,9 +553,12 @@ class GenerationStream:
                     self._error = EngineClosed("the request ended without a result")
                     continue
                 await request.outbox.wait()
+                waited = True
                 continue
             delta = self._merge(request, events)
             if delta is not None:
+                if not waited:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return delta
 
     def _merge(self, request: Request, events: list[RowEvent]) -> Delta | None:

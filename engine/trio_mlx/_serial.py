@@ -8,6 +8,7 @@ between tokens, so a cancelled request stops within one token.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -15,7 +16,10 @@ from trio_mlx._batch import RowSpec, make_processors, make_row_sampler
 from trio_mlx._output import RowEvent, RowOutput
 from trio_mlx._prompt_cache import PromptCache
 
-__all__ = ["run_serial"]
+__all__ = ["EMIT_INTERVAL", "run_serial"]
+
+#: The longest a serial generation holds tokens back before sending them to Trio.
+EMIT_INTERVAL = 0.002
 
 
 def run_serial(
@@ -24,12 +28,16 @@ def run_serial(
     spec: RowSpec,
     *,
     cancelled: threading.Event,
-    emit: Callable[[RowEvent], None],
+    emit: Callable[[list[RowEvent]], None],
     prompt_cache: PromptCache | None = None,
     cache_key: Hashable = "base",
     on_cached: Callable[[int], None] | None = None,
 ) -> tuple[bool, int]:
-    """Generate ``spec`` to its end, emitting one event per token.
+    """Generate ``spec`` to its end, emitting its events in small batches.
+
+    The first token goes out at once; later ones are sent at most every
+    ``EMIT_INTERVAL`` seconds (and at the end), so the Trio loop is woken a few
+    hundred times a second, not once per token.
 
     Returns (whether it was cancelled, prompt tokens served from the cache).
     """
@@ -65,12 +73,19 @@ def run_serial(
         kv_group_size=params.kv_group_size,
         quantized_kv_start=0,
     )
+    pending: list[RowEvent] = []
+    last_emit = -EMIT_INTERVAL
     for token, logprobs in steps:
         if cancelled.is_set():
             return True, cached
         generated.append(int(token))
         event = output.push(int(token), logprobs, None)
-        emit(event)
+        pending.append(event)
+        now = time.perf_counter()
+        if event.finish_reason is not None or now - last_emit >= EMIT_INTERVAL:
+            emit(pending)
+            pending = []
+            last_emit = now
         if event.finish_reason is not None:
             break
     if use_cache and prompt_cache is not None:

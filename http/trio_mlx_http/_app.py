@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,6 @@ from trio_mlx_http._settings import Settings
 from trio_mlx_http._state import Access, ServerState
 
 __all__ = ["create_app", "shutdown_trigger"]
-
-logger = logging.getLogger("trio_mlx_http")
 
 #: Paths served without the API key.
 _PUBLIC = frozenset({"/health"})

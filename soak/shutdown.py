@@ -1,0 +1,95 @@
+"""Shutdown: SIGTERM while requests are in flight.
+
+Short requests must finish whole within the grace period; long ones must end
+(a clean error, or the connection closed at the deadline) -- none may hang;
+new connections are refused; the process exits 0 within the grace period
+plus a margin.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import trio
+
+from soak._answers import Spec, check
+from soak._server import ServerProcess
+
+_MARGIN = 10.0
+
+
+async def _one(http: httpx.AsyncClient, spec: Spec, deadline: float) -> str:
+    try:
+        with trio.fail_after(deadline):
+            reply = await http.post(spec.path, json=spec.body())
+    except trio.TooSlowError:
+        return "hung"
+    except httpx.ConnectError:
+        return "refused"
+    except httpx.HTTPError:
+        return "cut"  # the connection closed at the graceful deadline
+    answer = check(spec, reply.status_code, reply.content)
+    if answer.kind == "ok":
+        return "ok"
+    if answer.status == 503 or (answer.status == 200 and answer.kind == "error"):
+        return "clean_error"
+    return f"bad:{answer.status}:{answer.detail[:80]}"
+
+
+async def run_shutdown(
+    server: ServerProcess, *, short: int, long: int, grace: float
+) -> dict[str, Any]:
+    """``short`` requests that fit in the grace period, ``long`` ones that do not; then SIGTERM."""
+    specs = {
+        "short": [
+            Spec(chat=i % 2 == 0, stream=i % 3 == 0, max_tokens=48, no_eos=True)
+            for i in range(short)
+        ],
+        "long": [
+            Spec(chat=i % 2 == 0, stream=i % 2 == 1, max_tokens=100_000, no_eos=True)
+            for i in range(long)
+        ],
+    }
+    outcomes: dict[str, Counter[str]] = {"short": Counter(), "long": Counter(), "late": Counter()}
+    limits = httpx.Limits(max_connections=short + long + 8)
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None) as http:
+
+        async def run(kind: str, spec: Spec) -> None:
+            outcomes[kind][await _one(http, spec, grace + _MARGIN)] += 1
+
+        async with trio.open_nursery() as nursery:
+            for kind, group in specs.items():
+                for spec in group:
+                    nursery.start_soon(run, kind, spec)
+            with trio.fail_after(60):
+                while True:
+                    health = (await http.get("/health")).json()
+                    if health["running_rows"] + health["queued_rows"] >= min(short + long, 8):
+                        break
+                    await trio.sleep(0.02)
+            server.process.send_signal(signal.SIGTERM)
+            signalled = time.perf_counter()
+            await trio.sleep(0.3)
+            async with httpx.AsyncClient(base_url=server.url, timeout=5) as late:
+                outcomes["late"][await _one(late, Spec(chat=False, stream=False, max_tokens=2),
+                                            _MARGIN)] += 1  # fmt: skip
+        ended = time.perf_counter() - signalled
+    try:
+        code = await trio.to_thread.run_sync(lambda: server.process.wait(grace + _MARGIN))
+    except Exception:
+        server.process.kill()
+        code = None
+    exited = time.perf_counter() - signalled
+    return {
+        "grace_s": grace,
+        "outcomes": {kind: dict(c) for kind, c in outcomes.items()},
+        "short_all_ok": outcomes["short"]["ok"] == short,
+        "hung": sum(c["hung"] for c in outcomes.values()),
+        "requests_ended_s": round(ended, 2),
+        "exit_code": code,
+        "exit_s": round(exited, 2),
+    }
