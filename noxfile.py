@@ -98,6 +98,17 @@ def train_adapter(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """Reliability soak: load, disconnect storm, faults, hostile input, security, SIGTERM.
+
+    Bounded (about 5-10 min on a laptop CPU); ``-- --quick`` runs a tenth of every count.
+    Prints a summary table and writes ``.nox/soak-report.json``; exits 1 when a scenario fails.
+    """
+    _install(session, "test")
+    session.run("python", "-m", "soak", *session.posargs, env=_model_env())
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """The benchmark suite: trio-mlx vs bare mlx-lm vs mlx_lm.server (``-- --quick``: < 10 min)."""
     _install(session, "test", "train")  # httpx for the load clients, matplotlib for the plots

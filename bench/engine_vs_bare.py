@@ -89,9 +89,7 @@ async def engine(path: Path, rows: list[list[int]], tokens: int) -> tuple[int, f
     """(tokens generated, seconds) for B concurrent engine.generate consumers."""
     params = trio_mlx.SamplingParams(max_tokens=tokens)
     # max_batch=1 would send every request to the serial lane: keep the batch lane.
-    async with trio_mlx.open_engine(
-        path, max_batch=max(2, len(rows)), prompt_cache_bytes=0
-    ) as eng:
+    async with trio_mlx.open_engine(path, max_batch=max(2, len(rows)), prompt_cache_bytes=0) as eng:
 
         async def one(row: list[int]) -> None:
             async with eng.generate(row, params) as stream:

@@ -83,6 +83,8 @@ class Answer:
     detail: str = ""
     #: Stream-level duplicates (a second finish, usage or [DONE]).
     duplicates: int = 0
+    #: Ended at an EOS token that usage counts but no logprob (nor text) carries.
+    eos_counted: bool = False
 
 
 def _error_kind(spec: Spec, status: int, payload: Any) -> Answer:
@@ -106,6 +108,11 @@ def _finish_ok(spec: Spec, reason: Any, tokens: int) -> str:
     return f"finish_reason={reason!r} with {tokens} tokens for max_tokens={spec.max_tokens}"
 
 
+def _eos_counted(reason: Any, seen: int, tokens: int) -> bool:
+    """usage counts the EOS token that ended a ``stop`` choice; no logprob carries it."""
+    return reason == "stop" and seen == tokens - 1
+
+
 def _logprob_tokens(spec: Spec, logprobs: Any) -> int:
     if not logprobs:
         return 0
@@ -127,13 +134,15 @@ def check_whole(spec: Spec, status: int, raw: bytes) -> Answer:
     choice = choices[0]
     tokens = payload["usage"]["completion_tokens"]
     problem = _finish_ok(spec, choice["finish_reason"], tokens)
-    if not problem and _logprob_tokens(spec, choice["logprobs"]) != tokens:
-        problem = f"{_logprob_tokens(spec, choice['logprobs'])} logprobs for {tokens} tokens"
+    seen = _logprob_tokens(spec, choice["logprobs"])
+    eos = _eos_counted(choice["finish_reason"], seen, tokens)
+    if not problem and seen != tokens and not eos:
+        problem = f"{seen} logprobs for {tokens} tokens"
     if not problem and spec.model is not None and payload["model"] != spec.model:
         problem = f"answered as {payload['model']!r}, asked {spec.model!r}"
     if problem:
         return Answer("bad", status, payload.get("id"), tokens, problem)
-    return Answer("ok", status, payload["id"], tokens)
+    return Answer("ok", status, payload["id"], tokens, eos_counted=eos)
 
 
 def sse_payloads(raw: bytes) -> list[Any]:
@@ -149,29 +158,37 @@ def sse_payloads(raw: bytes) -> list[Any]:
     return events
 
 
-def _stream_problem(spec: Spec, events: list[Any]) -> tuple[str, int, int, str | None]:
-    """(problem, tokens, duplicates, id) of a parsed stream."""
+def _stream_problem(spec: Spec, events: list[Any]) -> tuple[str, int, int, str | None, bool]:
+    """(problem, tokens, duplicates, id, eos_counted) of a parsed stream."""
     if not events or events[-1] != "[DONE]" or events.count("[DONE]") != 1:
-        return "the stream does not end with exactly one [DONE]", 0, 0, None
+        return "the stream does not end with exactly one [DONE]", 0, 0, None, False
     chunks: list[Mapping[str, Any]] = events[:-1]
     ids = {c.get("id") for c in chunks}
     if len(ids) != 1:
-        return f"chunks of {len(ids)} ids", 0, 0, None
+        return f"chunks of {len(ids)} ids", 0, 0, None, False
     finishes = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     usages = [c for c in chunks if c.get("usage")]
     duplicates = max(0, len(finishes) - 1) + max(0, len(usages) - 1)
     if len(finishes) != 1 or len(usages) != 1:
-        return f"{len(finishes)} finish chunks, {len(usages)} usage chunks", 0, duplicates, None
+        return (
+            f"{len(finishes)} finish chunks, {len(usages)} usage chunks",
+            0,
+            duplicates,
+            None,
+            False,
+        )
     after = chunks[chunks.index(finishes[0]) + 1 :]
     if any(c["choices"] for c in after):
-        return "content after the finish chunk", 0, 1, None
+        return "content after the finish chunk", 0, 1, None, False
     tokens = usages[0]["usage"]["completion_tokens"]
     seen = sum(_logprob_tokens(spec, c["choices"][0]["logprobs"]) for c in chunks if c["choices"])
-    if seen != tokens:
-        return f"{seen} streamed tokens for {tokens} in usage", tokens, 0, None
+    reason = finishes[0]["choices"][0]["finish_reason"]
+    eos = _eos_counted(reason, seen, tokens)
+    if seen != tokens and not eos:
+        return f"{seen} streamed tokens for {tokens} in usage", tokens, 0, None, False
     if spec.chat and chunks[0]["choices"][0]["delta"].get("role") != "assistant":
-        return "the first chat chunk carries no role", tokens, 0, None
-    return _finish_ok(spec, finishes[0]["choices"][0]["finish_reason"], tokens), tokens, 0, ids.pop()
+        return "the first chat chunk carries no role", tokens, 0, None, False
+    return _finish_ok(spec, reason, tokens), tokens, 0, ids.pop(), eos
 
 
 def check_stream(spec: Spec, status: int, raw: bytes) -> Answer:
@@ -191,13 +208,18 @@ def check_stream(spec: Spec, status: int, raw: bytes) -> Answer:
         if spec.model == ADAPTER and error.get("type") == "not_found_error":
             # Unmounted between submission and admission: the stream ends with that error.
             return Answer("not_mounted", status, detail="stream error not_found_error")
-        return Answer("error", status, detail=f"stream error {error.get('type')}/{error.get('code')}")
-    problem, tokens, duplicates, ident = _stream_problem(spec, events)
+        return Answer(
+            "error", status, detail=f"stream error {error.get('type')}/{error.get('code')}"
+        )
+    problem, tokens, duplicates, ident, eos = _stream_problem(spec, events)
     if problem:
         return Answer("bad", status, ident, tokens, problem, duplicates)
-    return Answer("ok", status, ident, tokens)
+    return Answer("ok", status, ident, tokens, eos_counted=eos)
 
 
 def check(spec: Spec, status: int, raw: bytes) -> Answer:
-    """Check any answer to ``spec``."""
-    return (check_stream if spec.stream else check_whole)(spec, status, raw)
+    """Check any answer to ``spec``; an answer the checks cannot even read is ``bad``."""
+    try:
+        return (check_stream if spec.stream else check_whole)(spec, status, raw)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as error:
+        return Answer("bad", status, detail=f"malformed: {error!r}: {raw[:200]!r}")

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import attrs
@@ -96,10 +96,8 @@ def serve(
         yield server
     finally:
         if process.poll() is None:
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 server.terminate()
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:

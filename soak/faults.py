@@ -17,7 +17,7 @@ import attrs
 import httpx
 import trio
 
-from soak._answers import NO_EOS, Answer, Spec, random_spec
+from soak._answers import Answer, Spec, random_spec
 from soak._inprocess import in_process
 from soak.load import send
 
@@ -98,17 +98,20 @@ async def _flaky_phase(url: str, engine: Any, requests: int, seed: int) -> dict[
         "requests": requests,
         "injected": dict(flaky.injected),
         "outcomes": dict(kinds),
-        "unclean": [f"{a.kind} {a.status} {a.detail}" for a in answers if a and not (
-            a.kind == "ok" or _clean_failure(a))][:10] + [  # fmt: skip
-            "missing" for a in answers if a is None],
+        "unclean": [
+            f"{spec.path} {spec.body()} -> {a.kind} {a.status} {a.detail}"
+            for spec, a in zip(specs, answers, strict=True)
+            if a and not (a.kind == "ok" or _clean_failure(a))
+        ][:10]
+        + ["missing" for a in answers if a is None],
         "serving_after": before.kind == after.kind == "ok",
         "health_after": health,
         "worker_alive": engine.statistics().worker_alive,
     }
 
 
-async def _pending(http: httpx.AsyncClient, spec: Spec, timeout: float) -> str:
-    answer = await send(http, spec, timeout)
+async def _pending(http: httpx.AsyncClient, spec: Spec, deadline: float) -> str:
+    answer = await send(http, spec, deadline)
     if answer.status == 503 and "service_unavailable" in answer.detail:
         return "503"
     if answer.status == 200 and answer.kind == "error":
@@ -116,20 +119,20 @@ async def _pending(http: httpx.AsyncClient, spec: Spec, timeout: float) -> str:
     return f"{answer.kind}:{answer.status}:{answer.detail[:80]}"
 
 
-async def _death_phase(url: str, engine: Any, pending: int, timeout: float) -> dict[str, Any]:
+async def _death_phase(url: str, engine: Any, pending: int, deadline: float) -> dict[str, Any]:
     def die(model: Any, tokenizer: Any) -> None:
         raise SystemExit("injected worker death")
 
     limits = httpx.Limits(max_connections=pending + 8)
     outcomes: Counter[str] = Counter()
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=deadline) as http:
         long = [
             Spec(chat=i % 2 == 0, stream=i % 3 == 0, max_tokens=1500, no_eos=True)
             for i in range(pending)
         ]
 
         async def one(spec: Spec) -> None:
-            outcomes[await _pending(http, spec, timeout)] += 1
+            outcomes[await _pending(http, spec, deadline)] += 1
 
         death: list[str] = []
 
@@ -139,7 +142,7 @@ async def _death_phase(url: str, engine: Any, pending: int, timeout: float) -> d
             except Exception as error:
                 death.append(type(error).__name__)
 
-        with trio.fail_after(timeout):
+        with trio.fail_after(deadline):
             async with trio.open_nursery() as nursery:
                 for spec in long:
                     nursery.start_soon(one, spec)
@@ -148,12 +151,13 @@ async def _death_phase(url: str, engine: Any, pending: int, timeout: float) -> d
                 await trio.sleep(0.2)
                 nursery.start_soon(kill)
             health = (await http.get("/health")).status_code
-            late = await _pending(http, Spec(chat=True, stream=False, max_tokens=3), timeout)
+            late = await _pending(http, Spec(chat=True, stream=False, max_tokens=3), deadline)
     return {
         "pending": pending,
         "outcomes": dict(outcomes),
-        "all_ended_503": all(o == "503" or o.startswith("stream_error:service_unavailable/")
-                             for o in outcomes),  # fmt: skip
+        "all_ended_503": all(
+            o == "503" or o.startswith("stream_error:service_unavailable/") for o in outcomes
+        ),
         "death_raised": death,
         "health_after_death": health,
         "request_after_death": late,
@@ -166,5 +170,5 @@ async def run_faults(
     """Both phases on one in-process server; the report of each."""
     async with in_process(model, max_batch=8) as server:
         flaky = await _flaky_phase(server.url, server.engine, requests, seed)
-        death = await _death_phase(server.url, server.engine, pending, timeout=30)
+        death = await _death_phase(server.url, server.engine, pending, deadline=30)
     return {"flaky": flaky, "worker_death": death}

@@ -14,13 +14,13 @@ import trio
 from soak._answers import ADAPTER, Answer, Spec, check, random_spec
 
 
-async def send(http: httpx.AsyncClient, spec: Spec, timeout: float) -> Answer:
-    """One request to its end; a transport failure is ``lost``, a deadline ``hung``."""
+async def send(http: httpx.AsyncClient, spec: Spec, deadline: float) -> Answer:
+    """One request to its end; a transport failure is ``lost``, past ``deadline`` s ``hung``."""
     try:
-        with trio.fail_after(timeout):
+        with trio.fail_after(deadline):
             response = await http.post(spec.path, json=spec.body())
     except trio.TooSlowError:
-        return Answer("hung", 0, detail=f"no answer within {timeout} s")
+        return Answer("hung", 0, detail=f"no answer within {deadline} s")
     except httpx.HTTPError as error:
         return Answer("lost", 0, detail=repr(error))
     return check(spec, response.status_code, response.content)
@@ -58,7 +58,7 @@ async def run_load(
     concurrency: int,
     seed: int = 0,
     adapters: bool = True,
-    timeout: float = 120.0,
+    deadline: float = 120.0,
     rss: Callable[[], int] | None = None,
     headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -72,7 +72,7 @@ async def run_load(
     rss_before = rss() if rss else 0
     started = time.perf_counter()
     async with httpx.AsyncClient(
-        base_url=url, limits=limits, timeout=timeout, headers=headers
+        base_url=url, limits=limits, timeout=deadline, headers=headers
     ) as http:
         send_specs, receive_specs = trio.open_memory_channel[int](requests)
         for index in range(requests):
@@ -82,7 +82,7 @@ async def run_load(
         async def worker() -> None:
             async for index in receive_specs:
                 begin = time.perf_counter()
-                answers[index] = await send(http, specs[index], timeout)
+                answers[index] = await send(http, specs[index], deadline)
                 latencies.append(time.perf_counter() - begin)
 
         done = trio.Event()
@@ -123,6 +123,7 @@ def _report(
         "lost": outcomes["lost"] + outcomes["hung"] + outcomes["missing"],
         "duplicated": duplicated,
         "failed": outcomes["error"] + outcomes["bad"],
+        "eos_counted_in_usage": sum(bool(a and a.eos_counted) for a in answers),
         "streams": sum(s.stream for s in specs),
         "serial": sum(s.seed is not None for s in specs),
         "adapter_requests": sum(s.model == ADAPTER for s in specs),

@@ -3,6 +3,7 @@ the default bind is loopback, and an oversized body gets 413 before it is read w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -32,10 +33,15 @@ ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
 def check_api_key(url: str, key: str) -> dict[str, Any]:
     """Without the key (or with a wrong one) every route but /health answers 401."""
     leaks: list[str] = []
-    with httpx.Client(base_url=url, timeout=30) as http:
+    hung: list[str] = []
+    with httpx.Client(base_url=url, timeout=10) as http:
         for method, path, body in ROUTES:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
-                reply = http.request(method, path, json=body, headers=headers)
+                try:
+                    reply = http.request(method, path, json=body, headers=headers)
+                except httpx.TimeoutException:
+                    hung.append(f"{method} {path} {headers}")
+                    continue
                 if reply.status_code != 401:
                     leaks.append(f"{method} {path} {headers}: {reply.status_code}")
         health = http.get("/health").status_code
@@ -47,9 +53,30 @@ def check_api_key(url: str, key: str) -> dict[str, Any]:
     return {
         "routes_checked": len(ROUTES) * 3,
         "leaks": leaks,
+        "hung": hung,
         "health_without_key": health,
         "with_key": authorized,
     }
+
+
+def check_early_answers(url: str, requests: int, deadline: float = 2.0) -> dict[str, Any]:
+    """POSTs answered before their body is read (401: no key), one keep-alive connection.
+
+    Each must be answered within ``deadline`` s; a hang here stalls the client's connection.
+    """
+    hung: list[int] = []
+    sent = 0
+    stop = time.monotonic() + 60  # bounded in time as well as count
+    with httpx.Client(base_url=url, timeout=deadline) as http:
+        for index in range(requests):
+            if len(hung) >= 5 or time.monotonic() > stop:
+                break
+            sent += 1
+            try:
+                http.post("/v1/adapters", json={"name": "shout", "path": "shout"})
+            except httpx.TimeoutException:
+                hung.append(index)
+    return {"requests": sent, "hung": len(hung), "first_hung": hung}
 
 
 def make_escapes(adapter_dir: Path, outside: Path) -> None:
@@ -62,7 +89,7 @@ def check_adapter_paths(url: str, outside: Path) -> dict[str, Any]:
     """No path that leaves ``--adapter-dir`` mounts: ``..``, absolute, symlinks out."""
     attempts = [
         "../shout", "shout/../../shout", "..", "/", str(outside), str(outside / "shout"),
-        "escape", "escape/shout", "up/adapters/shout", "up", "./../", "shout/..", "%2e%2e/shout",
+        "escape", "escape/shout", "up/outside/shout", "up", "./../", "shout/..", "%2e%2e/shout",
     ]  # fmt: skip
     mounted: list[str] = []
     statuses: dict[str, int] = {}
@@ -101,10 +128,8 @@ def check_body_limit(url: str, limit: int) -> dict[str, Any]:
         sock.settimeout(0.05)
         while time.monotonic() < deadline and status is None:
             if sent < 2 * limit:
-                try:
+                with contextlib.suppress(OSError):
                     sent += sock.send(chunk)
-                except OSError:
-                    pass
             try:
                 head = sock.recv(4096)
             except TimeoutError:
@@ -140,3 +165,15 @@ def default_bind() -> dict[str, Any]:
     from trio_mlx_http._cli import build_parser
 
     return {"default_host": build_parser().parse_args(["serve"]).host}
+
+
+def prepare_adapter_dir(root: Path, adapter: Path) -> tuple[Path, Path]:
+    """``root/adapters`` holding a copy of ``adapter``, and ``root/outside`` holding another,
+    with links from the first that lead into the second."""
+    import shutil
+
+    inside, outside = root / "adapters", root / "outside"
+    shutil.copytree(adapter, inside / adapter.name)
+    shutil.copytree(adapter, outside / adapter.name)
+    make_escapes(inside, outside)
+    return inside, outside

@@ -365,3 +365,16 @@ def test_max_tokens_beyond_the_context_is_cut_to_it() -> None:
     state: Any = SimpleNamespace(engine=SimpleNamespace(context_length=100))
     assert _clamp_max_tokens(state, _chat(max_tokens=10**9)).params.max_tokens == 100
     assert _clamp_max_tokens(state, _chat(max_tokens=7)).params.max_tokens == 7
+
+
+def test_sse_event_stays_one_line_for_unicode_line_separators() -> None:
+    import json as _json
+
+    from trio_mlx_http._sse import event
+
+    text = "a\u2028b\u2029c\x85d\ne"
+    raw = event({"content": text})
+    line = raw.decode()
+    assert line.endswith("\n\n")
+    assert len(line[:-2].splitlines()) == 1
+    assert _json.loads(line[len("data: ") : -2]) == {"content": text}

@@ -19,6 +19,7 @@ client processes of its own (see :mod:`bench.suite.loadgen`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _COMMON: dict[str, Any] = {
     "prompt_len": 32,
     "prompt_words": 24,
+    "server_rounds": 2,
     "prompt_cache": {"prefix_words": 400, "trials": 2},
 }
 PROFILES: dict[str, dict[str, Any]] = {
@@ -78,15 +80,14 @@ PROFILES: dict[str, dict[str, Any]] = {
         "rounds": 2,
         "concurrency": [1, 8, 32],
         "max_tokens": 128,
-        "requests_per_stream": 3,
+        "requests_per_stream": 2,
         "fairness": {"batch_rows": 32, "batch_max_tokens": 1024, "serial_max_tokens": 32,
-                     "interval": 1.5, "duration": 12.0, "flood_streams": 4},
+                     "interval": 1.5, "duration": 10.0, "flood_streams": 4},
         "responsiveness": {"rows": 32, "max_tokens": 512, "interval": 0.02,
                            "idle_duration": 2.0, "busy_duration": 3.0, "delay": 0.5},
         "memory": {"requests": 1000, "mark": 100, "concurrency": 16, "max_tokens": 32,
                    "max_prompt_words": 256, "serial_every": 10},
-        # ~5 tokens a word: within the model's 8192 positions (trio-mlx checks; 400s beyond).
-        "prompt_cache": {"prefix_words": 1000, "trials": 2},
+        "prompt_cache": {"prefix_words": 3000, "trials": 2},
     },
 }  # fmt: skip
 #: HBM copy bandwidth of the H200 the B=1 bound divides by (bytes/s).
@@ -234,7 +235,8 @@ class Suite:
                 self.overhead(model)
                 self.bound(models[0])
                 self.write()
-            if wanted("server") and (i == 0 or self.args.profile == "full"):
+            http_parts = ("server", "fairness", "responsiveness", "prompt_cache")
+            if any(map(wanted, http_parts)) and (i == 0 or self.args.profile == "full"):
                 self.servers(model, first=i == 0, wanted=wanted)
                 self.write()
         if wanted("memory") and self.engine:
@@ -281,48 +283,64 @@ class Suite:
             "logit_bias": {str(k): -100 for k in EOS_IDS} if model.logit_bias else None,
         }
         cs = p["concurrency"]
+        # The shared prefix must fit the model's context: trio-mlx answers 400 beyond it.
+        context = json.loads((model.path / "config.json").read_text())["max_position_embeddings"]
+        words = min(p["prompt_cache"]["prefix_words"], context // 3)
+        p["prompt_cache"] = {**p["prompt_cache"], "prefix_words": words}
         length = chat_prompt_len(model, p["prompt_words"])
-        self.log(f"2. bare ceiling on {model.name}: C = {cs}, {length}-token prompts")
-        job = _job("overhead", model, batches=cs, max_tokens=p["max_tokens"], rounds=2,
-                   prompt_len=length, engine=False)  # fmt: skip
-        bare = {
-            str(r["batch"]): r["bare"]
-            for r in run_job(job, self.env, self.log, self.results["notes"])
-        }
-        data: dict[str, Any] = {"bare": bare, "servers": {}, "prompt_tokens": length}
-        self.results.setdefault("server", {})[model.name] = data
+        data: dict[str, Any] = {"bare": {}, "servers": {}, "prompt_tokens": length}
+        if wanted("server"):
+            self.log(f"2. bare ceiling on {model.name}: C = {cs}, {length}-token prompts")
+            job = _job("overhead", model, batches=cs, max_tokens=p["max_tokens"], rounds=2,
+                       prompt_len=length, engine=False)  # fmt: skip
+            for r in run_job(job, self.env, self.log, self.results["notes"]):
+                data["bare"][str(r["batch"])] = r["bare"]
+            self.results.setdefault("server", {})[model.name] = data
         logs = self.out / "logs"
-        configs: list[tuple[str, Any]] = [
-            (
-                "mlx_lm.server",
-                lambda: mlx_lm_server(model.path, max_batch=max(cs), env=self.env, log_dir=logs),
+        starters: dict[str, Any] = {
+            "mlx_lm.server": lambda: mlx_lm_server(
+                model.path, max_batch=max(cs), env=self.env, log_dir=logs
             )
-        ]
-        if self.server:
-            for drain in (1.0, None):
-                configs.append((f"trio-mlx (drain {drain})", lambda d=drain: trio_mlx_server(
-                    model.path, max_batch=max(cs), env=self.env, log_dir=logs, drain_timeout=d)))  # fmt: skip
-        for name, start in configs:
-            main = name != "trio-mlx (drain None)"
-            if not main and not (first and wanted("fairness")):
-                continue
-            self.log(f"starting {name} on {model.name}")
-            try:
-                with start() as server:
-                    self._warm(server, p)
-                    if main:
-                        rows = data["servers"].setdefault(name, [])
-                        for c in cs:
-                            row = scenarios.throughput(server, p, c)
-                            rows.append(row)
-                            self.log(f"  {name} C={c}: {row['tok_s']:,.0f} tok/s, TTFT p99 "
-                                     f"{(row['ttft_p99_s'] or 0) * 1000:,.0f} ms, exact tokens "
-                                     f"{row['exact_tokens']}, failed {row['failed']}")  # fmt: skip
-                    if not first:
-                        continue
-                    self._server_extras(name, server, p, main=main, wanted=wanted)
-            except Exception as exc:  # one server failing must not lose the others' results
-                self.not_run(f"{name} on {model.name}: {type(exc).__name__}: {exc}")
+        }
+        drains = (1.0, None) if first and wanted("fairness") else (1.0,)
+        for drain in drains if self.server else ():
+            starters[f"trio-mlx (drain {drain})"] = lambda d=drain: trio_mlx_server(
+                model.path, max_batch=max(cs), env=self.env, log_dir=logs, drain_timeout=d
+            )
+        # Every server stays up for the whole part and the throughput rounds alternate
+        # between them: on a shared machine, load that comes and goes hits all alike.
+        with contextlib.ExitStack() as stack:
+            running: dict[str, Any] = {}
+            for name, start in starters.items():
+                self.log(f"starting {name} on {model.name}")
+                try:
+                    running[name] = stack.enter_context(start())
+                    self._warm(running[name], p)
+                except Exception as exc:  # one server failing must not lose the others
+                    self.not_run(f"{name} on {model.name}: {type(exc).__name__}: {exc}")
+            main = {n: s for n, s in running.items() if n != "trio-mlx (drain None)"}
+            if wanted("server"):
+                self._throughput(data, main, p)
+            for name, server in running.items() if first else ():
+                try:
+                    self._server_extras(name, server, p, main=name in main, wanted=wanted)
+                except Exception as exc:
+                    self.not_run(f"{name} extras on {model.name}: {type(exc).__name__}: {exc}")
+
+    def _throughput(self, data: dict[str, Any], servers: dict[str, Any], p: dict[str, Any]) -> None:
+        """Each concurrency, ``server_rounds`` rounds over all servers in turn; the best counts."""
+        for c in p["concurrency"]:
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+            for _ in range(p["server_rounds"]):
+                for name, server in servers.items():
+                    runs[name].append(scenarios.throughput(server, p, c))
+            for name, rows in runs.items():
+                best = {**max(rows, key=lambda r: r["tok_s"]), "rounds": [r["tok_s"] for r in rows]}
+                data["servers"].setdefault(name, []).append(best)
+                self.log(f"  {name} C={c}: {best['tok_s']:,.0f} tok/s (rounds "
+                         f"{', '.join(f'{t:,.0f}' for t in best['rounds'])}), TTFT p99 "
+                         f"{_ms(best['ttft_p99_s'])} ms, exact tokens {best['exact_tokens']}, "
+                         f"failed {best['failed']}")  # fmt: skip
 
     def _server_extras(
         self, name: str, server: Any, p: dict[str, Any], *, main: bool, wanted: Any

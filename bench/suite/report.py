@@ -182,7 +182,7 @@ def _cache_md(results: dict[str, Any]) -> list[str]:
     for name, p in data.items():
         for lane in ("batch", "serial"):
             c, w = p[lane]["cold_ttft_p50_s"], p[lane]["warm_ttft_p50_s"]
-            errors = "; ".join(p[lane].get("errors", []))
+            errors = (p[lane].get("errors") or [""])[0].replace("|", "/")
             lines.append(
                 f"| {name} | {p['prefix_words']} | {lane} | {_ms(c)} | {_ms(w)} | "
                 f"{_ratio(c, w)} | {errors} |"
@@ -285,7 +285,12 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
                 bottom.plot(cs, [(r["ttft_p99_s"] or 0) * 1000 for r in rows], "o-", label=name)
             top.set(xscale="log", yscale="log", ylabel="output tok/s", title=model)
             bottom.set(xscale="log", xlabel="concurrent streams", ylabel="TTFT p99 (ms)")
+            ticks = sorted(
+                {r["concurrency"] for rows in data.get("servers", {}).values() for r in rows}
+            )
             for ax in (top, bottom):
+                if ticks:
+                    ax.set_xticks(ticks, [str(t) for t in ticks])
                 ax.grid(alpha=0.3)
                 if ax.get_legend_handles_labels()[0]:
                     ax.legend(fontsize=8)

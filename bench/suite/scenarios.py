@@ -8,10 +8,11 @@ whether every request produced exactly ``max_tokens`` tokens (from ``usage``).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
-from bench.suite.loadgen import run_clients, split_streams
+from bench.suite.loadgen import WORDS, run_clients, split_streams
 from bench.suite.servers import Server
 from bench.suite.timing import percentile
 
@@ -138,7 +139,7 @@ def fairness(server: Server, profile: dict[str, Any]) -> dict[str, Any]:
 
 
 def responsiveness(server: Server, profile: dict[str, Any]) -> dict[str, Any]:
-    """``GET /health`` latency while idle, then while ``rows`` streams decode."""
+    """``GET /health`` latency while idle, then under ``rows`` closed-loop streams."""
     r = profile["responsiveness"]
     probe = {"url": server.url, "mode": "probe", "interval": r["interval"]}
     idle = run_clients([{**probe, "duration": r["idle_duration"]}])[0]["records"]
@@ -149,7 +150,8 @@ def responsiveness(server: Server, profile: dict[str, Any]) -> dict[str, Any]:
         mode="closed",
         streams=r["rows"],
         max_tokens=r["max_tokens"],
-        requests=1,
+        # Rows are resubmitted until the probe ends, so it never sees an idle server.
+        duration=r["delay"] + r["busy_duration"],
         seed=5,
     )
     busy_probe = {**probe, "duration": r["busy_duration"], "delay": r["delay"]}
@@ -177,8 +179,10 @@ def prompt_cache(server: Server, profile: dict[str, Any]) -> dict[str, Any]:
         ttft: dict[str, list[float]] = {"cold": [], "warm": []}
         errors: set[str] = set()
         for trial in range(p["trials"]):
-            words = (f"{lane}{trial}x{i}" for i in range(p["prefix_words"]))
-            prefix = " ".join(words) + " "
+            # Plain words (one or two tokens each), led by a tag no other prefix shares.
+            rng = random.Random(f"{lane}-{trial}")
+            words = (rng.choice(WORDS) for _ in range(p["prefix_words"]))
+            prefix = f"{lane} trial {trial}: " + " ".join(words) + "\n"
             for kind in ("cold", "warm"):
                 spec = _spec(server, profile, mode="closed", streams=1, requests=1,
                              max_tokens=4, prefix=prefix, with_seed=with_seed,
@@ -187,7 +191,7 @@ def prompt_cache(server: Server, profile: dict[str, Any]) -> dict[str, Any]:
                 if record.get("first"):
                     ttft[kind].append(record["first"] - record["start"])
                 else:
-                    errors.add(str(record.get("error") or record.get("status"))[:200])
+                    errors.add(str(record.get("error") or record.get("status"))[:160])
         out[lane] = {
             "cold_ttft_p50_s": percentile(ttft["cold"], 50),
             "warm_ttft_p50_s": percentile(ttft["warm"], 50),

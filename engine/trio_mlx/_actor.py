@@ -14,8 +14,12 @@ the inbox, then asks ``arbiter.decide(now)`` and carries the decision out:
 
 - ``Admit`` / ``Resume``: remember the rows; they enter the batch with the next step;
 - ``Step``: ONE worker call removes cancelled rows, inserts admitted ones, runs one
-  decode step and returns every row's events; the actor routes them to the
-  requests' outboxes with ``put`` (never awaiting a consumer), then ``step_done``;
+  decode step and returns every row's events. Its result arrives as a
+  ``run_sync_soon`` callback that routes the events to the requests' outboxes
+  with ``put`` (never awaiting a consumer), reports ``step_done``, decides
+  again, and in steady decoding sends the next step right there: a step costs
+  one wake-up of the Trio loop, and the actor task sleeps until the decision
+  is something other than a step;
 - ``Park``: one worker call takes the rows' KV caches out of the batch;
 - ``Start``: a child task runs the exclusive job on the worker (a serial
   generation, an adapter mount, a user function) and reports ``job_ended``;
@@ -47,6 +51,7 @@ from trio_mlx._arbiter import (
     Arbiter,
     ArbiterPolicy,
     ArbiterStatistics,
+    Decision,
     Outcome,
     Park,
     Rejection,
@@ -56,7 +61,7 @@ from trio_mlx._arbiter import (
     Step,
     Wait,
 )
-from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._batch import BatchLane, RowSpec, StepResult
 from trio_mlx._errors import EngineClosed, EngineOverloaded, GenerationFailed
 from trio_mlx._output import RowEvent
 from trio_mlx._worker import Worker
@@ -171,9 +176,7 @@ class Actor:
     worker: Worker
     lane: BatchLane
     #: Builds the worker-side callable of a serial generation.
-    serial_work: Callable[
-        [Request, Callable[[list[RowEvent]], None], Callable[[int], None]], Any
-    ]
+    serial_work: Callable[[Request, Callable[[list[RowEvent]], None], Callable[[int], None]], Any]
     adapters: Callable[[], tuple[str, ...]]
     #: Called with each decision and the arbiter's statistics after it (tests record them).
     decision_hook: Callable[[Any, ArbiterStatistics], None] | None = None
@@ -192,6 +195,10 @@ class Actor:
     _batch_rows: int = attrs.field(init=False, default=0)
     _inbox_send: trio.MemorySendChannel[Request] = attrs.field(init=False)
     _inbox: trio.MemoryReceiveChannel[Request] = attrs.field(init=False)
+    #: A decision the step chain took from the arbiter, for the actor task to carry out.
+    _handoff: Decision | None = attrs.field(init=False, default=None)
+    _chain_done: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _chain_error: BaseException | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self._arbiter = Arbiter(self.policy, now=trio.current_time())
@@ -327,6 +334,7 @@ class Actor:
         if self._stopped:
             return
         self._stopped = True
+        self._chain_done.set()
         self._inbox_send.close()
         if self._arbiter.state is not State.CLOSED:
             for item_id in self._arbiter.close(trio.current_time()):
@@ -371,17 +379,16 @@ class Actor:
     async def _loop(self, nursery: trio.Nursery) -> None:
         while not self._stopped:
             self._wake = trio.Event()
-            self._take_inbox()
-            decision = self._arbiter.decide(trio.current_time())
-            if self.decision_hook is not None:
-                self.decision_hook(decision, self._arbiter.statistics())
+            decision, self._handoff = self._handoff or self._decide(), None
             match decision:
-                case Admit(ids):
-                    self._admit(ids)
-                case Resume(ids):
-                    self._resume(ids)
                 case Step():
-                    await self._step()
+                    # Decode runs as a chain of worker callbacks (see _step_finished);
+                    # this task sleeps until the chain hands back another decision.
+                    self._chain_done = trio.Event()
+                    self._submit_step()
+                    await self._chain_done.wait()
+                    if self._chain_error is not None:
+                        raise self._chain_error
                 case Park(ids):
                     await self._park(ids)
                 case Start(job_id):
@@ -392,6 +399,25 @@ class Actor:
                         continue
                     with trio.move_on_at(deadline if deadline is not None else float("inf")):
                         await self._wake.wait()
+
+    def _decide(self) -> Decision:
+        """Take the inbox to the arbiter and ask it what next.
+
+        ``Admit`` and ``Resume`` only queue rows for the next step, so they are
+        carried out here; any other decision is returned.
+        """
+        while True:
+            self._take_inbox()
+            decision = self._arbiter.decide(trio.current_time())
+            if self.decision_hook is not None:
+                self.decision_hook(decision, self._arbiter.statistics())
+            match decision:
+                case Admit(ids):
+                    self._admit(ids)
+                case Resume(ids):
+                    self._resume(ids)
+                case _:
+                    return decision
 
     async def _discard(self) -> None:
         """Free cancelled rows' caches now, when no step would do it soon."""
@@ -420,36 +446,69 @@ class Actor:
                 assert request.spec is not None
                 self._inserts.append(request.spec)
 
-    async def _step(self) -> None:
+    def _submit_step(self) -> None:
+        """Send one decode step, with the rows to remove, insert and resume, to the worker."""
         inserts, resumes, removes = self._inserts, self._resumes, self._removes
         self._inserts, self._resumes, self._removes = [], [], []
         for spec in inserts:
             self._requests[spec.id].inserted = True
         call = partial(self.lane.step, inserts, resumes, removes)
+        self.worker.submit(call, self._step_finished)
+
+    def _step_finished(self, result: outcome.Outcome[StepResult]) -> None:
+        """A step's results, on the Trio thread: route them, then decide at once.
+
+        In steady decoding the next step is sent from here, so a step costs
+        one wake-up of the Trio loop and the actor task does not run at all.
+        This runs as a ``run_sync_soon`` callback, where an exception would
+        crash the whole Trio run: one is handed to the actor task instead.
+        """
         try:
-            result = await self.worker.run(call)
-        except Exception as exc:
-            if self._stopped:
-                return
+            self._route_step(result)
+        except BaseException as exc:
+            self._chain_error = exc
+            self._chain_done.set()
+
+    def _route_step(self, result: outcome.Outcome[StepResult]) -> None:
+        if self._stopped:
+            self._chain_done.set()
+            return
+        if not self.worker.alive:
+            self.close_nowait("the MLX worker thread died")
+            self._chain_done.set()
+            return
+        if isinstance(result, outcome.Error):
+            # The lane itself failed (it contains model failures on its own):
+            # fail the running rows and take them out at the next step.
+            error = result.error
             events = [
-                RowEvent(r.id, error=exc)
+                RowEvent(r.id, error=error)
                 for r in self._requests.values()
                 if r.lane == "batch" and r.phase is Phase.RUNNING
             ]
+            self._removes.extend(event.id for event in events)
         else:
-            events = result.events
-            self._batch_rows = result.rows
-            for row_id, cached in result.cached.items():
+            step = result.unwrap()
+            events = step.events
+            self._batch_rows = step.rows
+            for row_id, cached in step.cached.items():
                 request = self._requests.get(row_id)
                 if request is not None:
                     request.cached_tokens = cached
                     self._tokens["cached"] += cached
-        if self._stopped:
-            return
         now = trio.current_time()
         for event in events:
             self._route_row(event, now)
         self._arbiter.step_done(now)
+        decision = self._decide()
+        if isinstance(decision, Step):
+            self._submit_step()
+            return
+        # A Wait is not handed over: the actor task asks again after making a
+        # fresh doorbell, so a submission that rings in between is not lost.
+        if not isinstance(decision, Wait):
+            self._handoff = decision
+        self._chain_done.set()
 
     def _route_row(self, event: RowEvent, now: float) -> None:
         request = self._requests.get(event.id)

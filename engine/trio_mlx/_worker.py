@@ -14,6 +14,7 @@ hears about it through ``on_death``.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,23 @@ __all__ = ["Worker"]
 T = TypeVar("T")
 
 _STOP = object()
+
+
+async def _os_thread_gone(native_id: int | None, *, timeout: float = 5.0) -> None:
+    """Wait until the OS thread has really ended (Linux), not just its Python part.
+
+    ``Thread.join`` returns before the OS thread runs its C++ thread-local
+    destructors; MLX's take the GIL. If the interpreter is finalizing by then
+    (a program that exits right after closing the engine), the process aborts
+    with "terminate called without an active exception". Waiting here keeps
+    that work inside the engine's lifetime.
+    """
+    if native_id is None or not os.path.isdir("/proc/self/task"):
+        return
+    task = f"/proc/self/task/{native_id}"
+    with trio.move_on_after(timeout):
+        while os.path.exists(task):
+            await trio.sleep(0.001)
 
 
 @attrs.define(eq=False)
@@ -111,7 +129,8 @@ class Worker:
         self._queue.put(_STOP)
         with trio.CancelScope(shield=True):
             await self._ended.wait()
-        self._thread.join()
+            self._thread.join()
+            await _os_thread_gone(self._thread.native_id)
 
     def _main(self) -> None:
         death: BaseException | None = None

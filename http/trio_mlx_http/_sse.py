@@ -19,10 +19,12 @@ SSE_HEADERS = {
 }
 
 
+#: Characters that JSON allows raw but that line splitters such as Python's
+#: ``str.splitlines`` (used by httpx's ``aiter_lines``) treat as line breaks.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def event(payload: dict[str, Any]) -> bytes:
-    """One ``data:`` event; compact JSON never holds a newline, so one line suffices."""
-    return (
-        b"data: "
-        + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-        + b"\n\n"
-    )
+    """One ``data:`` event on exactly one line, whatever text the model produced."""
+    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return b"data: " + body.encode() + b"\n\n"
