@@ -32,9 +32,11 @@ __all__ = ["Worker"]
 T = TypeVar("T")
 
 _STOP = object()
+#: The longest wait for the OS thread to finish its C++ thread-local destructors.
+_THREAD_EXIT_TIMEOUT = 5.0
 
 
-async def _os_thread_gone(native_id: int | None, *, timeout: float = 5.0) -> None:
+async def _os_thread_gone(native_id: int | None) -> None:
     """Wait until the OS thread has really ended (Linux), not just its Python part.
 
     ``Thread.join`` returns before the OS thread runs its C++ thread-local
@@ -46,8 +48,9 @@ async def _os_thread_gone(native_id: int | None, *, timeout: float = 5.0) -> Non
     if native_id is None or not os.path.isdir("/proc/self/task"):
         return
     task = f"/proc/self/task/{native_id}"
-    with trio.move_on_after(timeout):
-        while os.path.exists(task):
+    with trio.move_on_after(_THREAD_EXIT_TIMEOUT):
+        # Nothing signals the end of an OS thread to Python: poll /proc.
+        while os.path.exists(task):  # noqa: ASYNC110
             await trio.sleep(0.001)
 
 
