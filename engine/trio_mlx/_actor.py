@@ -14,7 +14,13 @@ the inbox, then asks ``arbiter.decide(now)`` and carries the decision out:
 
 - ``Admit`` / ``Resume``: remember the rows; they enter the batch with the next step;
 - ``Step``: ONE worker call removes cancelled rows, inserts admitted ones, runs one
-  decode step and returns every row's events. Its result arrives as a
+  decode step and returns every row's events. In plain decoding (ADMITTING,
+  no job waiting) that call may run a short *burst* of steps (``burst_steps``,
+  ``burst_seconds``); it stops at the first step in which a row finishes,
+  fails or gets its first token, and as soon as the doorbell rings (a cancel,
+  a submission), so the arbiter misses nothing it would have acted on and a
+  cancelled row still leaves within one decode step. A row's tokens of the
+  burst come as one event: routing and consumer wake-ups are per burst. Its result arrives as a
   ``run_sync_soon`` callback that routes the events to the requests' outboxes
   with ``put`` (never awaiting a consumer), reports ``step_done``, decides
   again, and in steady decoding sends the next step right there: a step costs
@@ -199,6 +205,11 @@ class Actor:
     _handoff: Decision | None = attrs.field(init=False, default=None)
     _chain_done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _chain_error: BaseException | None = attrs.field(init=False, default=None)
+    #: Most decode steps in one Step's burst, and its time budget in seconds (see _submit_step).
+    burst_steps: int = 16
+    burst_seconds: float = 0.02
+    #: Set by the doorbell, read by the MLX thread: a burst stops at the next step boundary.
+    _news: threading.Event = attrs.field(init=False, factory=threading.Event)
 
     def __attrs_post_init__(self) -> None:
         self._arbiter = Arbiter(self.policy, now=trio.current_time())
@@ -452,7 +463,23 @@ class Actor:
         self._inserts, self._resumes, self._removes = [], [], []
         for spec in inserts:
             self._requests[spec.id].inserted = True
-        call = partial(self.lane.step, inserts, resumes, removes)
+        steps = 1
+        if self.burst_steps > 1:
+            arb = self._arbiter.statistics()
+            if arb.state is State.ADMITTING and not arb.waiting_jobs:
+                steps = self.burst_steps
+        # Cleared right after the decision (on this thread, with no checkpoint
+        # in between): any later ring ends the burst at the next step.
+        self._news.clear()
+        call = partial(
+            self.lane.step,
+            inserts,
+            resumes,
+            removes,
+            steps=steps,
+            seconds=self.burst_seconds,
+            interrupt=self._news.is_set,
+        )
         self.worker.submit(call, self._step_finished)
 
     def _step_finished(self, result: outcome.Outcome[StepResult]) -> None:
@@ -497,13 +524,25 @@ class Actor:
                     request.cached_tokens = cached
                     self._tokens["cached"] += cached
         now = trio.current_time()
-        for event in events:
-            self._route_row(event, now)
-        self._arbiter.step_done(now)
-        decision = self._decide()
-        if isinstance(decision, Step):
-            self._submit_step()
-            return
+        if any(e.finish_reason is not None or e.error is not None for e in events):
+            for event in events:
+                self._route_row(event, now)
+            self._arbiter.step_done(now)
+            decision = self._decide()
+            if isinstance(decision, Step):
+                self._submit_step()
+                return
+        else:
+            # No row ended, so routing tells the arbiter nothing: send the next
+            # step first, and route while the MLX thread works on it.
+            self._arbiter.step_done(now)
+            decision = self._decide()
+            if isinstance(decision, Step):
+                self._submit_step()
+            for event in events:
+                self._route_row(event, now)
+            if isinstance(decision, Step):
+                return
         # A Wait is not handed over: the actor task asks again after making a
         # fresh doorbell, so a submission that rings in between is not lost.
         if not isinstance(decision, Wait):
@@ -637,6 +676,7 @@ class Actor:
 
     def _ring(self) -> None:
         self._wake.set()
+        self._news.set()
 
 
 def failure(error: BaseException) -> BaseException:

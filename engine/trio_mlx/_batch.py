@@ -4,7 +4,8 @@ Every row carries its own sampler (``make_sampler``) and logits processors
 (``make_logits_processors``: penalties and logit_bias), so the whole
 :class:`~trio_mlx.SamplingParams` surface batches. One :meth:`BatchLane.step`
 call is one worker call: it removes cancelled rows, inserts admitted and
-resumed ones, runs one ``BatchGenerator.next()`` and returns every row's
+resumed ones, runs one ``BatchGenerator.next()`` (or a short burst of them,
+see :meth:`BatchLane.step`) and returns every row's
 :class:`~trio_mlx._output.RowEvent` at once.
 
 Parking (preemption) takes a row's KV cache out with
@@ -25,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._output import RowEvent, RowOutput
+from trio_mlx._output import RowEvent, RowOutput, merge_events
 from trio_mlx._params import SamplingParams
 from trio_mlx._prompt_cache import PromptCache
 
@@ -50,6 +51,8 @@ class StepResult:
     cached: dict[int, int]
     #: Rows the lane holds after the step (in the batch or parked).
     rows: int = 0
+    #: Decode steps run (0 when no row was in the batch, more in a burst).
+    steps: int = 0
 
 
 def make_row_sampler(params: SamplingParams, tokenizer: Any) -> Callable[[Any], Any] | None:
@@ -164,8 +167,19 @@ class BatchLane:
         inserts: Sequence[RowSpec] = (),
         resumes: Sequence[int] = (),
         removes: Sequence[int] = (),
+        *,
+        steps: int = 1,
+        seconds: float = 0.0,
+        interrupt: Callable[[], bool] | None = None,
     ) -> StepResult:
-        """Remove, insert and resume rows, then run one decode step."""
+        """Remove, insert and resume rows, then run one decode step, or a burst of them.
+
+        With ``steps > 1`` the lane keeps decoding, up to ``steps`` steps or
+        until ``seconds`` have passed, and stops early after any step in which
+        a row finished, failed or produced its first token, or once
+        ``interrupt()`` is true (the actor has news: a cancel, a submission).
+        A row's tokens from the whole burst come back as one event.
+        """
         events: list[RowEvent] = []
         cached: dict[int, int] = {}
         self._remove(removes)
@@ -181,9 +195,40 @@ class BatchLane:
             except Exception as exc:
                 self._drop(row_id)
                 events.append(RowEvent(row_id, error=exc))
+        decoded = 0
         if self._by_uid:
-            events.extend(self._decode())
-        return StepResult(events, cached, len(self._rows))
+            if steps <= 1:
+                events.extend(self._decode())
+                decoded = 1
+            else:
+                burst, decoded = self._burst(steps, seconds, interrupt)
+                events.extend(burst)
+        return StepResult(events, cached, len(self._rows), decoded)
+
+    def _burst(
+        self, steps: int, seconds: float, interrupt: Callable[[], bool] | None
+    ) -> tuple[list[RowEvent], int]:
+        start = time.perf_counter()
+        by_row: dict[int, list[RowEvent]] = {}
+        decoded = 0
+        while True:
+            step = self._decode()
+            decoded += 1
+            news = False
+            for event in step:
+                by_row.setdefault(event.id, []).append(event)
+                if event.finish_reason is not None or event.error is not None:
+                    news = True
+                elif event.generated == 1:
+                    news = True
+            if (
+                news
+                or decoded >= steps
+                or not self._by_uid
+                or time.perf_counter() - start >= seconds
+                or (interrupt is not None and interrupt())
+            ):
+                return [merge_events(evs) for evs in by_row.values()], decoded
 
     def close(self) -> None:
         """Drop every row and release the generator (on the MLX thread, at shutdown)."""

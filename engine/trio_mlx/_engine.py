@@ -233,6 +233,9 @@ class Engine:
     _registry: AdapterRegistry
     _max_batch: int
     _actor: Actor = attrs.field(init=False)
+    _encode_limiter: trio.CapacityLimiter = attrs.field(
+        init=False, factory=lambda: trio.CapacityLimiter(1)
+    )
 
     @property
     def tokenizer(self) -> Any:
@@ -272,6 +275,12 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(
+                    "the prompt is not valid Unicode (a lone surrogate?)", param="prompt"
+                ) from None
             bos = tokenizer.bos_token
             tokens = list(
                 tokenizer.encode(
@@ -410,7 +419,12 @@ class Engine:
             raise InvalidRequest("params must be a SamplingParams")
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
-        tokens = self.encode(prompt, tools=tools)
+        # Tokenizing (and rendering a chat template) is CPU work that grows with
+        # the prompt: keep it off the event loop, one prompt at a time.
+        tokens = await trio.to_thread.run_sync(
+            partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
+        )
+        self._check_logit_bias(params)
         if params.adapter is not None and params.adapter not in self._registry:
             raise NotFound(f"no adapter named {params.adapter!r} is mounted", param="adapter")
         if params.kv_bits is not None:
@@ -427,6 +441,16 @@ class Engine:
         )
         await self._actor.submit(request)
         return request
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self._loaded.config.get("vocab_size")
+        if params.logit_bias and isinstance(vocab, int):
+            outside = [token for token in params.logit_bias if token >= vocab]
+            if outside:
+                raise InvalidRequest(
+                    f"logit_bias names token {outside[0]}, outside the vocabulary ({vocab})",
+                    param="logit_bias",
+                )
 
     def _check_kv_group(self, group: int) -> None:
         config = self._loaded.config

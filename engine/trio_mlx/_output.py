@@ -15,7 +15,7 @@ import attrs
 
 from trio_mlx._params import SamplingParams, TokenLogprob
 
-__all__ = ["RowEvent", "RowOutput", "StopScanner"]
+__all__ = ["RowEvent", "RowOutput", "StopScanner", "merge_events"]
 
 
 @attrs.frozen
@@ -32,6 +32,33 @@ class RowEvent:
     error: BaseException | None = None
     #: Tokens generated in all, including an EOS that is not in ``token_ids``.
     generated: int = 0
+
+
+def merge_events(events: list[RowEvent]) -> RowEvent:
+    """One event for consecutive events of one row (a burst of decode steps).
+
+    Only the last event may finish or fail the row: a burst ends at the first.
+    """
+    if len(events) == 1:
+        return events[0]
+    last = events[-1]
+    ids: list[int] = []
+    lps: list[TokenLogprob] | None = None
+    for event in events:
+        ids.extend(event.token_ids)
+        if event.logprobs is not None:
+            if lps is None:
+                lps = []
+            lps.extend(event.logprobs)
+    return RowEvent(
+        last.id,
+        "".join([event.text for event in events]),
+        tuple(ids),
+        None if lps is None else tuple(lps),
+        last.finish_reason,
+        last.error,
+        last.generated,
+    )
 
 
 @attrs.define

@@ -96,6 +96,13 @@ def shutdown_trigger(app: QuartTrio, event: trio.Event) -> Callable[[], Awaitabl
     return trigger
 
 
+def _has_body(req: Any) -> bool:
+    """Whether the request announced a body (a length above 0, or chunked)."""
+    length = req.headers.get("Content-Length", "0")
+    chunked = "chunked" in req.headers.get("Transfer-Encoding", "").lower()
+    return chunked or length.strip() not in ("", "0")
+
+
 def _install_hooks(app: QuartTrio, state: ServerState) -> None:
     @app.before_request
     async def start() -> None:
@@ -123,7 +130,9 @@ def _install_hooks(app: QuartTrio, state: ServerState) -> None:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
-        if state.draining:
+        if state.draining or (response.status_code >= 400 and _has_body(request)):
+            # An early answer (401, 404, ...) may leave the body unread on the
+            # socket; reusing that connection can hang the next request on it.
             response.headers["Connection"] = "close"
         access: Access | None = g.get("access")
         if access is not None and not access.by_body:
