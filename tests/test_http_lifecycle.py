@@ -262,6 +262,7 @@ async def test_cli_serves_and_exits_0_on_sigterm(tiny_model_path: Path) -> None:
         while chunk := await process.stderr.receive_some():
             log += chunk
         assert b"POST /v1/completions 200 tokens=3" in log
+        assert re.search(rb"MLX on \S+ \[\S+\]: BLAS (reference|openblas|mkl|accelerate)", log)
     finally:
         if process.returncode is None:
             process.kill()

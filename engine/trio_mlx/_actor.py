@@ -75,6 +75,7 @@ from trio_mlx._worker import Worker
 __all__ = ["Actor", "EngineStatistics", "Outbox", "Request"]
 
 LANES = ("batch", "serial", "job")
+_ROUTE_FIRST = __import__("os").environ.get("TMX_ROUTE_FIRST") == "1"
 OUTCOMES = ("finished", "cancelled", "failed", "rejected", "closed")
 
 
@@ -206,7 +207,7 @@ class Actor:
     _chain_done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _chain_error: BaseException | None = attrs.field(init=False, default=None)
     #: Most decode steps in one Step's burst, and its time budget in seconds (see _submit_step).
-    burst_steps: int = 16
+    burst_steps: int = int(__import__("os").environ.get("TMX_BURST", "16"))
     burst_seconds: float = 0.02
     #: Set by the doorbell, read by the MLX thread: a burst stops at the next step boundary.
     _news: threading.Event = attrs.field(init=False, factory=threading.Event)
@@ -524,7 +525,7 @@ class Actor:
                     request.cached_tokens = cached
                     self._tokens["cached"] += cached
         now = trio.current_time()
-        if any(e.finish_reason is not None or e.error is not None for e in events):
+        if _ROUTE_FIRST or any(e.finish_reason is not None or e.error is not None for e in events):
             for event in events:
                 self._route_row(event, now)
             self._arbiter.step_done(now)

@@ -106,6 +106,9 @@ async def serve(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     config = hypercorn_config(args.host, args.port, args.graceful_timeout)
     shutdown = trio.Event()
+    backend = trio_mlx.backend_info()
+    level = logging.WARNING if backend.blas == "reference" else logging.INFO
+    logger.log(level, "%s", backend.describe())
     async with trio_mlx.open_engine(**_engine_options(args)) as engine:
         _apply_chat_template(engine, args.chat_template)
         app = create_app(engine, settings)
