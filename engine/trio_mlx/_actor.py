@@ -20,8 +20,8 @@ the inbox, then asks ``arbiter.decide(now)`` and carries the decision out:
   fails or gets its first token, and as soon as the doorbell rings (a cancel,
   a submission), so the arbiter misses nothing it would have acted on and a
   cancelled row still leaves within one decode step. A row's tokens of the
-  burst come as one event: routing and consumer wake-ups are per burst. Its result arrives as a
-  ``run_sync_soon`` callback that routes the events to the requests' outboxes
+  burst come as one event: routing and consumer wake-ups are per burst.
+  Its result arrives as a ``run_sync_soon`` callback that routes the events to the requests' outboxes
   with ``put`` (never awaiting a consumer), reports ``step_done``, decides
   again, and in steady decoding sends the next step right there: a step costs
   one wake-up of the Trio loop, and the actor task sleeps until the decision
@@ -75,7 +75,6 @@ from trio_mlx._worker import Worker
 __all__ = ["Actor", "EngineStatistics", "Outbox", "Request"]
 
 LANES = ("batch", "serial", "job")
-_ROUTE_FIRST = __import__("os").environ.get("TMX_ROUTE_FIRST") == "1"
 OUTCOMES = ("finished", "cancelled", "failed", "rejected", "closed")
 
 
@@ -207,7 +206,7 @@ class Actor:
     _chain_done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _chain_error: BaseException | None = attrs.field(init=False, default=None)
     #: Most decode steps in one Step's burst, and its time budget in seconds (see _submit_step).
-    burst_steps: int = int(__import__("os").environ.get("TMX_BURST", "16"))
+    burst_steps: int = 16
     burst_seconds: float = 0.02
     #: Set by the doorbell, read by the MLX thread: a burst stops at the next step boundary.
     _news: threading.Event = attrs.field(init=False, factory=threading.Event)
@@ -525,25 +524,13 @@ class Actor:
                     request.cached_tokens = cached
                     self._tokens["cached"] += cached
         now = trio.current_time()
-        if _ROUTE_FIRST or any(e.finish_reason is not None or e.error is not None for e in events):
-            for event in events:
-                self._route_row(event, now)
-            self._arbiter.step_done(now)
-            decision = self._decide()
-            if isinstance(decision, Step):
-                self._submit_step()
-                return
-        else:
-            # No row ended, so routing tells the arbiter nothing: send the next
-            # step first, and route while the MLX thread works on it.
-            self._arbiter.step_done(now)
-            decision = self._decide()
-            if isinstance(decision, Step):
-                self._submit_step()
-            for event in events:
-                self._route_row(event, now)
-            if isinstance(decision, Step):
-                return
+        for event in events:
+            self._route_row(event, now)
+        self._arbiter.step_done(now)
+        decision = self._decide()
+        if isinstance(decision, Step):
+            self._submit_step()
+            return
         # A Wait is not handed over: the actor task asks again after making a
         # fresh doorbell, so a submission that rings in between is not lost.
         if not isinstance(decision, Wait):

@@ -214,12 +214,11 @@ class BatchLane:
         while True:
             step = self._decode()
             decoded += 1
+            # News for the arbiter (a row ended) or the consumer (a first token).
             news = False
             for event in step:
                 by_row.setdefault(event.id, []).append(event)
-                if event.finish_reason is not None or event.error is not None:
-                    news = True
-                elif event.generated == 1:
+                if event.finish_reason or event.error is not None or event.generated == 1:
                     news = True
             if (
                 news

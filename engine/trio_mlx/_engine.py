@@ -34,6 +34,8 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 #: Greedy decoding of up to 256 tokens.
 DEFAULT_PARAMS = SamplingParams()
+#: Prompts (characters, or token ids) up to this size are tokenized on the event loop.
+_INLINE_PROMPT = 1024
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
@@ -420,10 +422,18 @@ class Engine:
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
-        # the prompt: keep it off the event loop, one prompt at a time.
-        tokens = await trio.to_thread.run_sync(
-            partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
-        )
+        # the prompt: keep it off the event loop, one prompt at a time. A short
+        # string or id list costs less than the thread hop: encode it here.
+        if (
+            isinstance(prompt, str | list | tuple)
+            and len(prompt) <= _INLINE_PROMPT
+            and not (prompt and isinstance(prompt[0], Mapping))
+        ):
+            tokens = self.encode(prompt, tools=tools)
+        else:
+            tokens = await trio.to_thread.run_sync(
+                partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
+            )
         self._check_logit_bias(params)
         if params.adapter is not None and params.adapter not in self._registry:
             raise NotFound(f"no adapter named {params.adapter!r} is mounted", param="adapter")

@@ -1,0 +1,145 @@
+"""Decode bursts: a Step's worker call may run several decode steps, never past news."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_mlx
+from engine_helpers import wait_until
+from trio_mlx import SamplingParams, TokenLogprob
+from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._output import RowEvent, merge_events
+
+pytestmark = pytest.mark.model
+
+NO_EOS = {0: -100.0, 2: -100.0}
+
+
+def _lane(tiny_model: tuple[Any, Any]) -> BatchLane:
+    model, tokenizer = tiny_model
+    return BatchLane(model, tokenizer, max_batch=4)
+
+
+def _spec(row_id: int, tokenizer: Any, max_tokens: int) -> RowSpec:
+    prompt = tuple(tokenizer.encode(f"Hello number {row_id}"))
+    return RowSpec(row_id, prompt, SamplingParams(max_tokens=max_tokens, logit_bias=NO_EOS))
+
+
+def test_merge_events_joins_a_rows_events_in_order() -> None:
+    lp = TokenLogprob(5, -0.5, ())
+    events = [
+        RowEvent(7, "a", (5,), (lp,), None, None, 1),
+        RowEvent(7, "", (6,), (), None, None, 2),
+        RowEvent(7, "bc", (8,), (lp,), "length", None, 3),
+    ]
+    merged = merge_events(events)
+    assert merged == RowEvent(7, "abc", (5, 6, 8), (lp, lp), "length", None, 3)
+    assert merge_events(events[:1]) is events[0]
+    plain = [RowEvent(1, "x", (1,), None, None, None, 1), RowEvent(1, "y", (2,), None)]
+    assert merge_events(plain).logprobs is None
+
+
+def _first_tokens(lane: BatchLane, specs: list[RowSpec]) -> dict[int, list[int]]:
+    """Insert rows and single-step through their prefill; return their first tokens."""
+    ids: dict[int, list[int]] = {spec.id: [] for spec in specs}
+    events = lane.step(specs).events
+    while True:
+        for event in events:
+            ids[event.id].extend(event.token_ids)
+        if all(ids.values()):
+            return ids
+        events = lane.step().events
+
+
+def test_a_burst_yields_the_same_tokens_as_single_steps(tiny_model: tuple[Any, Any]) -> None:
+    tokenizer = tiny_model[1]
+    single, burst = _lane(tiny_model), _lane(tiny_model)
+    specs = [_spec(i, tokenizer, 40) for i in (1, 2)]
+    expected = _first_tokens(single, specs)
+    first = burst.step(specs, steps=16, seconds=60.0)
+    # The burst runs through the prefill and stops at the step of the first tokens.
+    assert 1 <= first.steps < 16
+    assert {e.id: list(e.token_ids) for e in first.events} == expected
+    ids = {e.id: list(e.token_ids) for e in first.events}
+    for _ in range(10):
+        for event in single.step().events:
+            expected[event.id].extend(event.token_ids)
+    result = burst.step(steps=10, seconds=60.0)
+    assert result.steps == 10
+    # One event per row for the whole burst.
+    assert sorted(e.id for e in result.events) == [1, 2]
+    for event in result.events:
+        assert len(event.token_ids) == 10
+        assert event.generated == 11
+        ids[event.id].extend(event.token_ids)
+    assert ids == expected
+
+
+def test_a_burst_stops_at_a_finished_row(tiny_model: tuple[Any, Any]) -> None:
+    tokenizer = tiny_model[1]
+    lane = _lane(tiny_model)
+    _first_tokens(lane, [_spec(1, tokenizer, 4), _spec(2, tokenizer, 40)])
+    result = lane.step(steps=16, seconds=60.0)
+    assert result.steps == 3
+    by_id = {e.id: e for e in result.events}
+    assert by_id[1].finish_reason == "length"
+    assert by_id[1].generated == 4
+    assert len(by_id[1].token_ids) == 3
+    assert by_id[2].finish_reason is None
+    assert len(by_id[2].token_ids) == 3
+
+
+def test_a_burst_stops_when_interrupted_or_out_of_time(tiny_model: tuple[Any, Any]) -> None:
+    tokenizer = tiny_model[1]
+    lane = _lane(tiny_model)
+    _first_tokens(lane, [_spec(1, tokenizer, 100)])
+    assert lane.step(steps=16, seconds=60.0, interrupt=lambda: True).steps == 1
+    calls: list[int] = []
+
+    def after_three() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    assert lane.step(steps=16, seconds=60.0, interrupt=after_three).steps == 3
+    assert lane.step(steps=16, seconds=0.0).steps == 1
+    assert lane.step(steps=5, seconds=60.0).steps == 5
+
+
+async def _endless_row(engine: trio_mlx.Engine, seen: list[int], *, task_status: Any) -> None:
+    params = SamplingParams(max_tokens=100_000, logit_bias=NO_EOS)
+    async with engine.generate("Hello world", params) as stream:
+        task_status.started()
+        async for delta in stream:
+            seen.extend(delta.token_ids)
+
+
+async def test_news_ends_an_endless_burst(tiny_model_path: Path) -> None:
+    """With no step or time limit on bursts, submissions, cancels and jobs still get in."""
+    async with trio_mlx.open_engine(
+        tiny_model_path, prompt_cache_bytes=0, drain_timeout=0.0
+    ) as engine:
+        engine._actor.burst_steps = 1_000_000
+        engine._actor.burst_seconds = 1_000.0
+        seen: list[int] = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(_endless_row, engine, seen)
+                # An endless burst holds the row's later tokens: only the first has come.
+                await wait_until(lambda: len(seen) >= 1)
+                # A new row is admitted, gets its tokens and finishes mid-burst.
+                short = SamplingParams(max_tokens=5, logit_bias=NO_EOS)
+                result = await engine.complete("The quick brown fox", short)
+                assert len(result.token_ids) == 5
+                assert result.result.finish_reason == "length"
+                # An exclusive job starts (the running row is parked for it).
+                assert await engine.run_exclusive(lambda model, tok: 42) == 42
+                # A cancel ends the endless row promptly.
+                nursery.cancel_scope.cancel()
+            await wait_until(lambda: engine.statistics().batch_rows == 0)
+        stats = engine.statistics()
+        assert stats.requests["batch:cancelled"] == 1
+        assert stats.generated_tokens < 100_000
