@@ -378,3 +378,14 @@ def test_sse_event_stays_one_line_for_unicode_line_separators() -> None:
     assert line.endswith("\n\n")
     assert len(line[:-2].splitlines()) == 1
     assert _json.loads(line[len("data: ") : -2]) == {"content": text}
+
+
+def test_prompt_concurrency_flag_sets_the_engines_prefill_batch_size() -> None:
+    from trio_mlx_http._cli import build_parser
+    from trio_mlx_http._run import _engine_options
+
+    args = build_parser().parse_args(["serve", "--prompt-concurrency", "3", "--max-batch", "16"])
+    options = _engine_options(args)
+    assert options["prefill_batch_size"] == 3
+    assert options["max_batch"] == 16
+    assert "prefill_batch_size" not in _engine_options(build_parser().parse_args(["serve"]))

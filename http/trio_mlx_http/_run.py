@@ -30,9 +30,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             options[name] = value
     if getattr(args, "prompt_concurrency", None) is not None:
-        # The engine prefills admitted prompts together up to max_batch; there
-        # is no separate knob yet, so the flag is accepted for mlx_lm.server parity.
-        logger.warning("--prompt-concurrency is accepted but not used by this engine")
+        # mlx_lm.server's name for how many prompts are prefilled together.
+        options["prefill_batch_size"] = args.prompt_concurrency
     return options
 
 
