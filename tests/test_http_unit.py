@@ -389,3 +389,14 @@ def test_prompt_concurrency_flag_sets_the_engines_prefill_batch_size() -> None:
     assert options["prefill_batch_size"] == 3
     assert options["max_batch"] == 16
     assert "prefill_batch_size" not in _engine_options(build_parser().parse_args(["serve"]))
+
+
+def test_engine_errors_carry_a_machine_readable_code() -> None:
+    from trio_mlx import EngineClosed, GenerationFailed, NotFound
+
+    assert error_body(EngineClosed("closed"))["error"]["code"] == "engine_closed"
+    assert error_body(GenerationFailed("boom"))["error"]["code"] == "generation_failed"
+    assert error_body(NotFound("no adapter", param="adapter"))["error"]["code"] == "not_found"
+    assert error_body(NotFound("gone", code="model_not_found"))["error"]["code"] == (
+        "model_not_found"
+    )

@@ -23,6 +23,8 @@ class TrioMLXError(Exception):
     status_code: int = 500
     #: OpenAI's ``error.type`` for this error.
     error_type: str = "server_error"
+    #: The ``code`` when none is given (None: the type and ``param`` say enough).
+    default_code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -30,7 +32,7 @@ class TrioMLXError(Exception):
         #: The request field at fault, when there is one (OpenAI's ``error.param``).
         self.param = param
         #: A short machine-readable code (OpenAI's ``error.code``).
-        self.code = code
+        self.code = code if code is not None else self.default_code
 
 
 class InvalidRequest(TrioMLXError):
@@ -45,6 +47,7 @@ class NotFound(TrioMLXError):
 
     status_code = 404
     error_type = "not_found_error"
+    default_code = "not_found"
 
 
 class EngineOverloaded(TrioMLXError):
@@ -64,6 +67,7 @@ class EngineClosed(TrioMLXError):
 
     status_code = 503
     error_type = "service_unavailable"
+    default_code = "engine_closed"
 
 
 class GenerationFailed(TrioMLXError):
@@ -71,3 +75,4 @@ class GenerationFailed(TrioMLXError):
 
     status_code = 500
     error_type = "server_error"
+    default_code = "generation_failed"
