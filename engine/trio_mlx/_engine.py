@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from trio_mlx import _distributed
 from trio_mlx._actor import Actor, EngineStatistics, Phase, Request, failure
 from trio_mlx._adapters import AdapterRegistry
 from trio_mlx._arbiter import ArbiterPolicy
@@ -51,6 +52,8 @@ class _Loaded:
     caches_merge: bool
     lane: BatchLane
     prompt_cache: PromptCache | None
+    #: The ``mx.distributed`` group the model is sharded over (None: one process).
+    group: Any = None
 
 
 def _resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -84,18 +87,30 @@ def _load(
     prompt_cache_bytes: int,
     prefill_step_size: int,
     prefill_batch_size: int,
+    distributed: bool = False,
 ) -> _Loaded:
     """Load, check and warm the model (on the worker thread)."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
-    result: Any = mlx_lm.load(path, adapter_path=adapter_path, return_config=True)
+    lane_type: type[BatchLane] = BatchLane
+    group, channel = None, None
+    if distributed:
+        group, channel, result = _distributed_load(path, adapter_path)
+        # Every rank gets rank 0's settings: they shape the collectives.
+        max_batch, prefill_step_size, prefill_batch_size = channel.share(
+            (max_batch, prefill_step_size, prefill_batch_size)
+        )
+        prompt_cache_bytes = 0
+        lane_type = _distributed.MirroredLane
+    else:
+        result = mlx_lm.load(path, adapter_path=adapter_path, return_config=True)
     model, tokenizer, config = result
     if adapter_path is not None:
         _fuse_lora(model)
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
-    lane = BatchLane(
+    lane = lane_type(
         model,
         tokenizer,
         max_batch,
@@ -111,7 +126,25 @@ def _load(
         mx.eval(model(mx.array([warm]), cache=make_prompt_cache(model)))
     prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
     lane.prompt_cache = prompt_cache
-    return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache)
+    if isinstance(lane, _distributed.MirroredLane) and channel is not None and channel.rank == 0:
+        lane.channel = channel
+    return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group)
+
+
+def _distributed_load(path: str, adapter_path: str | None) -> tuple[Any, Any, Any]:
+    """Every rank: its shard of the model, seeded alike (see :mod:`trio_mlx._distributed`)."""
+    import mlx.core as mx
+    from mlx_lm.utils import sharded_load
+
+    if adapter_path is not None:
+        raise InvalidRequest("adapters are not supported in distributed mode", param="adapter_path")
+    group = _distributed.group()
+    if group is None:
+        raise InvalidRequest("launched for distributed mode, but the group has one rank")
+    result = sharded_load(path, tensor_group=group, return_config=True)
+    # Sampled tokens feed the next step on every rank: their random streams must agree.
+    mx.random.seed(_distributed.SEED)
+    return group, _distributed.Channel(group), result
 
 
 @asynccontextmanager
@@ -165,6 +198,7 @@ async def open_engine(
         prompt_cache_bytes,
         prefill_step_size,
         prefill_batch_size,
+        _distributed.launched(),
     )
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
@@ -214,6 +248,9 @@ async def _serve(
         )
         engine._actor = actor
         worker.on_death = actor.on_worker_death
+        if isinstance(loaded.lane, _distributed.MirroredLane) and loaded.lane.channel is not None:
+            loaded.lane.on_lost = partial(worker.call_soon_in_trio, actor.close_nowait)
+            loaded.lane.watch()
         try:
             await actor.run(engine, task_status=task_status)
         finally:
@@ -379,6 +416,7 @@ class Engine:
 
     async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
         """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""
+        self._refuse_distributed("run_exclusive")
         model, tokenizer = self._loaded.model, self._loaded.tokenizer
         value: T = await self._job(lambda: fn(model, tokenizer))
         return value
@@ -387,6 +425,7 @@ class Engine:
         """Mount the LoRA adapter at ``path`` as ``name``; requests name it in ``params.adapter``."""
         if not isinstance(name, str) or not name:
             raise InvalidRequest("an adapter name must be a non-empty string", param="name")
+        self._refuse_distributed("LoRA adapters")
         folder = Path(path)
         if not folder.exists():
             raise NotFound(f"no adapter at {folder}", param="path")
@@ -442,6 +481,8 @@ class Engine:
         lane = choose_lane(
             params, max_batch=self._max_batch, caches_merge=self._loaded.caches_merge
         )
+        if not lane.batch:
+            self._refuse_distributed("the serial lane (a seed, kv_bits, an adapter)")
         request_id = self._actor.new_id()
         request = Request(
             request_id,
@@ -451,6 +492,10 @@ class Engine:
         )
         await self._actor.submit(request)
         return request
+
+    def _refuse_distributed(self, what: str) -> None:
+        if self._loaded.group is not None:
+            raise InvalidRequest(f"{what} is not supported in distributed mode (experimental)")
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         vocab = self._loaded.config.get("vocab_size")

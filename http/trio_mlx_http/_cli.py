@@ -125,11 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     import trio
 
+    from trio_mlx import _distributed
     from trio_mlx_http import _run
 
     runner = _run.serve if args.command == "serve" else _run.generate
     try:
-        status = trio.run(runner, args)
+        if args.command == "serve" and _distributed.follower_rank() is not None:
+            status = _distributed.follow(args.model)  # a rank > 0 under mlx.launch
+        else:
+            status = trio.run(runner, args)
     except KeyboardInterrupt:
         status = 130
     if argv is None:
