@@ -283,3 +283,45 @@ async def test_disconnect_mid_serial_request_stops_its_job(tiny_model_path: Path
         await trio.sleep(0.1)
         assert server.engine.statistics().generated_tokens == generated < 1000
         assert (await http.get("/health")).status_code == 200
+
+
+async def test_cli_ends_streams_past_the_grace_deadline_with_an_error_event(
+    tiny_model_path: Path,
+) -> None:
+    command = [sys.executable, "-m", "trio_mlx_http", "serve", "--model", str(tiny_model_path)]
+    command += ["--port", "0", "--no-fast-blas", "--graceful-timeout", "1"]
+    process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
+    assert process.stderr is not None
+    try:
+        log = b""
+        with trio.fail_after(60):
+            while b"serving " not in log:
+                chunk = await process.stderr.receive_some()
+                assert chunk, log.decode()
+                log += chunk
+        url = re.search(rb"serving \S+ on (http://\S+)", log)
+        assert url is not None, log.decode()
+        body = {"prompt": "Hello", "max_tokens": 1900, "stream": True, "logit_bias": NO_EOS}
+        events: list[str] = []
+        async with (
+            httpx.AsyncClient(base_url=url.group(1).decode(), timeout=30) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            with trio.fail_after(30):
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                        if len(events) == 3:
+                            process.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            assert await process.wait() == 0
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "service_unavailable"
+        assert error["code"] == "engine_closed"
+        assert all("error" not in json.loads(event) for event in events[:-2])
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -86,6 +86,25 @@ async def _on_signals(shutdown: trio.Event, cancel: trio.CancelScope) -> None:
             shutdown.set()
 
 
+async def _close_at_deadline(
+    engine: trio_mlx.Engine, shutdown: trio.Event, graceful_timeout: float
+) -> None:
+    """Just before Hypercorn's graceful deadline, end what still runs with a clean error.
+
+    Hypercorn cancels the handlers at its deadline, which drops their
+    connections mid-answer; closing the engine a little earlier lets each one
+    answer 503 or end its stream with an error event first.
+    """
+    await shutdown.wait()
+    await trio.sleep(max(0.0, graceful_timeout - min(0.5, graceful_timeout / 4)))
+    pending = engine.statistics()
+    left = pending.running_rows + pending.queued_rows + pending.parked_rows
+    left += pending.waiting_jobs + pending.running_jobs
+    if left:
+        logger.warning("graceful deadline: ending %d unfinished requests with an error", left)
+    engine.close()
+
+
 async def _http(
     app: QuartTrio,
     config: Config,
@@ -113,6 +132,7 @@ async def serve(args: argparse.Namespace) -> int:
         app = create_app(engine, settings)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
+            nursery.start_soon(_close_at_deadline, engine, shutdown, args.graceful_timeout)
             binds = await nursery.start(_http, app, config, shutdown, nursery.cancel_scope)
             logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
     logger.info("stopped")
