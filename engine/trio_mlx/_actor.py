@@ -194,6 +194,8 @@ class Actor:
     _inserts: list[RowSpec] = attrs.field(init=False, factory=list)
     _resumes: list[int] = attrs.field(init=False, factory=list)
     _removes: list[int] = attrs.field(init=False, factory=list)
+    #: Rows of the last Park decision that the lane has still to park.
+    _parking: list[int] = attrs.field(init=False, factory=list)
     _closing: bool = attrs.field(init=False, default=False)
     _stopped: bool = attrs.field(init=False, default=False)
     _counts: Counter[str] = attrs.field(init=False, factory=Counter)
@@ -427,6 +429,11 @@ class Actor:
                     self._admit(ids)
                 case Resume(ids):
                     self._resume(ids)
+                case Park(ids):
+                    # The arbiter counts these rows parked from now on: so must
+                    # a cancel that arrives before the park itself has run.
+                    self._parking = self._mark_parked(ids)
+                    return decision
                 case _:
                     return decision
 
@@ -559,7 +566,8 @@ class Actor:
             request.finished_at = now
         request.outbox.put(event)
 
-    async def _park(self, ids: tuple[int, ...]) -> None:
+    def _mark_parked(self, ids: tuple[int, ...]) -> list[int]:
+        """Bookkeeping of a Park decision; returns the rows the lane must park."""
         in_lane = []
         for row_id in ids:
             request = self._requests[row_id]
@@ -571,6 +579,12 @@ class Actor:
                 self._resumes.remove(row_id)
             else:
                 in_lane.append(row_id)
+        return in_lane
+
+    async def _park(self, ids: tuple[int, ...]) -> None:
+        # ``ids`` were marked parked when the decision was made (_decide); a row
+        # cancelled since is parked anyway and then discarded with _removes.
+        in_lane, self._parking = self._parking, []
         if in_lane:
             try:
                 await self.worker.run(partial(self.lane.park, in_lane))
@@ -579,7 +593,9 @@ class Actor:
                     return
                 now = trio.current_time()
                 for row_id in in_lane:
-                    request = self._requests[row_id]
+                    request = self._requests.get(row_id)
+                    if request is None:
+                        continue
                     self._arbiter.cancel_row(row_id, now)
                     self._removes.append(row_id)
                     self._deliver(request, RowEvent(row_id, error=exc), now)
