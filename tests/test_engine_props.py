@@ -69,7 +69,7 @@ def _idle(stats: trio_mlx.EngineStatistics) -> bool:
     return busy == 0 and stats.batch_rows == 0
 
 
-async def _scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]) -> None:
+async def _check_scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]) -> None:
     outcomes: dict[int, list[str]] = {i: [] for i in range(len(ops))}
     log: list[tuple[Any, Any]] = []
     async with trio_mlx.open_engine(
@@ -156,4 +156,4 @@ async def _scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]) -> N
 def test_random_interleavings_end_every_request_exactly_once(
     tiny_model_path: Path, adapter_dir: Path, ops: list[tuple[Any, ...]]
 ) -> None:
-    trio.run(_scenario, tiny_model_path, adapter_dir, ops)
+    trio.run(_check_scenario, tiny_model_path, adapter_dir, ops)

@@ -239,21 +239,33 @@ async def test_a_closed_engine_answers_503(tiny_model_path: Path) -> None:
     assert reply.status_code == 503
 
 
-async def test_cli_serves_and_exits_0_on_sigterm(tiny_model_path: Path) -> None:
-    command = [sys.executable, "-m", "trio_mlx_http", "serve", "--model", str(tiny_model_path)]
-    command += ["--port", "0", "--no-fast-blas", "--graceful-timeout", "5"]
+async def _start_cli(model: Path, graceful_timeout: float) -> tuple[trio.Process, bytes, str]:
+    """Start ``trio-mlx serve`` on port 0; return it, its log so far and its URL."""
+    command = [sys.executable, "-m", "trio_mlx_http", "serve", "--model", str(model)]
+    command += ["--port", "0", "--no-fast-blas", "--graceful-timeout", str(graceful_timeout)]
     process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
     assert process.stderr is not None
+    log = b""
     try:
-        log = b""
         with trio.fail_after(60):
             while b"serving " not in log:
                 chunk = await process.stderr.receive_some()
                 assert chunk, log.decode()
                 log += chunk
-        url = re.search(rb"serving \S+ on (http://\S+)", log)
-        assert url is not None, log.decode()
-        async with httpx.AsyncClient(base_url=url.group(1).decode()) as http:
+    except BaseException:
+        process.kill()
+        await process.wait()
+        raise
+    url = re.search(rb"serving \S+ on (http://\S+)", log)
+    assert url is not None, log.decode()
+    return process, log, url.group(1).decode()
+
+
+async def test_cli_serves_and_exits_0_on_sigterm(tiny_model_path: Path) -> None:
+    process, log, url = await _start_cli(tiny_model_path, graceful_timeout=5)
+    assert process.stderr is not None
+    try:
+        async with httpx.AsyncClient(base_url=url) as http:
             reply = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
             assert reply.json()["usage"]["completion_tokens"] == 3
         process.send_signal(signal.SIGTERM)
@@ -288,23 +300,12 @@ async def test_disconnect_mid_serial_request_stops_its_job(tiny_model_path: Path
 async def test_cli_ends_streams_past_the_grace_deadline_with_an_error_event(
     tiny_model_path: Path,
 ) -> None:
-    command = [sys.executable, "-m", "trio_mlx_http", "serve", "--model", str(tiny_model_path)]
-    command += ["--port", "0", "--no-fast-blas", "--graceful-timeout", "1"]
-    process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
-    assert process.stderr is not None
+    process, _log, url = await _start_cli(tiny_model_path, graceful_timeout=1)
     try:
-        log = b""
-        with trio.fail_after(60):
-            while b"serving " not in log:
-                chunk = await process.stderr.receive_some()
-                assert chunk, log.decode()
-                log += chunk
-        url = re.search(rb"serving \S+ on (http://\S+)", log)
-        assert url is not None, log.decode()
         body = {"prompt": "Hello", "max_tokens": 1900, "stream": True, "logit_bias": NO_EOS}
         events: list[str] = []
         async with (
-            httpx.AsyncClient(base_url=url.group(1).decode(), timeout=30) as http,
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
             http.stream("POST", "/v1/completions", json=body) as response,
         ):
             assert response.status_code == 200

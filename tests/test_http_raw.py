@@ -43,7 +43,9 @@ async def http(server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-def _error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+def _expect_error(
+    response: httpx.Response, status: int, param: str | None = None
+) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
     body = response.json()
@@ -103,7 +105,7 @@ async def test_malformed_json_is_400(http: httpx.AsyncClient, data: bytes) -> No
     response = await http.post(
         "/v1/chat/completions", content=data, headers={"content-type": "application/json"}
     )
-    assert _error(response, 400)["code"] == "invalid_json"
+    assert _expect_error(response, 400)["code"] == "invalid_json"
     await _healthy(http)
 
 
@@ -125,7 +127,7 @@ async def test_malformed_json_is_400(http: httpx.AsyncClient, data: bytes) -> No
 async def test_wrong_types_and_ranges_are_400_naming_the_field(
     http: httpx.AsyncClient, path: str, body: dict[str, Any], param: str
 ) -> None:
-    _error(await http.post(path, json=body), 400, param)
+    _expect_error(await http.post(path, json=body), 400, param)
     await _healthy(http)
 
 
@@ -142,7 +144,7 @@ async def test_wrong_types_and_ranges_are_400_naming_the_field(
 async def test_edge_inputs_are_400_and_the_server_stays_healthy(
     http: httpx.AsyncClient, body: dict[str, Any], code: str | None
 ) -> None:
-    error = _error(await http.post("/v1/completions", json=body), 400, error_param(body))
+    error = _expect_error(await http.post("/v1/completions", json=body), 400, error_param(body))
     assert error["code"] == code
     await _healthy(http)
     ok = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
@@ -155,7 +157,7 @@ def error_param(body: dict[str, Any]) -> str:
 
 async def test_huge_body_is_413_before_it_is_read(http: httpx.AsyncClient) -> None:
     huge = json.dumps({"prompt": "x" * (1 << 20)}).encode()
-    _error(await http.post("/v1/completions", content=huge), 413)
+    _expect_error(await http.post("/v1/completions", content=huge), 413)
     await _healthy(http)
 
 
@@ -164,23 +166,23 @@ async def test_huge_chunked_body_is_413(http: httpx.AsyncClient) -> None:
         for _ in range(64):
             yield b" " * 4096
 
-    _error(await http.post("/v1/completions", content=chunks()), 413)
+    _expect_error(await http.post("/v1/completions", content=chunks()), 413)
     await _healthy(http)
 
 
 async def test_unknown_route_and_method(http: httpx.AsyncClient) -> None:
-    _error(await http.get("/v1/nothing"), 404)
+    _expect_error(await http.get("/v1/nothing"), 404)
     response = await http.delete("/v1/models")
-    _error(response, 405)
+    _expect_error(response, 405)
     assert "GET" in response.headers["allow"]
 
 
 async def test_unknown_model_is_404(http: httpx.AsyncClient) -> None:
     body = {"model": "gpt-4o", "messages": USER}
-    assert _error(await http.post("/v1/chat/completions", json=body), 404, "model")["code"] == (
-        "model_not_found"
-    )
-    _error(await http.get("/v1/models/gpt-4o"), 404, "model")
+    assert _expect_error(await http.post("/v1/chat/completions", json=body), 404, "model")[
+        "code"
+    ] == ("model_not_found")
+    _expect_error(await http.get("/v1/models/gpt-4o"), 404, "model")
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}])
@@ -189,9 +191,9 @@ async def test_api_key_is_required_except_for_health(
 ) -> None:
     async with httpx.AsyncClient(base_url=server.url, headers=headers) as client:
         for path in ("/v1/models", "/metrics", "/openapi.json"):
-            assert _error(await client.get(path), 401)["type"] == "authentication_error"
+            assert _expect_error(await client.get(path), 401)["type"] == "authentication_error"
         response = await client.post("/v1/completions", json={"prompt": "Hi"})
-        _error(response, 401)
+        _expect_error(response, 401)
         await _healthy(client)
 
 
@@ -203,13 +205,13 @@ async def test_adapter_paths_outside_the_folder_are_refused(
     http: httpx.AsyncClient, tmp_path: Path, path: str, status: int
 ) -> None:
     response = await http.post("/v1/adapters", json={"name": "evil", "path": path})
-    _error(response, status, "path")
+    _expect_error(response, status, "path")
     assert (await http.get("/v1/adapters")).json() == {"object": "list", "data": []}
     await _healthy(http)
 
 
 async def test_unmounting_an_unknown_adapter_is_404(http: httpx.AsyncClient) -> None:
-    _error(await http.delete("/v1/adapters/nothing"), 404, "adapter")
+    _expect_error(await http.delete("/v1/adapters/nothing"), 404, "adapter")
 
 
 async def test_tokenize_and_detokenize_round_trip(
@@ -289,7 +291,7 @@ async def test_adapter_mounts_serves_as_a_model_and_unmounts(
         assert with_adapter["choices"][0]["text"] != without["choices"][0]["text"]
         assert (await http.delete("/v1/adapters/shout")).json()["deleted"] is True
         body["model"] = "shout"
-        _error(await http.post("/v1/completions", json=body), 404, "model")
+        _expect_error(await http.post("/v1/completions", json=body), 404, "model")
 
 
 async def test_cors_preflight_needs_no_key_and_responses_carry_the_origin(

@@ -31,7 +31,7 @@ def _chat(**fields: object) -> _schema.GenerationRequest:
     return _schema.parse_chat({"messages": USER, **fields}, SETTINGS)
 
 
-def _rejects(param: str, body: dict[str, object], *, chat: bool = True) -> InvalidRequest:
+def _expect_rejection(param: str, body: dict[str, object], *, chat: bool = True) -> InvalidRequest:
     parse = _schema.parse_chat if chat else _schema.parse_completion
     with pytest.raises(InvalidRequest) as caught:
         parse(body, SETTINGS)
@@ -74,7 +74,7 @@ def test_null_fields_mean_absent() -> None:
     ],
 )
 def test_bad_chat_field_is_named(param: str, fields: dict[str, object]) -> None:
-    _rejects(param, {"messages": USER, **fields})
+    _expect_rejection(param, {"messages": USER, **fields})
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_bad_chat_field_is_named(param: str, fields: dict[str, object]) -> None:
     ],
 )
 def test_bad_messages_are_named(param: str, messages: object) -> None:
-    _rejects(param, {"messages": messages})
+    _expect_rejection(param, {"messages": messages})
 
 
 def test_content_parts_join_into_text() -> None:
@@ -133,18 +133,18 @@ def test_completion_prompt_forms(prompt: object, expected: tuple[object, ...]) -
 
 @pytest.mark.parametrize("prompt", [None, "", [], [""], [-1], [1.5], [[1], []], {"a": 1}, [True]])
 def test_bad_completion_prompt_is_named(prompt: object) -> None:
-    _rejects("prompt", {"prompt": prompt}, chat=False)
+    _expect_rejection("prompt", {"prompt": prompt}, chat=False)
 
 
 def test_completion_logprobs_is_the_number_of_alternatives() -> None:
     params = _schema.parse_completion({"prompt": "x", "logprobs": 3}, SETTINGS).params
     assert (params.logprobs, params.top_logprobs) == (True, 3)
-    error = _rejects("logprobs", {"prompt": "x", "logprobs": 99}, chat=False)
+    error = _expect_rejection("logprobs", {"prompt": "x", "logprobs": 99}, chat=False)
     assert "logprobs" in error.message
 
 
 def test_prompts_times_n_is_bounded() -> None:
-    _rejects("n", {"prompt": ["a", "b"], "n": 9}, chat=False)
+    _expect_rejection("n", {"prompt": ["a", "b"], "n": 9}, chat=False)
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,7 @@ __all__ = [
     "main",
     "plot_losses",
     "samples",
+    "save_report",
     "shout",
     "split_corpus",
     "train",
@@ -185,6 +186,18 @@ def where_it_ran() -> dict[str, Any]:
         "python": platform.python_version(),
         "mlx": importlib.metadata.version("mlx"),
     }
+
+
+def save_report(out: Path, report: dict[str, Any], title: str) -> None:
+    """Write ``report.json`` and its loss curve ``loss.png`` (``title`` gets the device)."""
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_losses(
+        out / "loss.png",
+        f"{title}, {report['where']['device_name']})",
+        report["train_losses"],
+        [(s, v) for s, v in report["val_losses"]],
+        report["best_step"],
+    )
 
 
 def plot_losses(
@@ -453,14 +466,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     }
     report["total_wall_time_s"] = round(time.perf_counter() - started, 2)
     del report["config"]["out"]
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot_losses(
-        out / "loss.png",
-        f"default model ({n_params / 1e6:.2f}M params, {report['where']['device_name']})",
-        history["train_losses"],
-        [(s, v) for s, v in history["val_losses"]],
-        history["best_step"],
-    )
+    save_report(out, report, f"default model ({n_params / 1e6:.2f}M params")
     return report
 
 

@@ -40,8 +40,8 @@ from trio_mlx.default_model.train import (
     document_text,
     fit,
     load_model,
-    plot_losses,
     samples,
+    save_report,
     shout,
     split_corpus,
     where_it_ran,
@@ -200,14 +200,7 @@ def train_adapter(config: AdapterConfig) -> dict[str, Any]:
     }
     del report["config"]["out"]
     report["config"]["model"] = config.model.name
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot_losses(
-        out / "loss.png",
-        f"'shout' LoRA adapter ({n_params / 1e3:.0f}k params, {report['where']['device_name']})",
-        history["train_losses"],
-        [(s, v) for s, v in history["val_losses"]],
-        history["best_step"],
-    )
+    save_report(out, report, f"'shout' LoRA adapter ({n_params / 1e3:.0f}k params")
     return report
 
 
