@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,23 +53,80 @@ def _launch(*args: str) -> subprocess.CompletedProcess[str]:
     return _run(command, TIMEOUT)
 
 
-def test_two_ranks_match_one_process(tiny_model_path: Path, tmp_path: Path) -> None:
+#: Outputs of examples/distributed/check.py that do not depend on how the model is split.
+SAME = (
+    "batched",
+    "after_cancel",
+    "serial",
+    "after_serial_cancel",
+    "preempted_rows",
+    "preempting",
+    "repeat",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen2: mlx-lm can split it into pipeline stages (a llama only by tensor)."""
+    from trio_mlx.testing import make_random_llama
+
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen2"
+    return make_random_llama(path, model_type="qwen2", num_hidden_layers=3)
+
+
+def _compare(model: Path, tmp_path: Path, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """check.py's outputs in one process and over 2 ranks (``args`` go to the 2-rank run)."""
     single, double = tmp_path / "single.json", tmp_path / "double.json"
-    one = _run([sys.executable, str(SCRIPT), str(tiny_model_path), str(single)], TIMEOUT)
+    one = _run([sys.executable, str(SCRIPT), str(model), str(single)], TIMEOUT)
     assert one.returncode == 0, one.stdout[-4000:]
-    two = _launch(str(SCRIPT), str(tiny_model_path), str(double))
+    two = _launch(str(SCRIPT), str(model), str(double), *args)
     assert two.returncode == 0, two.stdout[-4000:]
     assert "exited with code" not in two.stdout, two.stdout[-4000:]
-    expected = json.loads(single.read_text())
-    got = json.loads(double.read_text())
-    # Greedy, batched, with a cancellation in the middle: the same tokens.
-    assert got["batched"] == expected["batched"]
-    assert got["after_cancel"] == expected["after_cancel"]
+    return json.loads(single.read_text()), json.loads(double.read_text())
+
+
+def test_tensor_parallel_ranks_match_one_process(tiny_model_path: Path, tmp_path: Path) -> None:
+    # Rank 0 idles longer than the followers' timeout mid-way: its heartbeats keep them.
+    expected, got = _compare(
+        tiny_model_path, tmp_path, "--env", "TRIO_MLX_DISTRIBUTED_TIMEOUT=4", "--idle", "5"
+    )
+    # Greedy, batched and serial, with cancellations, a preemption and a
+    # prompt-cache hit in the middle: the same tokens.
+    for key in SAME:
+        assert got[key] == expected[key], key
     assert all(len(tokens) > 0 for tokens in got["batched"])
-    # What cannot be mirrored is refused with a clear error; one process serves it.
-    assert expected["refused"] == []
-    assert len(got["refused"]) == 1
-    assert "distributed mode" in got["refused"][0]
+    assert got["preemptions"] >= 1
+    assert got["repeat_cached"] > 0
+    assert got["after_idle"] == expected["batched"][0]
+    # Sampled rows finish too (their tokens may differ in the last float bit).
+    assert len(got["sampled_lengths"]) == 2
+    # What cannot be mirrored is refused with a clear error.
+    assert got["refused"] == [
+        "InvalidRequest: distributed mode does not support LoRA adapters",
+        "InvalidRequest: distributed mode does not support run_exclusive",
+    ]
+    assert expected["refused"] == ["NotFound: no adapter named 'x' is mounted"]
+
+
+def test_pipeline_parallel_ranks_match_one_process(tiny_qwen2_path: Path, tmp_path: Path) -> None:
+    expected, got = _compare(tiny_qwen2_path, tmp_path, "--parallel", "pipeline")
+    for key in SAME:
+        assert got[key] == expected[key], key
+    assert got["preemptions"] >= 1
+    # Pipeline stages hold different layers: the prompt cache is off.
+    assert got["repeat_cached"] == 0
+    assert expected["repeat_cached"] > 0
+
+
+def test_pipeline_parallel_refuses_a_model_without_stages(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "x.json"
+    run = _launch(str(SCRIPT), str(tiny_model_path), str(out), "--parallel", "pipeline")
+    # mlx-lm's llama has tensor sharding only: a clear error on every rank, no hang.
+    assert "cannot shard the model" in run.stdout, run.stdout[-4000:]
+    assert "does not support pipelining" in run.stdout, run.stdout[-4000:]
+    assert not out.exists()
 
 
 def test_follower_loss_closes_rank_0(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -91,3 +149,18 @@ def test_follower_loss_closes_rank_0(tiny_model_path: Path, tmp_path: Path) -> N
     assert got["seconds"] < 30
     # ... and rank 0 exited non-zero.
     assert "rank 0 exited with code 1" in run.stdout, run.stdout[-4000:]
+
+
+def test_leader_loss_ends_the_follower(tiny_model_path: Path, tmp_path: Path) -> None:
+    run = _launch(
+        "--env",
+        "TRIO_MLX_DISTRIBUTED_TIMEOUT=3",
+        str(SCRIPT),
+        str(tiny_model_path),
+        str(tmp_path / "x.json"),
+        "--leader-leaves-after",
+        "20",
+    )
+    # Rank 0 vanished mid-generation (status 0, no output); the follower noticed and failed.
+    assert not (tmp_path / "x.json").exists()
+    assert "rank 1 exited with code 1" in run.stdout, run.stdout[-4000:]

@@ -1,19 +1,45 @@
 """Serving one model sharded over an ``mx.distributed`` group (experimental).
 
 Under ``mlx.launch`` every rank loads its shard with mlx-lm's ``sharded_load``
-(tensor parallel where the architecture has ``shard``, e.g. llama). Rank 0
-runs the engine as usual; every other rank runs :func:`follow`: no HTTP, no
-arbiter, just a loop that receives rank 0's batch-lane commands and calls the
-same :class:`~trio_mlx._batch.BatchLane` methods with the same arguments, so
-the collectives inside the sharded model line up.
+(tensor parallel where the architecture has ``shard``, e.g. llama; pipeline
+parallel where it has ``model.pipeline``, e.g. qwen2; ``parallel`` picks).
+Rank 0 runs the engine as usual; every other rank runs :func:`follow`: no
+HTTP, no arbiter, just a loop that receives rank 0's worker commands and makes
+the same MLX calls in the same order, so the collectives inside the sharded
+model line up.
 
-The command stream is rank 0's :class:`MirroredLane`: before running a lane
-method on its MLX thread it broadcasts the method name and its plain-data
-arguments (pickled into a uint8 array summed with ``all_sum``, as
-``mlx_lm.server`` shares its requests). Only the batch lane is mirrored, one
-decode step per command (no bursts); what cannot be mirrored (the serial
-lane: seeds, quantized KV caches, adapters; ``run_exclusive``; adapter
-mounts) is refused with :class:`~trio_mlx.InvalidRequest`.
+The command stream
+------------------
+Rank 0's :class:`Leader` broadcasts, on its MLX thread and before making the
+call itself, every state-changing call: the batch lane's step (inserts,
+resumes, removes and the burst length), park, discard, fail_all and close
+(:class:`MirroredLane`), and each serial generation (its :class:`RowSpec`).
+A message is a pickle in a fixed 1 KiB frame summed with ``all_sum`` (one
+collective; a longer one takes a second), as ``mlx_lm.server`` shares its
+requests, on mlx-lm's generation stream: on one stream the channel's and the
+model's collectives keep program order on every rank.
+
+What only rank 0 knows is agreed on step by step with a one-frame ``go``
+message: whether a burst of decode steps goes on (it depends on rank 0's clock
+and on the actor's doorbell) and whether a serial generation takes its next
+token (rank 0 sees cancellations and stop strings). Everything else (EOS,
+max_tokens, stop strings in the batch, a processor's failure) is computed
+alike on every rank from the same tokens; sampling agrees because every rank
+seeds ``mx.random`` alike and the sampled logits are identical after the
+collectives.
+
+Not mirrored, refused with :class:`~trio_mlx.InvalidRequest`: LoRA adapters
+(mounts, ``--adapter-path``, requests naming one) and ``run_exclusive`` (an
+arbitrary function cannot be replayed on other ranks).
+
+Liveness
+--------
+The ring backend never raises on a dead peer; a collective just blocks. Rank
+0 runs a watchdog thread: a mirrored call (or a serial token) that takes more
+than ``TRIO_MLX_DISTRIBUTED_TIMEOUT`` seconds closes the engine (pending
+requests end with :class:`~trio_mlx.EngineClosed`) and ends the process with
+status 1. While idle, rank 0 sends a heartbeat every :data:`HEARTBEAT`
+seconds; a follower that hears nothing for the timeout exits with status 1.
 
 Nothing here runs in a single-process engine: :func:`launched` only reads the
 environment ``mlx.launch`` sets, and ``mx.distributed.init`` is called only
@@ -23,8 +49,10 @@ when it is true.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,20 +63,47 @@ import attrs
 from trio_mlx._batch import BatchLane, RowSpec, StepResult
 from trio_mlx._output import RowEvent
 
-__all__ = ["Channel", "GroupLost", "MirroredLane", "follow", "follower_rank", "launched"]
+__all__ = [
+    "PARALLEL",
+    "Channel",
+    "GroupLost",
+    "Leader",
+    "MirroredLane",
+    "follow",
+    "follower_rank",
+    "launched",
+]
 
 T = TypeVar("T")
 
 log = logging.getLogger("trio_mlx.distributed")
 
-#: The longest one mirrored lane call may take before rank 0 gives the group up
+#: How the model is split over the ranks: mlx-lm's choice, or forced.
+PARALLEL = ("auto", "tensor", "pipeline")
+
+#: The longest one mirrored call (or one serial token) may take before rank 0
+#: gives the group up, and the longest a follower waits for a command
 #: (seconds; ``TRIO_MLX_DISTRIBUTED_TIMEOUT`` overrides it).
 TIMEOUT = 60.0
+#: Seconds of quiet after which an idle rank 0 sends a heartbeat (at most a
+#: quarter of the timeout).
+HEARTBEAT = 5.0
 #: Seconds between giving the group up (the engine closes) and the process exit.
 EXIT_GRACE = 2.0
+#: Bytes of a channel frame: most messages fit one; a longer one takes a second collective.
+FRAME = 1024
+_LENGTH = struct.Struct("<I")
 
 #: Rank 0's seed for every rank's ``mx.random``: sampled tokens must agree.
 SEED = 0
+
+
+def timeout() -> float:
+    """The liveness bound in seconds (``TRIO_MLX_DISTRIBUTED_TIMEOUT``, default :data:`TIMEOUT`)."""
+    try:
+        return float(os.environ.get("TRIO_MLX_DISTRIBUTED_TIMEOUT", TIMEOUT))
+    except ValueError:
+        return TIMEOUT
 
 
 def _env_int(*names: str) -> int | None:
@@ -95,11 +150,17 @@ class GroupLost(BaseException):
     """A rank of the group is gone: the engine cannot go on (the MLX worker thread ends)."""
 
 
+class ProtocolError(RuntimeError):
+    """A follower received a message it did not expect: it has left rank 0's program."""
+
+
 @attrs.define(eq=False)
 class Channel:
     """Rank 0 -> every rank: pickled objects over ``all_sum`` (MLX thread only)."""
 
     group: Any
+    #: perf_counter() when this rank began waiting for a message (None: not waiting).
+    waiting_since: float | None = None
 
     @property
     def rank(self) -> int:
@@ -113,23 +174,42 @@ class Channel:
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
+        data = pickle.dumps(obj)
+        head = _LENGTH.pack(len(data)) + data[: FRAME - _LENGTH.size]
+        rest = data[FRAME - _LENGTH.size :]
         try:
             with mx.stream(generation_stream):
-                data = mx.array(pickle.dumps(obj))  # type: ignore[arg-type]
-                mx.eval(mx.distributed.all_sum(mx.array(data.size), group=self.group))
-                mx.eval(mx.distributed.all_sum(data, group=self.group))
+                frame = mx.array(memoryview(head.ljust(FRAME, b"\0")), dtype=mx.uint8)  # type: ignore[arg-type]
+                mx.eval(mx.distributed.all_sum(frame, group=self.group))
+                if rest:
+                    tail = mx.array(memoryview(rest), dtype=mx.uint8)  # type: ignore[arg-type]
+                    mx.eval(mx.distributed.all_sum(tail, group=self.group))
         except RuntimeError as exc:
             raise GroupLost(f"a rank of the group is gone: {exc}") from exc
 
     def receive(self) -> Any:
+        self.waiting_since = time.perf_counter()
+        try:
+            return pickle.loads(self._receive())
+        except RuntimeError as exc:  # the ring backend: a peer closed its connection
+            raise GroupLost(f"a rank of the group is gone: {exc}") from exc
+        finally:
+            self.waiting_since = None
+
+    def _receive(self) -> bytes:
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
         with mx.stream(generation_stream):
-            size = int(mx.distributed.all_sum(mx.array(0), group=self.group).item())  # type: ignore[arg-type]
-            data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=self.group)
-            mx.eval(data)
-        return pickle.loads(bytes(memoryview(data)))  # type: ignore[arg-type]
+            frame = mx.distributed.all_sum(mx.zeros(FRAME, dtype=mx.uint8), group=self.group)
+            head = bytes(memoryview(frame))  # type: ignore[arg-type]
+            (size,) = _LENGTH.unpack_from(head)
+            data = head[_LENGTH.size : _LENGTH.size + size]
+            if size > len(data):
+                zeros = mx.zeros(size - len(data), dtype=mx.uint8)
+                tail = mx.distributed.all_sum(zeros, group=self.group)
+                data += bytes(memoryview(tail))  # type: ignore[arg-type]
+        return data
 
     def share(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
@@ -140,61 +220,106 @@ class Channel:
 
 
 @attrs.define(eq=False)
-class MirroredLane(BatchLane):
-    """A batch lane whose every state change is broadcast first (rank 0, once ``channel`` is set).
+class Leader:
+    """Rank 0's end of the command stream, with its watchdog and heartbeat (MLX thread calls)."""
 
-    Followers hold the same class with ``channel`` None and are driven by
-    :func:`follow`. A step is always one decode step: a burst's length depends
-    on the clock and on the actor's doorbell, which the followers cannot see.
-    """
-
-    channel: Channel | None = None
-    #: Rank 0: called (from any thread) with a reason when the group is lost or stuck.
+    channel: Channel
+    #: Called (from any thread) with a reason when the group is lost or stuck.
     on_lost: Callable[[str], None] | None = None
-    #: perf_counter() when the running mirrored call began (None: none runs); the watchdog reads it.
+    #: perf_counter() when the running mirrored call last sent (None: none runs); the watchdog reads it.
     busy_since: float | None = None
+    #: perf_counter() of the last message sent.
+    last_sent: float = attrs.field(factory=time.perf_counter)
+    closed: bool = False
 
-    def _mirror(self, name: str, *args: Any) -> None:
-        if self.channel is None:
+    def command(self, name: str, *args: Any) -> None:
+        """Broadcast a call that is about to run (the call is busy until :meth:`idle`)."""
+        if self.closed:
             return
-        self.busy_since = time.perf_counter()
+        self.busy_since = self.last_sent = time.perf_counter()
         try:
             self.channel.send((name, args))
         except GroupLost as exc:
             self.lost(str(exc))
             raise
 
-    def _done(self, result: T) -> T:
+    def agree(self, go_on: bool) -> bool:
+        """Tell the followers whether the running call goes on; returns ``go_on``."""
+        self.command("go", go_on)
+        return go_on
+
+    def idle(self) -> None:
+        """The running mirrored call is over."""
         self.busy_since = None
-        return result
+
+    interval: float = attrs.field(factory=lambda: min(HEARTBEAT, timeout() / 4))
+
+    def quiet(self) -> bool:
+        """Whether nothing was sent for a heartbeat interval."""
+        return time.perf_counter() - self.last_sent >= self.interval
+
+    def heartbeat(self) -> None:
+        """A no-op command when nothing was sent for a while (MLX thread)."""
+        if not self.closed and self.quiet():
+            self.command("ping")
+            self.idle()
+
+    def close(self) -> None:
+        """Send the last command: the followers' loops end."""
+        if not self.closed:
+            self.command("close")
+            self.closed = True
+            self.idle()
 
     def lost(self, reason: str) -> None:
         """Give the group up: close the engine now, end the process soon (non-zero)."""
+        self.closed = True
         log.error("distributed group lost: %s; exiting in %.0f s", reason, EXIT_GRACE)
         if self.on_lost is not None:
             self.on_lost(reason)
+        _exit_soon(1)
 
-        def bye() -> None:
-            time.sleep(EXIT_GRACE)
-            os._exit(1)
-
-        threading.Thread(target=bye, name="trio-mlx-group-lost", daemon=True).start()
-
-    def watch(self, timeout: float | None = None) -> None:
-        """Start the watchdog: a mirrored call that runs past ``timeout`` loses the group."""
-        if timeout is None:
-            timeout = float(os.environ.get("TRIO_MLX_DISTRIBUTED_TIMEOUT", TIMEOUT))
-        limit = timeout
+    def watch(self, limit: float | None = None) -> None:
+        """Start the watchdog: a mirrored call that runs past ``limit`` loses the group."""
+        bound = timeout() if limit is None else limit
 
         def run() -> None:
-            while self.channel is not None:
-                time.sleep(min(1.0, limit / 4))
+            while not self.closed:
+                time.sleep(min(1.0, bound / 4))
                 since = self.busy_since
-                if since is not None and time.perf_counter() - since > limit:
-                    self.lost(f"a collective call has not returned in {limit:g} s")
+                if since is not None and time.perf_counter() - since > bound:
+                    self.lost(f"a collective call has not returned in {bound:g} s")
                     return
 
         threading.Thread(target=run, name="trio-mlx-watchdog", daemon=True).start()
+
+
+def _exit_soon(status: int) -> None:
+    def bye() -> None:
+        time.sleep(EXIT_GRACE)
+        os._exit(status)
+
+    threading.Thread(target=bye, name="trio-mlx-group-lost", daemon=True).start()
+
+
+@attrs.define(eq=False)
+class MirroredLane(BatchLane):
+    """A batch lane whose every state change is broadcast first (rank 0, once ``leader`` is set).
+
+    Followers hold the same class with ``leader`` None and are driven by
+    :func:`follow`; their ``agree`` hook receives rank 0's burst decisions.
+    """
+
+    leader: Leader | None = None
+
+    def _command(self, name: str, *args: Any) -> None:
+        if self.leader is not None:
+            self.leader.command(name, *args)
+
+    def _done(self, result: T) -> T:
+        if self.leader is not None:
+            self.leader.idle()
+        return result
 
     def step(
         self,
@@ -207,34 +332,55 @@ class MirroredLane(BatchLane):
         interrupt: Callable[[], bool] | None = None,
     ) -> StepResult:
         args = (tuple(inserts), tuple(resumes), tuple(removes))
-        self._mirror("step", *args)
-        result = BatchLane.step(self, *args)
-        if any(event.error is not None for event in result.events):
+        self._command("step", *args, steps)
+        result = BatchLane.step(self, *args, steps=steps, seconds=seconds, interrupt=interrupt)
+        if self.leader is not None and any(event.error is not None for event in result.events):
             # A collective inside the model may have failed: check the group is whole.
-            self._mirror("ping")
+            self._command("ping")
         return self._done(result)
 
     def discard(self, ids: Sequence[int]) -> int:
-        self._mirror("discard", tuple(ids))
+        self._command("discard", tuple(ids))
         return self._done(BatchLane.discard(self, ids))
 
     def park(self, ids: Sequence[int]) -> None:
-        self._mirror("park", tuple(ids))
+        self._command("park", tuple(ids))
         BatchLane.park(self, ids)
         self._done(None)
 
     def fail_all(self, error: BaseException) -> list[RowEvent]:
-        self._mirror("fail_all", RuntimeError(str(error)))
+        self._command("fail_all", RuntimeError(str(error)))
         return self._done(BatchLane.fail_all(self, error))
 
     def close(self) -> None:
-        self._mirror("close")
-        self.channel = None
+        if self.leader is not None:
+            self.leader.close()
+            self.leader = None
         BatchLane.close(self)
-        self._done(None)
 
-    def ping(self) -> None:
-        """Nothing (followers receive it as a command: the group is whole)."""
+
+def _follower_agree(channel: Channel) -> Callable[[bool], bool]:
+    def agree(go_on: bool) -> bool:
+        message = channel.receive()
+        if not (isinstance(message, tuple) and message and message[0] == "go"):
+            raise ProtocolError(f"expected rank 0's go/stop, got {message!r:.200}")
+        return bool(message[1][0])
+
+    return agree
+
+
+def _watch_follower(channel: Channel, bound: float) -> None:
+    """A follower that waits longer than ``bound`` for rank 0 exits with status 1."""
+
+    def run() -> None:
+        while True:
+            time.sleep(min(1.0, bound / 4))
+            since = channel.waiting_since
+            if since is not None and time.perf_counter() - since > bound:
+                log.error("rank %d: nothing from rank 0 in %g s; exiting", channel.rank, bound)
+                os._exit(1)
+
+    threading.Thread(target=run, name="trio-mlx-follower-watchdog", daemon=True).start()
 
 
 def follow(
@@ -244,23 +390,52 @@ def follow(
 ) -> int:
     """Run a follower rank until rank 0 closes its lane; returns an exit status.
 
-    Loads the same shard layout as rank 0 (rank 0's batch settings arrive over
-    the channel), then executes rank 0's lane commands in order.
+    Loads the same shard layout as rank 0 (rank 0's load settings arrive over
+    the channel first), then executes rank 0's commands in order.
     """
+    import threading as _threading
+
     from trio_mlx._engine import _load, _resolve_model
+    from trio_mlx._serial import run_serial
 
     loaded = _load(_resolve_model(model), None, 1, 0, 1, 1, distributed=True)
     lane = loaded.lane
     channel = Channel(loaded.group)
+    agree = _follower_agree(channel)
+    lane.agree = agree
+    _watch_follower(channel, timeout())
     if on_ready is not None:
         on_ready()
     while True:
-        name, args = channel.receive()
-        if name == "ping":
-            continue
         try:
-            getattr(BatchLane, name)(lane, *args)
+            name, args = channel.receive()
+        except GroupLost:
+            log.exception("rank %d: lost rank 0", channel.rank)
+            return 1
+        try:
+            if name in ("ping", "go"):  # a heartbeat; a stop that ended a call early
+                continue
+            if name == "close":
+                BatchLane.close(lane)
+                return 0
+            if name == "step":
+                inserts, resumes, removes, steps = args
+                BatchLane.step(lane, inserts, resumes, removes, steps=steps, seconds=math.inf)
+            elif name == "serial":
+                (spec,) = args
+                run_serial(
+                    loaded.model,
+                    loaded.tokenizer,
+                    spec,
+                    cancelled=_threading.Event(),
+                    emit=lambda events: None,
+                    prompt_cache=loaded.prompt_cache,
+                    agree=agree,
+                )
+            else:
+                getattr(BatchLane, name)(lane, *args)
+        except (ProtocolError, GroupLost):
+            log.exception("rank %d: out of step with rank 0", channel.rank)
+            return 1
         except Exception:  # rank 0 saw the same error on the same command
-            log.exception("rank %d: lane command %s failed", channel.rank, name)
-        if name == "close":
-            return 0
+            log.exception("rank %d: command %s failed", channel.rank, name)

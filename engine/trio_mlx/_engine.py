@@ -54,6 +54,8 @@ class _Loaded:
     prompt_cache: PromptCache | None
     #: The ``mx.distributed`` group the model is sharded over (None: one process).
     group: Any = None
+    #: Rank 0's end of the distributed command stream (None: one process, or a follower).
+    leader: _distributed.Leader | None = None
 
 
 def _resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -88,6 +90,7 @@ def _load(
     prefill_step_size: int,
     prefill_batch_size: int,
     distributed: bool = False,
+    parallel: str = "auto",
 ) -> _Loaded:
     """Load, check and warm the model (on the worker thread)."""
     import mlx.core as mx
@@ -97,12 +100,24 @@ def _load(
     lane_type: type[BatchLane] = BatchLane
     group, channel = None, None
     if distributed:
-        group, channel, result = _distributed_load(path, adapter_path)
+        if adapter_path is not None:
+            raise InvalidRequest(
+                "adapters are not supported in distributed mode", param="adapter_path"
+            )
+        group = _distributed.group()
+        if group is None:
+            raise InvalidRequest("launched for distributed mode, but the group has one rank")
+        channel = _distributed.Channel(group)
         # Every rank gets rank 0's settings: they shape the collectives.
-        max_batch, prefill_step_size, prefill_batch_size = channel.share(
-            (max_batch, prefill_step_size, prefill_batch_size)
+        settings = (max_batch, prompt_cache_bytes, prefill_step_size, prefill_batch_size, parallel)
+        max_batch, prompt_cache_bytes, prefill_step_size, prefill_batch_size, parallel = (
+            channel.share(settings)
         )
-        prompt_cache_bytes = 0
+        result = _distributed_load(path, group, parallel)
+        if getattr(getattr(result[0], "model", None), "pipeline_size", 1) > 1:
+            # Stages hold different layers, so byte-capped caches would evict
+            # differently on each rank: the ranks' prompts would diverge.
+            prompt_cache_bytes = 0
         lane_type = _distributed.MirroredLane
     else:
         result = mlx_lm.load(path, adapter_path=adapter_path, return_config=True)
@@ -126,25 +141,27 @@ def _load(
         mx.eval(model(mx.array([warm]), cache=make_prompt_cache(model)))
     prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
     lane.prompt_cache = prompt_cache
+    leader = None
     if isinstance(lane, _distributed.MirroredLane) and channel is not None and channel.rank == 0:
-        lane.channel = channel
-    return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group)
+        leader = lane.leader = _distributed.Leader(channel)
+        lane.agree = leader.agree
+    return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader)
 
 
-def _distributed_load(path: str, adapter_path: str | None) -> tuple[Any, Any, Any]:
+def _distributed_load(path: str, group: Any, parallel: str) -> Any:
     """Every rank: its shard of the model, seeded alike (see :mod:`trio_mlx._distributed`)."""
     import mlx.core as mx
     from mlx_lm.utils import sharded_load
 
-    if adapter_path is not None:
-        raise InvalidRequest("adapters are not supported in distributed mode", param="adapter_path")
-    group = _distributed.group()
-    if group is None:
-        raise InvalidRequest("launched for distributed mode, but the group has one rank")
-    result = sharded_load(path, tensor_group=group, return_config=True)
+    tensor = group if parallel == "tensor" else None
+    pipeline = group if parallel == "pipeline" else None
+    try:
+        result = sharded_load(path, pipeline, tensor, return_config=True)
+    except ValueError as exc:  # the architecture cannot be split that way
+        raise InvalidRequest(f"cannot shard the model: {exc}", param="parallel") from exc
     # Sampled tokens feed the next step on every rank: their random streams must agree.
     mx.random.seed(_distributed.SEED)
-    return group, _distributed.Channel(group), result
+    return result
 
 
 @asynccontextmanager
@@ -160,6 +177,7 @@ async def open_engine(
     grace_period: float = 5.0,
     prefill_step_size: int = 2048,
     prefill_batch_size: int = 8,
+    parallel: str = "auto",
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -172,7 +190,11 @@ async def open_engine(
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
     caps the prompt cache (0 disables it). ``prefill_step_size`` and
     ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
-    prompts prefilled together.
+    prompts prefilled together. ``parallel`` only matters when the process was
+    started by ``mlx.launch`` as one of several ranks (see
+    :mod:`trio_mlx._distributed`): ``"tensor"`` or ``"pipeline"`` forces how
+    the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
+    architecture supports it).
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -190,6 +212,10 @@ async def open_engine(
     adapter = os.fspath(adapter_path) if adapter_path is not None else None
     if prefill_step_size < 1 or prefill_batch_size < 1:
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
+    if parallel not in _distributed.PARALLEL:
+        raise InvalidRequest(
+            f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
+        )
     load = partial(
         _load,
         path,
@@ -199,6 +225,7 @@ async def open_engine(
         prefill_step_size,
         prefill_batch_size,
         _distributed.launched(),
+        parallel,
     )
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
@@ -248,11 +275,16 @@ async def _serve(
         )
         engine._actor = actor
         worker.on_death = actor.on_worker_death
-        if isinstance(loaded.lane, _distributed.MirroredLane) and loaded.lane.channel is not None:
-            loaded.lane.on_lost = partial(worker.call_soon_in_trio, actor.close_nowait)
-            loaded.lane.watch()
+        leader = loaded.leader
+        if leader is not None:
+            leader.on_lost = partial(worker.call_soon_in_trio, actor.close_nowait)
+            leader.watch()
         try:
-            await actor.run(engine, task_status=task_status)
+            async with trio.open_nursery() as nursery:
+                if leader is not None:
+                    nursery.start_soon(_heartbeat, worker, leader)
+                await actor.run(engine, task_status=task_status)
+                nursery.cancel_scope.cancel()
         finally:
             # KV caches are MLX arrays: free them on the thread that made them.
             with trio.CancelScope(shield=True), contextlib.suppress(Exception):
@@ -260,6 +292,17 @@ async def _serve(
     finally:
         with trio.CancelScope(shield=True):
             await worker.stop()
+
+
+async def _heartbeat(worker: Worker, leader: _distributed.Leader) -> None:
+    """Distributed rank 0: keep the followers hearing from it while idle."""
+    while not leader.closed:
+        await trio.sleep(leader.interval / 2)
+        if leader.quiet():
+            try:
+                await worker.run(leader.heartbeat)
+            except EngineClosed:  # the worker is gone; the actor closes the engine
+                return
 
 
 @attrs.define(eq=False)
@@ -483,6 +526,8 @@ class Engine:
                 partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
             )
         self._check_logit_bias(params)
+        if params.adapter is not None:
+            self._refuse_distributed("LoRA adapters")
         if params.adapter is not None and params.adapter not in self._registry:
             raise NotFound(f"no adapter named {params.adapter!r} is mounted", param="adapter")
         if params.kv_bits is not None:
@@ -490,8 +535,6 @@ class Engine:
         lane = choose_lane(
             params, max_batch=self._max_batch, caches_merge=self._loaded.caches_merge
         )
-        if not lane.batch:
-            self._refuse_distributed("the serial lane (a seed, kv_bits, an adapter)")
         request_id = self._actor.new_id()
         request = Request(
             request_id,
@@ -504,7 +547,7 @@ class Engine:
 
     def _refuse_distributed(self, what: str) -> None:
         if self._loaded.group is not None:
-            raise InvalidRequest(f"{what} is not supported in distributed mode (experimental)")
+            raise InvalidRequest(f"distributed mode does not support {what}")
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         vocab = self._loaded.config.get("vocab_size")
@@ -555,7 +598,33 @@ class Engine:
             with registry.use(loaded.model, request.adapter):
                 return run()
 
-        return work
+        leader = loaded.leader
+        if leader is None:
+            return work
+
+        def mirrored() -> Any:
+            # The followers run the same generation; each token is agreed on.
+            leader.command("serial", spec)
+            try:
+                return run_serial(
+                    loaded.model,
+                    loaded.tokenizer,
+                    spec,
+                    cancelled=request.cancel_flag,
+                    emit=emit,
+                    on_cached=on_cached,
+                    prompt_cache=loaded.prompt_cache,
+                    agree=leader.agree,
+                )
+            except Exception:
+                # Followers waiting for this token's go/stop get a stop; one
+                # that failed alike ignores it.
+                leader.agree(False)
+                raise
+            finally:
+                leader.idle()
+
+        return mirrored
 
     async def _shutdown(self, grace_period: float) -> None:
         self._actor.begin_close()

@@ -32,12 +32,17 @@ def run_serial(
     prompt_cache: PromptCache | None = None,
     cache_key: Hashable = "base",
     on_cached: Callable[[int], None] | None = None,
+    agree: Callable[[bool], bool] | None = None,
 ) -> tuple[bool, int]:
     """Generate ``spec`` to its end, emitting its events in small batches.
 
     The first token goes out at once; later ones are sent at most every
     ``EMIT_INTERVAL`` seconds (and at the end), so the Trio loop is woken a few
     hundred times a second, not once per token.
+
+    ``agree`` is asked after every token whether the generation goes on and
+    its answer is followed (distributed ranks follow rank 0's: only rank 0
+    sees cancellations).
 
     Returns (whether it was cancelled, prompt tokens served from the cache).
     """
@@ -76,17 +81,22 @@ def run_serial(
     pending: list[RowEvent] = []
     last_emit = -EMIT_INTERVAL
     for token, logprobs in steps:
-        if cancelled.is_set():
-            return True, cached
         generated.append(int(token))
         event = output.push(int(token), logprobs, None)
+        finished = event.finish_reason is not None
+        go_on = not finished and not cancelled.is_set()
+        if agree is not None:
+            go_on = agree(go_on)
+        if not go_on and not finished:
+            # Cancelled (on rank 0, seen by every rank): the cache is not kept.
+            return True, cached
         pending.append(event)
         now = time.perf_counter()
-        if event.finish_reason is not None or now - last_emit >= EMIT_INTERVAL:
+        if finished or now - last_emit >= EMIT_INTERVAL:
             emit(pending)
             pending = []
             last_emit = now
-        if event.finish_reason is not None:
+        if not go_on:
             break
     if use_cache and prompt_cache is not None:
         tokens = prompt + generated

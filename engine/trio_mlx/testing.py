@@ -141,16 +141,21 @@ def make_random_llama(
     weight_scale: float = 4.0,
     dtype: str = "float32",
     tokenizer_text: str | None = None,
+    model_type: str = "llama",
 ) -> Path:
     """Write a random-weight llama model directory that ``mlx_lm.load`` loads.
 
     ``weight_scale`` multiplies the initial weights: a random llama at the
     default scale tends to repeat one token forever under greedy decoding,
-    and tests need varied tokens.
+    and tests need varied tokens. ``model_type="qwen2"`` writes the same shape
+    as a Qwen2, which mlx-lm can also split into pipeline stages (a llama
+    only by tensor). The weights come with a ``model.safetensors.index.json``,
+    which mlx-lm's pipeline loading needs.
     """
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models import llama
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -169,8 +174,12 @@ def make_random_llama(
         max_position_embeddings=max_position_embeddings,
     )
     config["torch_dtype"] = dtype
+    if model_type != "llama":
+        config["model_type"] = model_type
+        config["architectures"] = [f"{model_type.capitalize()}ForCausalLM"]
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))  # type: ignore[no-untyped-call]
+    model = module.Model(module.ModelArgs.from_dict(config))
     target = getattr(mx, dtype)
     model.update(
         tree_map(
@@ -180,5 +189,7 @@ def make_random_llama(
     )
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(weights), "model.safetensors")}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory

@@ -26,26 +26,102 @@ PROMPTS = [[1, 5, 9, 13], [2, 7], [3, 3, 3, 3, 3, 3], [11, 4, 8], [6], [10, 12, 
 MAX_TOKENS = 12
 
 
+GREEDY = trio_mlx.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+async def tokens_of(engine: Any, prompt: list[int], params: Any) -> list[int]:
+    return list((await engine.complete(prompt, params)).token_ids)
+
+
+async def cancel_after(engine: Any, prompt: list[int], params: Any, seen: int = 3) -> None:
+    """Stream ``prompt`` and walk away after ``seen`` tokens (the engine cancels it)."""
+    async with engine.generate(prompt, params) as stream:
+        got = 0
+        async for delta in stream:
+            got += len(delta.token_ids)
+            if got >= seen:
+                break
+
+
 async def completions(engine: Any) -> dict[str, Any]:
-    params = trio_mlx.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    """Greedy outputs of every kind of work the engine mirrors, in a fixed order."""
+    out: dict[str, Any] = {}
     batched: list[list[int]] = [[] for _ in PROMPTS]
 
     async def one(i: int) -> None:
-        done = await engine.complete(PROMPTS[i], params)
-        batched[i] = list(done.token_ids)
+        batched[i] = await tokens_of(engine, PROMPTS[i], GREEDY)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(PROMPTS)):
             nursery.start_soon(one, i)
-    # A request cancelled after a few tokens: the batch goes on without it.
-    async with engine.generate(PROMPTS[0], trio_mlx.SamplingParams(max_tokens=200)) as stream:
-        seen = 0
-        async for delta in stream:
-            seen += len(delta.token_ids)
-            if seen >= 3:
-                break
-    after = list((await engine.complete(PROMPTS[1], params)).token_ids)
-    return {"batched": batched, "after_cancel": after}
+    out["batched"] = batched
+    # A batch row cancelled after a few tokens: the batch goes on without it.
+    await cancel_after(engine, PROMPTS[0], trio_mlx.SamplingParams(max_tokens=200))
+    out["after_cancel"] = await tokens_of(engine, PROMPTS[1], GREEDY)
+    # The serial lane: a seed, a quantized KV cache (greedy, so comparable).
+    seeded = trio_mlx.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=3)
+    quantized = trio_mlx.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, kv_bits=8, kv_group_size=32
+    )
+    out["serial"] = [
+        await tokens_of(engine, PROMPTS[2], seeded),
+        await tokens_of(engine, PROMPTS[3], quantized),
+    ]
+    # A serial generation cancelled mid-way, then another one.
+    await cancel_after(engine, PROMPTS[4], trio_mlx.SamplingParams(max_tokens=200, seed=1))
+    out["after_serial_cancel"] = await tokens_of(engine, PROMPTS[5], seeded)
+    # Preemption: a serial request arrives while long rows decode; they are
+    # parked (drain_timeout is short), it runs alone, they resume.
+    long = trio_mlx.SamplingParams(max_tokens=160, temperature=0.0)
+    rows: list[list[int]] = [[] for _ in range(3)]
+    started = trio.Event()
+
+    async def row(i: int) -> None:
+        async with engine.generate(PROMPTS[i], long) as stream:
+            async for delta in stream:
+                rows[i].extend(delta.token_ids)
+                if i == 0 and len(rows[i]) >= 2:
+                    started.set()
+
+    preempting: list[int] = []
+
+    async def interloper() -> None:
+        await started.wait()
+        preempting.extend(await tokens_of(engine, PROMPTS[3], seeded))
+
+    before = engine.statistics().preemptions
+    async with trio.open_nursery() as nursery:
+        for i in range(len(rows)):
+            nursery.start_soon(row, i)
+        nursery.start_soon(interloper)
+    out["preempted_rows"] = rows
+    out["preempting"] = preempting
+    out["preemptions"] = engine.statistics().preemptions - before
+    # The prompt cache: the second identical prompt reuses the first one's KV cache.
+    prompt = PROMPTS[5] * 4
+    first = await engine.complete(prompt, GREEDY)
+    second = await engine.complete(prompt, GREEDY)
+    out["repeat"] = [list(first.token_ids), list(second.token_ids)]
+    out["repeat_cached"] = second.result.cached_tokens
+    # Sampled rows run too (their tokens depend on float rounding, so only
+    # their count is compared).
+    sampled = trio_mlx.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9)
+    out["sampled_lengths"] = [len(await tokens_of(engine, PROMPTS[i], sampled)) for i in range(2)]
+    return out
+
+
+async def refusals(engine: Any) -> list[str]:
+    """What distributed mode refuses, with its messages (none in one process)."""
+    refused = []
+    try:
+        await engine.complete(PROMPTS[0], trio_mlx.SamplingParams(max_tokens=2, adapter="x"))
+    except trio_mlx.TrioMLXError as exc:
+        refused.append(f"{type(exc).__name__}: {exc}")
+    try:
+        await engine.run_exclusive(lambda model, tokenizer: None)
+    except trio_mlx.InvalidRequest as exc:
+        refused.append(f"{type(exc).__name__}: {exc}")
+    return refused
 
 
 async def bench(engine: Any, batch: int, tokens: int = 64) -> float:
@@ -88,16 +164,20 @@ async def lose_follower(model: str, out: str) -> None:
             json.dump({"errors": errors, "state": state, "seconds": seconds}, f)
 
 
-async def main(model: str, out: str, do_bench: bool) -> None:
-    async with trio_mlx.open_engine(model, max_batch=8) as engine:
+async def main(model: str, out: str, do_bench: bool, parallel: str, idle: float) -> None:
+    async with trio_mlx.open_engine(
+        model, max_batch=8, drain_timeout=0.02, parallel=parallel
+    ) as engine:
         result = await completions(engine)
-        refused = []
-        for params in (trio_mlx.SamplingParams(max_tokens=2, seed=1),):
-            try:
-                await engine.complete(PROMPTS[0], params)
-            except trio_mlx.InvalidRequest as exc:
-                refused.append(str(exc))
-        result["refused"] = refused
+        result["refused"] = await refusals(engine)
+        if idle:
+            # Longer than the followers' timeout: rank 0's heartbeats keep them.
+            await trio.sleep(idle)
+            result["after_idle"] = await tokens_of(engine, PROMPTS[0], GREEDY)
+        result["statistics"] = {
+            key: getattr(engine.statistics(), key)
+            for key in ("state", "drains", "preemptions", "steps", "cached_prompt_tokens")
+        }
         if do_bench:
             result["tok_s"] = {str(b): await bench(engine, b) for b in (1, 8)}
     with open(out, "w") as f:
@@ -109,7 +189,10 @@ if __name__ == "__main__":
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--bench", action="store_true")
+    parser.add_argument("--parallel", default="auto", choices=("auto", "tensor", "pipeline"))
     parser.add_argument("--follower-leaves-after", type=int, default=0, metavar="N")
+    parser.add_argument("--leader-leaves-after", type=int, default=0, metavar="N")
+    parser.add_argument("--idle", type=float, default=0.0, help="seconds to idle mid-way")
     args = parser.parse_args()
     if follower_rank() is not None:
         if args.follower_leaves_after:
@@ -126,6 +209,19 @@ if __name__ == "__main__":
 
             Channel.receive = leaving  # type: ignore[method-assign]
         sys.exit(follow(args.model))
+    if args.leader_leaves_after:
+        # Test only: rank 0 vanishes after N messages; the followers must not wait forever.
+        from trio_mlx._distributed import Channel
+
+        send, sent = Channel.send, [0]
+
+        def vanishing(self: Channel, obj: Any) -> None:
+            sent[0] += 1
+            if sent[0] > args.leader_leaves_after:
+                os._exit(0)
+            send(self, obj)
+
+        Channel.send = vanishing  # type: ignore[method-assign]
     if args.follower_leaves_after:
         trio.run(lose_follower, args.model, args.out)
-    trio.run(main, args.model, args.out, args.bench)
+    trio.run(main, args.model, args.out, args.bench, args.parallel, args.idle)

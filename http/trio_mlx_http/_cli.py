@@ -30,6 +30,13 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--chat-template", default=None, help="a chat template (Jinja text, or a file holding it)"
     )
     parser.add_argument(
+        "--parallel",
+        default="auto",
+        choices=["auto", "tensor", "pipeline"],
+        help="under mlx.launch with several ranks: how the model is split "
+        "(auto: tensor where the architecture supports it, else pipeline)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
