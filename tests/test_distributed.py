@@ -7,8 +7,10 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +127,7 @@ def test_pipeline_parallel_refuses_a_model_without_stages(
     run = _launch(str(SCRIPT), str(tiny_model_path), str(out), "--parallel", "pipeline")
     # mlx-lm's llama has tensor sharding only: a clear error on every rank, no hang.
     assert "cannot shard the model" in run.stdout, run.stdout[-4000:]
-    assert "does not support pipelining" in run.stdout, run.stdout[-4000:]
+    assert "does not support pipeline parallelism" in run.stdout, run.stdout[-4000:]
     assert not out.exists()
 
 
@@ -164,3 +166,85 @@ def test_leader_loss_ends_the_follower(tiny_model_path: Path, tmp_path: Path) ->
     # Rank 0 vanished mid-generation (status 0, no output); the follower noticed and failed.
     assert not (tmp_path / "x.json").exists()
     assert "rank 1 exited with code 1" in run.stdout, run.stdout[-4000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_pid(rank: int, marker: str) -> int | None:
+    """The pid of the process of ``rank`` whose command line holds ``marker`` (Linux /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in cmdline and f"MLX_RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def test_serve_over_two_ranks_answers_and_stops_on_sigterm(tiny_model_path: Path) -> None:
+    import httpx
+    import openai
+
+    port = _free_port()
+    launch = str(LAUNCH) if LAUNCH.exists() else "mlx.launch"
+    serve = [
+        str(Path(sys.executable).parent / "trio-mlx"),
+        "serve",
+        "--model",
+        str(tiny_model_path),
+    ]
+    serve += ["--port", str(port), "--no-fast-blas", "--graceful-timeout", "5"]
+    start = random.randrange(20000, 60000, 8)
+    command = [launch, "-n", "2", "--backend", "ring", "--starting-port", str(start), "--", *serve]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_RANK", "MLX_HOSTFILE"))}
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        batched = client.completions.create(model=model, prompt="Hello", max_tokens=4)
+        assert batched.usage is not None
+        assert batched.usage.completion_tokens == 4
+        # A seed: the serial lane, mirrored on the follower.
+        seeded = client.completions.create(model=model, prompt="Hello", max_tokens=4, seed=7)
+        assert seeded.usage is not None
+        assert seeded.usage.completion_tokens == 4
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(
+                model=model, prompt="Hello", max_tokens=4, extra_body={"adapter": "shout"}
+            )
+        assert refused.value.code == "unsupported_in_distributed_mode"
+        # SIGTERM to rank 0: it finishes, closes the group, and every rank exits 0.
+        rank0 = _rank_pid(0, f"--port\0{port}")
+        assert rank0 is not None
+        os.kill(rank0, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "exited with code" not in out, out[-4000:]
+    assert "stopped" in out, out[-4000:]

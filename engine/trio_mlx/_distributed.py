@@ -1,8 +1,8 @@
 """Serving one model sharded over an ``mx.distributed`` group (experimental).
 
-Under ``mlx.launch`` every rank loads its shard with mlx-lm's ``sharded_load``
-(tensor parallel where the architecture has ``shard``, e.g. llama; pipeline
-parallel where it has ``model.pipeline``, e.g. qwen2; ``parallel`` picks).
+Under ``mlx.launch`` every rank loads its shard (:func:`load_shard`: tensor
+parallel where the architecture has ``shard``, e.g. llama; pipeline parallel
+where it has ``model.pipeline``, e.g. qwen2; ``parallel`` picks).
 Rank 0 runs the engine as usual; every other rank runs :func:`follow`: no
 HTTP, no arbiter, just a loop that receives rank 0's worker commands and makes
 the same MLX calls in the same order, so the collectives inside the sharded
@@ -72,6 +72,7 @@ __all__ = [
     "follow",
     "follower_rank",
     "launched",
+    "load_shard",
 ]
 
 T = TypeVar("T")
@@ -144,6 +145,52 @@ def group() -> Any:
 
     world = mx.distributed.init()
     return world if world.size() > 1 else None
+
+
+def load_shard(path: str, group: Any, parallel: str = "auto") -> tuple[Any, Any, dict[str, Any]]:
+    """This rank's shard of the model at ``path``: (model, tokenizer, config).
+
+    What mlx-lm's ``sharded_load`` does for a local folder, less its closing
+    barrier: that is an ``all_sum`` on the CPU stream, which MLX's NCCL
+    backend cannot run (on CUDA it fails with "There is no Stream(gpu, N) in
+    current thread"). The caller syncs the ranks on the channel instead.
+    ``parallel``: ``"tensor"`` (the architecture's ``shard``), ``"pipeline"``
+    (``model.pipeline``: each rank keeps a slice of the layers) or ``"auto"``
+    (tensor where the architecture has it, else pipeline, as mlx-lm picks).
+    """
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from trio_mlx._errors import InvalidRequest
+
+    folder = Path(path)
+    if not folder.exists():  # a Hugging Face repo id
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(path))
+    model, config = load_model(folder, lazy=True, strict=False)
+    inner = getattr(model, "model", None)
+    tensor, pipeline = hasattr(model, "shard"), hasattr(inner, "pipeline")
+    if parallel == "auto":
+        parallel = "tensor" if tensor else "pipeline"
+    if parallel == "tensor" and tensor:
+        model.shard(group)
+    elif parallel == "pipeline" and pipeline:
+        assert inner is not None
+        inner.pipeline(group)
+    else:
+        raise InvalidRequest(
+            f"cannot shard the model: its architecture ({config.get('model_type')}) "
+            f"does not support {parallel} parallelism",
+            param="parallel",
+        )
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
+        folder, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id")
+    )
+    return model, tokenizer, config
 
 
 class GroupLost(BaseException):
@@ -383,6 +430,22 @@ def _watch_follower(channel: Channel, bound: float) -> None:
     threading.Thread(target=run, name="trio-mlx-follower-watchdog", daemon=True).start()
 
 
+def _ignore_stop_signals() -> None:
+    """Ctrl-C reaches every rank of a terminal's ``mlx.launch``: a follower must
+    stay until rank 0 has finished its in-flight requests and sends ``close``
+    (or is gone, which the follower notices by itself)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        log.info("signal %d: this rank ends when rank 0 closes the group", signum)
+
+    signal.signal(signal.SIGINT, note)
+    signal.signal(signal.SIGTERM, note)
+
+
 def follow(
     model: str | os.PathLike[str] | None,
     *,
@@ -398,6 +461,7 @@ def follow(
     from trio_mlx._engine import _load, _resolve_model
     from trio_mlx._serial import run_serial
 
+    _ignore_stop_signals()
     loaded = _load(_resolve_model(model), None, 1, 0, 1, 1, distributed=True)
     lane = loaded.lane
     channel = Channel(loaded.group)

@@ -114,6 +114,7 @@ def _load(
             channel.share(settings)
         )
         result = _distributed_load(path, group, parallel)
+        channel.share(None)  # every rank has its shard: a barrier before the first step
         if getattr(getattr(result[0], "model", None), "pipeline_size", 1) > 1:
             # Stages hold different layers, so byte-capped caches would evict
             # differently on each rank: the ranks' prompts would diverge.
@@ -151,14 +152,8 @@ def _load(
 def _distributed_load(path: str, group: Any, parallel: str) -> Any:
     """Every rank: its shard of the model, seeded alike (see :mod:`trio_mlx._distributed`)."""
     import mlx.core as mx
-    from mlx_lm.utils import sharded_load
 
-    tensor = group if parallel == "tensor" else None
-    pipeline = group if parallel == "pipeline" else None
-    try:
-        result = sharded_load(path, pipeline, tensor, return_config=True)
-    except ValueError as exc:  # the architecture cannot be split that way
-        raise InvalidRequest(f"cannot shard the model: {exc}", param="parallel") from exc
+    result = _distributed.load_shard(path, group, parallel)
     # Sampled tokens feed the next step on every rank: their random streams must agree.
     mx.random.seed(_distributed.SEED)
     return result
@@ -527,7 +522,7 @@ class Engine:
             )
         self._check_logit_bias(params)
         if params.adapter is not None:
-            self._refuse_distributed("LoRA adapters")
+            self._refuse_distributed("LoRA adapters", "adapter")
         if params.adapter is not None and params.adapter not in self._registry:
             raise NotFound(f"no adapter named {params.adapter!r} is mounted", param="adapter")
         if params.kv_bits is not None:
@@ -545,9 +540,13 @@ class Engine:
         await self._actor.submit(request)
         return request
 
-    def _refuse_distributed(self, what: str) -> None:
+    def _refuse_distributed(self, what: str, param: str | None = None) -> None:
         if self._loaded.group is not None:
-            raise InvalidRequest(f"distributed mode does not support {what}")
+            raise InvalidRequest(
+                f"distributed mode does not support {what}",
+                param=param,
+                code="unsupported_in_distributed_mode",
+            )
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         vocab = self._loaded.config.get("vocab_size")
