@@ -39,6 +39,8 @@ def tests_impl(session: nox.Session, profile: str, *default_args: str) -> None:
     _install(session, "test")
     env = _model_env()
     env["HYPOTHESIS_PROFILE"] = profile
+    # mlx ships mlx.launch: the distributed tests must run, never skip, here.
+    env["TRIO_MLX_REQUIRE_LAUNCH"] = "1"
     session.run("pytest", *(session.posargs or default_args), env=env)
 
 
