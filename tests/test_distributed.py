@@ -251,3 +251,21 @@ def test_serve_over_two_ranks_answers_and_stops_on_sigterm(tiny_model_path: Path
             proc.communicate()
     assert "exited with code" not in out, out[-4000:]
     assert "stopped" in out, out[-4000:]
+
+
+def test_start_up_waits_for_a_silent_rank_only_until_the_start_timeout(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    start = time.monotonic()
+    run = _launch(
+        "--env",
+        "TRIO_MLX_DISTRIBUTED_START_TIMEOUT=3",
+        str(SCRIPT),
+        str(tiny_model_path),
+        str(tmp_path / "x.json"),
+        "--follower-stalls",
+    )
+    # The follower joined the group but never loaded: rank 0 gave up, status 1.
+    assert "rank 0 exited with code 1" in run.stdout, run.stdout[-4000:]
+    assert time.monotonic() - start < 30
+    assert not (tmp_path / "x.json").exists()

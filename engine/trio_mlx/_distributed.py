@@ -99,12 +99,27 @@ _LENGTH = struct.Struct("<I")
 SEED = 0
 
 
+#: The longest a rank waits at start-up for the others to start, or to load
+#: their shards (seconds; ``TRIO_MLX_DISTRIBUTED_START_TIMEOUT`` overrides it):
+#: a rank that died before the first collective must not leave the rest waiting.
+START_TIMEOUT = 600.0
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
 def timeout() -> float:
     """The liveness bound in seconds (``TRIO_MLX_DISTRIBUTED_TIMEOUT``, default :data:`TIMEOUT`)."""
-    try:
-        return float(os.environ.get("TRIO_MLX_DISTRIBUTED_TIMEOUT", TIMEOUT))
-    except ValueError:
-        return TIMEOUT
+    return _seconds("TRIO_MLX_DISTRIBUTED_TIMEOUT", TIMEOUT)
+
+
+def start_timeout() -> float:
+    """The start-up bound (``TRIO_MLX_DISTRIBUTED_START_TIMEOUT``, default :data:`START_TIMEOUT`)."""
+    return _seconds("TRIO_MLX_DISTRIBUTED_START_TIMEOUT", START_TIMEOUT)
 
 
 def _env_int(*names: str) -> int | None:
@@ -258,12 +273,30 @@ class Channel:
                 data += bytes(memoryview(tail))  # type: ignore[arg-type]
         return data
 
-    def share(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if self.rank == 0:
-            self.send(obj)
-            return obj
-        return self.receive()
+    def share(self, obj: Any, *, limit: float | None = None) -> Any:
+        """Rank 0's ``obj`` on every rank.
+
+        With ``limit``, a rank still waiting after ``limit`` seconds (another
+        rank never got here) ends its process with status 1.
+        """
+        timer = None
+        if limit is not None:
+
+            def give_up() -> None:
+                log.error("rank %d: the other ranks did not answer in %g s", self.rank, limit)
+                os._exit(1)
+
+            timer = threading.Timer(limit, give_up)
+            timer.daemon = True
+            timer.start()
+        try:
+            if self.rank == 0:
+                self.send(obj)
+                return obj
+            return self.receive()
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 @attrs.define(eq=False)

@@ -111,10 +111,11 @@ def _load(
         # Every rank gets rank 0's settings: they shape the collectives.
         settings = (max_batch, prompt_cache_bytes, prefill_step_size, prefill_batch_size, parallel)
         max_batch, prompt_cache_bytes, prefill_step_size, prefill_batch_size, parallel = (
-            channel.share(settings)
+            channel.share(settings, limit=_distributed.start_timeout())
         )
         result = _distributed_load(path, group, parallel)
-        channel.share(None)  # every rank has its shard: a barrier before the first step
+        # Every rank has its shard: a barrier before the first step.
+        channel.share(None, limit=_distributed.start_timeout())
         if getattr(getattr(result[0], "model", None), "pipeline_size", 1) > 1:
             # Stages hold different layers, so byte-capped caches would evict
             # differently on each rank: the ranks' prompts would diverge.

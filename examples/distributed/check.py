@@ -192,9 +192,17 @@ if __name__ == "__main__":
     parser.add_argument("--parallel", default="auto", choices=("auto", "tensor", "pipeline"))
     parser.add_argument("--follower-leaves-after", type=int, default=0, metavar="N")
     parser.add_argument("--leader-leaves-after", type=int, default=0, metavar="N")
+    parser.add_argument("--follower-stalls", action="store_true")
     parser.add_argument("--idle", type=float, default=0.0, help="seconds to idle mid-way")
     args = parser.parse_args()
     if follower_rank() is not None:
+        if args.follower_stalls:
+            # Test only: the follower joins the group, then never loads nor answers.
+            import mlx.core as mx
+
+            mx.distributed.init()
+            time.sleep(60)
+            sys.exit(4)
         if args.follower_leaves_after:
             # Test only: the follower vanishes after N lane commands, mid-generation.
             from trio_mlx._distributed import Channel
