@@ -29,10 +29,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in its own session; on timeout, kill the session (every rank)."""
+def _popen(command: list[str]) -> subprocess.Popen[str]:
+    """Start ``command`` in its own session (to kill every rank at once), output in a pipe."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_RANK", "MLX_HOSTFILE"))}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -40,6 +40,11 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]
         env=env,
         start_new_session=True,
     )
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in its own session; on timeout, kill the session (every rank)."""
+    proc = _popen(command)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -207,15 +212,7 @@ def test_serve_over_two_ranks_answers_and_stops_on_sigterm(tiny_model_path: Path
     serve += ["--port", str(port), "--no-fast-blas", "--graceful-timeout", "5"]
     start = random.randrange(20000, 60000, 8)
     command = [launch, "-n", "2", "--backend", "ring", "--starting-port", str(start), "--", *serve]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_RANK", "MLX_HOSTFILE"))}
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    proc = _popen(command)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + TIMEOUT

@@ -583,16 +583,17 @@ class Engine:
         spec = request.spec
         assert spec is not None
 
+        run = partial(
+            run_serial,
+            loaded.model,
+            loaded.tokenizer,
+            spec,
+            cancelled=request.cancel_flag,
+            emit=emit,
+            on_cached=on_cached,
+        )
+
         def work() -> Any:
-            run = partial(
-                run_serial,
-                loaded.model,
-                loaded.tokenizer,
-                spec,
-                cancelled=request.cancel_flag,
-                emit=emit,
-                on_cached=on_cached,
-            )
             if request.adapter is None:
                 return run(prompt_cache=loaded.prompt_cache)
             with registry.use(loaded.model, request.adapter):
@@ -606,16 +607,7 @@ class Engine:
             # The followers run the same generation; each token is agreed on.
             leader.command("serial", spec)
             try:
-                return run_serial(
-                    loaded.model,
-                    loaded.tokenizer,
-                    spec,
-                    cancelled=request.cancel_flag,
-                    emit=emit,
-                    on_cached=on_cached,
-                    prompt_cache=loaded.prompt_cache,
-                    agree=leader.agree,
-                )
+                return run(prompt_cache=loaded.prompt_cache, agree=leader.agree)
             except Exception:
                 # Followers waiting for this token's go/stop get a stop; one
                 # that failed alike ignores it.
