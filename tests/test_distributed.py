@@ -266,3 +266,20 @@ def test_start_up_waits_for_a_silent_rank_only_until_the_start_timeout(
     assert "rank 0 exited with code 1" in run.stdout, run.stdout[-4000:]
     assert time.monotonic() - start < 30
     assert not (tmp_path / "x.json").exists()
+
+
+def test_adapter_path_is_refused_on_every_rank_at_start(tiny_model_path: Path) -> None:
+    launch = str(LAUNCH) if LAUNCH.exists() else "mlx.launch"
+    serve = [str(Path(sys.executable).parent / "trio-mlx"), "serve", "--no-fast-blas"]
+    serve += ["--model", str(tiny_model_path), "--port", str(_free_port())]
+    serve += ["--adapter-path", str(tiny_model_path)]
+    start = random.randrange(20000, 60000, 8)
+    begin = time.monotonic()
+    run = _run(
+        [launch, "-n", "2", "--backend", "ring", "--starting-port", str(start), "--", *serve],
+        TIMEOUT,
+    )
+    # Rank 0's settings reach the follower first, so both refuse; nobody waits.
+    assert "distributed mode does not support LoRA adapters" in run.stdout, run.stdout[-4000:]
+    assert "rank 1 exited with code 1" in run.stdout, run.stdout[-4000:]
+    assert time.monotonic() - begin < 30

@@ -100,19 +100,34 @@ def _load(
     lane_type: type[BatchLane] = BatchLane
     group, channel = None, None
     if distributed:
-        if adapter_path is not None:
-            raise InvalidRequest(
-                "adapters are not supported in distributed mode", param="adapter_path"
-            )
         group = _distributed.group()
         if group is None:
             raise InvalidRequest("launched for distributed mode, but the group has one rank")
         channel = _distributed.Channel(group)
-        # Every rank gets rank 0's settings: they shape the collectives.
-        settings = (max_batch, prompt_cache_bytes, prefill_step_size, prefill_batch_size, parallel)
-        max_batch, prompt_cache_bytes, prefill_step_size, prefill_batch_size, parallel = (
-            channel.share(settings, limit=_distributed.start_timeout())
+        # Every rank gets rank 0's settings: they shape the collectives (and a
+        # refusal below must end every rank, not leave the followers waiting).
+        settings = (
+            max_batch,
+            prompt_cache_bytes,
+            prefill_step_size,
+            prefill_batch_size,
+            parallel,
+            adapter_path,
         )
+        (
+            max_batch,
+            prompt_cache_bytes,
+            prefill_step_size,
+            prefill_batch_size,
+            parallel,
+            adapter_path,
+        ) = channel.share(settings, limit=_distributed.start_timeout())
+        if adapter_path is not None:
+            raise InvalidRequest(
+                "distributed mode does not support LoRA adapters",
+                param="adapter_path",
+                code="unsupported_in_distributed_mode",
+            )
         result = _distributed_load(path, group, parallel)
         # Every rank has its shard: a barrier before the first step.
         channel.share(None, limit=_distributed.start_timeout())
