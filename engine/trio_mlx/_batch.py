@@ -252,6 +252,8 @@ class BatchLane:
 
     def park(self, ids: Sequence[int]) -> None:
         """Take rows out of the batch, keeping their KV caches to resume later."""
+        import mlx.core as mx
+
         rows = [self._rows[i] for i in ids if i in self._rows]
         uids = [row.uid for row in rows if row.uid is not None]
         caches = self._generator.remove(uids, return_prompt_caches=True) if uids else {}
@@ -265,6 +267,8 @@ class BatchLane:
                 cache, tokens = entry
                 for layer in cache:
                     layer.trim(1)
+                # Materialized now: a lazy slice would keep the batch's buffers alive.
+                mx.eval([layer.state for layer in cache])
                 row.parked = (cache, list(tokens))
             row.uid = None
 
