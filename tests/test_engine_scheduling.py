@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import trio
 import trio_mlx
 from engine_helpers import wait_until
 from trio_mlx import EngineOverloaded, SamplingParams
+from trio_mlx._actor import Actor
 
 pytestmark = pytest.mark.model
 
@@ -273,3 +275,53 @@ async def test_the_event_loop_stays_responsive_while_the_model_works(
     # Blocking on the MLX thread would show a gap of a second (the job's sleep);
     # ticks normally come every ~5-10 ms, the bound leaves room for a loaded CI box.
     assert max(gaps) < 0.5
+
+
+async def test_a_cancel_between_the_park_decision_and_the_park_is_a_parked_row_cancel(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The arbiter counts rows parked from its Park decision on; the actor parks
+    # them later (the decision can come from the step chain and wait for the
+    # actor task). A cancel landing in between was reported as a running row's
+    # end: ArbiterError, engine dead (found by the interleaving property test,
+    # about 1 run in 5 under load). Fault injection lands it there every time.
+    params = SamplingParams(max_tokens=60, logit_bias=NO_EOS)
+    victim: list[Any] = []
+    actor_park = Actor._park
+
+    async def park_after_a_cancel(actor: Actor, ids: tuple[int, ...]) -> None:
+        if victim and victim[0].id in ids:
+            actor.cancel_nowait(victim.pop())
+        await actor_park(actor, ids)
+
+    monkeypatch.setattr(Actor, "_park", park_after_a_cancel)
+    async with trio_mlx.open_engine(
+        tiny_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_cache_bytes=0
+    ) as engine:
+        finished: dict[int, tuple[int, ...]] = {}
+        started = trio.Event()
+
+        async def row(i: int) -> None:
+            async with engine.generate(PROMPTS[i], params) as stream:
+                if i == 0:
+                    victim.append(stream._request)
+                ids: list[int] = []
+                with contextlib.suppress(trio_mlx.TrioMLXError):
+                    async for delta in stream:
+                        ids.extend(delta.token_ids)
+                        if len(ids) >= 5:
+                            started.set()
+                finished[i] = tuple(ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(row, i)
+            await started.wait()
+            await engine.run_exclusive(lambda model, tokenizer: None)  # drains: Park
+        stats = engine.statistics()
+    assert not victim  # the cancel landed in the window
+    assert stats.state != "CLOSED"
+    assert stats.requests["batch:cancelled"] == 1
+    assert stats.preemptions >= 1
+    assert len(finished[1]) == 60
+    assert len(finished[0]) < 60
