@@ -153,3 +153,22 @@ async def test_an_error_in_the_engine_block_propagates_unwrapped(tiny_model_path
     with pytest.raises(KeyError, match="from the body"):
         async with trio_mlx.open_engine(tiny_model_path):
             raise KeyError("from the body")
+
+
+async def test_a_chat_template_given_to_open_engine_renders_chat_prompts(
+    tiny_model_path: Path,
+) -> None:
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    async with trio_mlx.open_engine(tiny_model_path, chat_template=template) as engine:
+        tokens = engine.encode([{"role": "user", "content": "Hello world"}])
+        expected = engine.tokenizer.encode("<user>Hello world", add_special_tokens=False)
+        assert tokens == list(expected)
+
+
+async def test_a_chat_template_that_cannot_render_is_refused_at_open(
+    tiny_model_path: Path,
+) -> None:
+    with pytest.raises(InvalidRequest, match="chat template") as refused:
+        async with trio_mlx.open_engine(tiny_model_path, chat_template="{{ messages[5] | nope }}"):
+            pass
+    assert refused.value.param == "chat_template"

@@ -391,6 +391,19 @@ def test_prompt_concurrency_flag_sets_the_engines_prefill_batch_size() -> None:
     assert "prefill_batch_size" not in _engine_options(build_parser().parse_args(["serve"]))
 
 
+def test_chat_template_flag_takes_text_or_a_file(tmp_path: Path) -> None:
+    from trio_mlx_http._cli import build_parser
+    from trio_mlx_http._run import _engine_options
+
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    file = tmp_path / "template.jinja"
+    file.write_text(template)
+    for value in (template, str(file)):
+        args = build_parser().parse_args(["serve", "--chat-template", value])
+        assert _engine_options(args)["chat_template"] == template
+    assert "chat_template" not in _engine_options(build_parser().parse_args(["serve"]))
+
+
 def test_engine_errors_carry_a_machine_readable_code() -> None:
     from trio_mlx import EngineClosed, GenerationFailed, NotFound
 

@@ -91,6 +91,7 @@ def _load(
     prefill_batch_size: int,
     distributed: bool = False,
     parallel: str = "auto",
+    chat_template: str | None = None,
 ) -> _Loaded:
     """Load, check and warm the model (on the worker thread)."""
     import mlx.core as mx
@@ -139,6 +140,8 @@ def _load(
     else:
         result = mlx_lm.load(path, adapter_path=adapter_path, return_config=True)
     model, tokenizer, config = result
+    if chat_template is not None:
+        _set_chat_template(tokenizer, chat_template)
     if adapter_path is not None:
         _fuse_lora(model)
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
@@ -165,6 +168,20 @@ def _load(
     return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader)
 
 
+def _set_chat_template(tokenizer: Any, template: str) -> None:
+    """Use ``template`` (Jinja text) for chat prompts; a template that cannot render is refused."""
+    tokenizer.chat_template = template
+    tokenizer.has_chat_template = True
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=False
+        )
+    except Exception as exc:
+        raise InvalidRequest(
+            f"the chat template cannot render a message: {exc}", param="chat_template"
+        ) from None
+
+
 def _distributed_load(path: str, group: Any, parallel: str) -> Any:
     """Every rank: its shard of the model, seeded alike (see :mod:`trio_mlx._distributed`)."""
     import mlx.core as mx
@@ -189,6 +206,7 @@ async def open_engine(
     prefill_step_size: int = 2048,
     prefill_batch_size: int = 8,
     parallel: str = "auto",
+    chat_template: str | None = None,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -205,7 +223,8 @@ async def open_engine(
     started by ``mlx.launch`` as one of several ranks (see
     :mod:`trio_mlx._distributed`): ``"tensor"`` or ``"pipeline"`` forces how
     the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
-    architecture supports it).
+    architecture supports it). ``chat_template`` (Jinja text) replaces the
+    model's chat template, as ``mlx_lm.server --chat-template`` does.
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -223,6 +242,8 @@ async def open_engine(
     adapter = os.fspath(adapter_path) if adapter_path is not None else None
     if prefill_step_size < 1 or prefill_batch_size < 1:
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
+    if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
+        raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
     if parallel not in _distributed.PARALLEL:
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
@@ -237,6 +258,7 @@ async def open_engine(
         prefill_batch_size,
         _distributed.launched(),
         parallel,
+        chat_template,
     )
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.

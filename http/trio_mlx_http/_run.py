@@ -29,20 +29,21 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
+    template = _chat_template(getattr(args, "chat_template", None))
+    if template is not None:
+        options["chat_template"] = template
     if getattr(args, "prompt_concurrency", None) is not None:
         # mlx_lm.server's name for how many prompts are prefilled together.
         options["prefill_batch_size"] = args.prompt_concurrency
     return options
 
 
-def _apply_chat_template(engine: trio_mlx.Engine, template: str | None) -> None:
+def _chat_template(template: str | None) -> str | None:
+    """``--chat-template``: Jinja text, or the path of a file holding it."""
     if template is None:
-        return
+        return None
     path = Path(template)
-    text = path.read_text() if len(template) < 4096 and path.is_file() else template
-    # What mlx_lm.server does; open_engine has no chat_template option yet.
-    engine.tokenizer.chat_template = text
-    engine.tokenizer.has_chat_template = True
+    return path.read_text() if len(template) < 4096 and path.is_file() else template
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -128,7 +129,6 @@ async def serve(args: argparse.Namespace) -> int:
     level = logging.WARNING if backend.blas == "reference" else logging.INFO
     logger.log(level, "%s", backend.describe())
     async with trio_mlx.open_engine(**_engine_options(args)) as engine:
-        _apply_chat_template(engine, args.chat_template)
         app = create_app(engine, settings)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
@@ -142,7 +142,6 @@ async def serve(args: argparse.Namespace) -> int:
 async def generate(args: argparse.Namespace) -> int:
     """Generate one completion, streaming its text to stdout."""
     async with trio_mlx.open_engine(model=args.model, adapter_path=args.adapter_path) as engine:
-        _apply_chat_template(engine, args.chat_template)
         prompt: Any = args.prompt
         if not args.raw and engine.tokenizer.has_chat_template:
             prompt = [{"role": "user", "content": args.prompt}]
