@@ -223,6 +223,8 @@ def test_serve_over_two_ranks_answers_and_stops_on_sigterm(tiny_model_path: Path
             except httpx.TransportError:
                 time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert httpx.get(f"{url}/health").json()["ranks"] == 2
+        assert "trio_mlx_ranks 2.0" in httpx.get(f"{url}/metrics").text
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         batched = client.completions.create(model=model, prompt="Hello", max_tokens=4)

@@ -62,6 +62,7 @@ async def _healthy(http: httpx.AsyncClient) -> None:
     response = await http.get("/health")
     assert response.status_code == 200
     assert response.json()["status"] == "ok"
+    assert response.json()["ranks"] == 1
 
 
 async def test_stream_is_framed_as_openai_server_sent_events(http: httpx.AsyncClient) -> None:
@@ -239,6 +240,7 @@ async def test_metrics_are_prometheus_text(http: httpx.AsyncClient) -> None:
         "trio_mlx_queued_rows",
         "trio_mlx_waiting_jobs",
         "trio_mlx_parked_rows",
+        "trio_mlx_ranks 1.0",
         'trio_mlx_prompt_tokens_total{source="cached"}',
         "trio_mlx_time_to_first_token_seconds_bucket",
         "trio_mlx_request_duration_seconds_bucket",

@@ -172,6 +172,8 @@ class EngineStatistics:
     preemptions: int
     steps: int
     arbiter: ArbiterStatistics
+    #: Processes the model is sharded over (1: one process; see distributed mode).
+    ranks: int = 1
 
 
 @attrs.define(eq=False)
@@ -186,6 +188,8 @@ class Actor:
     adapters: Callable[[], tuple[str, ...]]
     #: Called with each decision and the arbiter's statistics after it (tests record them).
     decision_hook: Callable[[Any, ArbiterStatistics], None] | None = None
+    #: Processes the model is sharded over (reported in statistics).
+    ranks: int = 1
     _arbiter: Arbiter = attrs.field(init=False)
     _requests: dict[int, Request] = attrs.field(init=False, factory=dict)
     _ids: Any = attrs.field(init=False, factory=lambda: itertools.count(1))
@@ -335,6 +339,7 @@ class Actor:
             preemptions=arb.preemptions,
             steps=arb.steps,
             arbiter=arb,
+            ranks=self.ranks,
         )
 
     async def wait_idle(self) -> None:

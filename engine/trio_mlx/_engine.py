@@ -307,6 +307,8 @@ async def _serve(
             adapters=lambda: registry.names,
         )
         engine._actor = actor
+        if loaded.group is not None:
+            actor.ranks = int(loaded.group.size())
         worker.on_death = actor.on_worker_death
         leader = loaded.leader
         if leader is not None:

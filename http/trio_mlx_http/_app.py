@@ -275,6 +275,7 @@ def _install_service(app: QuartTrio) -> None:
             "state": stats.state,
             "running_rows": stats.running_rows,
             "queued_rows": stats.queued_rows,
+            "ranks": stats.ranks,
         }
 
     @app.get("/metrics")

@@ -55,6 +55,11 @@ class _EngineCollector:
         yield GaugeMetricFamily(
             "trio_mlx_adapters_mounted", "Mounted LoRA adapters.", value=len(stats.adapters)
         )
+        yield GaugeMetricFamily(
+            "trio_mlx_ranks",
+            "Processes the model is sharded over (1: one process).",
+            value=stats.ranks,
+        )
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"trio_mlx_{name}", doc, value=getattr(stats, name))
         prompt = CounterMetricFamily(

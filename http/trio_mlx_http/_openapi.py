@@ -274,7 +274,14 @@ _SCHEMAS: dict[str, Any] = {
     "Health": {
         "type": "object",
         "required": ["status"],
-        "properties": {"status": {"type": "string"}, "model": {"type": "string"}},
+        "properties": {
+            "status": {"type": "string"},
+            "model": {"type": "string"},
+            "state": {"type": "string"},
+            "running_rows": {"type": "integer"},
+            "queued_rows": {"type": "integer"},
+            "ranks": {"type": "integer"},
+        },
     },
 }
 
