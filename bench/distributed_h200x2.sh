@@ -33,7 +33,10 @@ one() {  # ranks mode
 
 echo "== $(date +%T) make-model"
 [ -f "$M/config.json" ] || timeout 240 python3 $D make-model "$M" --shape 8b --no-check 2>&1 | tail -2
-if [ "$PASS" = 1 ]; then
+# RUNS="2-engine 2-bare" (say) runs only those, in that order.
+if [ -n "${RUNS:-}" ]; then
+  for run in $RUNS; do one "${run%%-*}" "${run#*-}"; done
+elif [ "$PASS" = 1 ]; then
   one 1 bare; one 1 engine; one 2 bare; one 2 engine
 else
   one 2 engine; one 2 bare; one 1 engine; one 1 bare

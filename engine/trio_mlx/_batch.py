@@ -132,10 +132,6 @@ class BatchLane:
     cache_key: Hashable = "base"
     prefill_step_size: int = 2048
     prefill_batch_size: int = 8
-    #: Asked, in a burst, whether a step whose successor depends on the clock or
-    #: on ``interrupt`` goes on; returns the decision to follow. Distributed
-    #: ranks share rank 0's decision through it (None: follow one's own).
-    agree: Callable[[bool], bool] | None = None
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
     _generator: Any = attrs.field(init=False, default=None)
@@ -224,17 +220,14 @@ class BatchLane:
                 by_row.setdefault(event.id, []).append(event)
                 if event.finish_reason or event.error is not None or event.generated == 1:
                     news = True
-            # The same tokens give the same answer everywhere: no need to agree.
-            if news or decoded >= steps or not self._by_uid:
-                break
-            go_on = time.perf_counter() - start < seconds and not (
-                interrupt is not None and interrupt()
-            )
-            if self.agree is not None:
-                go_on = self.agree(go_on)
-            if not go_on:
-                break
-        return [merge_events(evs) for evs in by_row.values()], decoded
+            if (
+                news
+                or decoded >= steps
+                or not self._by_uid
+                or time.perf_counter() - start >= seconds
+                or (interrupt is not None and interrupt())
+            ):
+                return [merge_events(evs) for evs in by_row.values()], decoded
 
     def close(self) -> None:
         """Drop every row and release the generator (on the MLX thread, at shutdown)."""

@@ -19,13 +19,22 @@ collective; a longer one takes a second), as ``mlx_lm.server`` shares its
 requests, on mlx-lm's generation stream: on one stream the channel's and the
 model's collectives keep program order on every rank.
 
-What only rank 0 knows is agreed on step by step with a one-frame ``go``
-message: whether a burst of decode steps goes on (it depends on rank 0's clock
-and on the actor's doorbell) and whether a serial generation takes its next
-token (rank 0 sees cancellations and stop strings). Everything else (EOS,
-max_tokens, stop strings in the batch, a processor's failure) is computed
-alike on every rank from the same tokens; sampling agrees because every rank
-seeds ``mx.random`` alike and the sampled logits are identical after the
+A burst's length cannot depend on rank 0's clock or doorbell, which the
+followers do not see: rank 0 fixes it up front, in the step command (the
+steps that fit the actor's time budget at the measured step time), and every
+rank ends it early only on what the tokens say (a row finished, failed or got
+its first token). So no message passes between the steps of a burst, and
+each rank queues its next step while the last one runs, as a bare mlx-lm loop
+does; a message between steps would make the followers wait for the stream
+to drain first (a frame's collective queues behind the step in flight). The
+price: a doorbell (a cancel, a submission) during a distributed burst waits
+for its end, at most the time budget (20 ms).
+
+Whether a serial generation takes its next token is agreed token by token
+with a one-frame ``go`` message (rank 0 sees cancellations). Everything else
+(EOS, max_tokens, stop strings, a processor's failure) is computed alike on
+every rank from the same tokens; sampling agrees because every rank seeds
+``mx.random`` alike and the sampled logits are identical after the
 collectives.
 
 Not mirrored, refused with :class:`~trio_mlx.InvalidRequest`: LoRA adapters
@@ -387,10 +396,19 @@ class MirroredLane(BatchLane):
     """A batch lane whose every state change is broadcast first (rank 0, once ``leader`` is set).
 
     Followers hold the same class with ``leader`` None and are driven by
-    :func:`follow`; their ``agree`` hook receives rank 0's burst decisions.
+    :func:`follow`. Rank 0 fixes each burst's length before it starts (see
+    the module's notes), from :attr:`step_seconds`.
     """
 
     leader: Leader | None = None
+    #: Smoothed seconds per decode step, measured on rank 0 (None: not yet).
+    step_seconds: float | None = None
+
+    def burst_length(self, steps: int, seconds: float) -> int:
+        """How many steps of a burst of at most ``steps`` fit in ``seconds``."""
+        if steps <= 1 or self.step_seconds is None or self.step_seconds <= 0:
+            return 1
+        return max(1, min(steps, int(seconds / self.step_seconds)))
 
     def _command(self, name: str, *args: Any) -> None:
         if self.leader is not None:
@@ -411,9 +429,17 @@ class MirroredLane(BatchLane):
         seconds: float = 0.0,
         interrupt: Callable[[], bool] | None = None,
     ) -> StepResult:
+        # ``interrupt`` is not followed: the followers could not see it.
         args = (tuple(inserts), tuple(resumes), tuple(removes))
+        if self.leader is not None:
+            steps = self.burst_length(steps, seconds)
         self._command("step", *args, steps)
-        result = BatchLane.step(self, *args, steps=steps, seconds=seconds, interrupt=interrupt)
+        before = self.generator_seconds
+        result = BatchLane.step(self, *args, steps=steps, seconds=math.inf)
+        if result.steps and not inserts and not resumes:  # decode steps only, no prefill
+            took = (self.generator_seconds - before) / result.steps
+            last = self.step_seconds
+            self.step_seconds = took if last is None else 0.8 * last + 0.2 * took
         if self.leader is not None and any(event.error is not None for event in result.events):
             # A collective inside the model may have failed: check the group is whole.
             self._command("ping")
@@ -499,7 +525,6 @@ def follow(
     lane = loaded.lane
     channel = Channel(loaded.group)
     agree = _follower_agree(channel)
-    lane.agree = agree
     _watch_follower(channel, timeout())
     if on_ready is not None:
         on_ready()

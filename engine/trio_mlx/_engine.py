@@ -164,7 +164,6 @@ def _load(
     leader = None
     if isinstance(lane, _distributed.MirroredLane) and channel is not None and channel.rank == 0:
         leader = lane.leader = _distributed.Leader(channel)
-        lane.agree = leader.agree
     return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader)
 
 
