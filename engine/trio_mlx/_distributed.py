@@ -319,6 +319,8 @@ class Leader:
     busy_since: float | None = None
     #: perf_counter() of the last message sent.
     last_sent: float = attrs.field(factory=time.perf_counter)
+    #: Seconds of quiet before an idle rank 0 sends a heartbeat.
+    interval: float = attrs.field(factory=lambda: min(HEARTBEAT, timeout() / 4))
     closed: bool = False
 
     def command(self, name: str, *args: Any) -> None:
@@ -340,8 +342,6 @@ class Leader:
     def idle(self) -> None:
         """The running mirrored call is over."""
         self.busy_since = None
-
-    interval: float = attrs.field(factory=lambda: min(HEARTBEAT, timeout() / 4))
 
     def quiet(self) -> bool:
         """Whether nothing was sent for a heartbeat interval."""
