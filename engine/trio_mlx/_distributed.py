@@ -28,7 +28,8 @@ each rank queues its next step while the last one runs, as a bare mlx-lm loop
 does; a message between steps would make the followers wait for the stream
 to drain first (a frame's collective queues behind the step in flight). The
 price: a doorbell (a cancel, a submission) during a distributed burst waits
-for its end, at most the time budget (20 ms).
+for its end: about the time budget (20 ms; sized from the measured step
+time, so a sudden slowdown can stretch one burst, never past 16 steps).
 
 Whether a serial generation takes its next token is agreed token by token
 with a one-frame ``go`` message (rank 0 sees cancellations). Everything else
