@@ -173,7 +173,8 @@ def group() -> Any:
 
 
 def load_shard(path: str, group: Any, parallel: str = "auto") -> tuple[Any, Any, dict[str, Any]]:
-    """This rank's shard of the model at ``path``: (model, tokenizer, config).
+    """This rank's shard of the model at ``path``: (model, tokenizer, config), with
+    ``mx.random`` seeded as on every rank.
 
     What mlx-lm's ``sharded_load`` does for a local folder, less its closing
     barrier: that is an ``all_sum`` on the CPU stream, which MLX's NCCL
@@ -212,6 +213,8 @@ def load_shard(path: str, group: Any, parallel: str = "auto") -> tuple[Any, Any,
             param="parallel",
         )
     mx.eval(model.parameters())
+    # Sampled tokens feed the next step on every rank: their random streams must agree.
+    mx.random.seed(SEED)
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         folder, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id")
     )
@@ -516,13 +519,11 @@ def follow(
     Loads the same shard layout as rank 0 (rank 0's load settings arrive over
     the channel first), then executes rank 0's commands in order.
     """
-    import threading as _threading
-
-    from trio_mlx._engine import _load, _resolve_model
+    from trio_mlx._engine import _load, _LoadSettings, _resolve_model
     from trio_mlx._serial import run_serial
 
     _ignore_stop_signals()
-    loaded = _load(_resolve_model(model), None, 1, 0, 1, 1, distributed=True)
+    loaded = _load(_resolve_model(model), _LoadSettings(), distributed=True)
     lane = loaded.lane
     channel = Channel(loaded.group)
     agree = _follower_agree(channel)
@@ -550,7 +551,7 @@ def follow(
                     loaded.model,
                     loaded.tokenizer,
                     spec,
-                    cancelled=_threading.Event(),
+                    cancelled=threading.Event(),
                     emit=lambda events: None,
                     prompt_cache=loaded.prompt_cache,
                     agree=agree,

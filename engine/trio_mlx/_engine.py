@@ -82,15 +82,23 @@ def _fuse_lora(model: Any) -> None:
         model.update_modules(tree_unflatten(fused))
 
 
+@attrs.frozen
+class _LoadSettings:
+    """What shapes the loaded model and its lane; distributed ranks all take rank 0's."""
+
+    adapter_path: str | None = None
+    max_batch: int = 1
+    prompt_cache_bytes: int = 0
+    prefill_step_size: int = 2048
+    prefill_batch_size: int = 8
+    parallel: str = "auto"
+
+
 def _load(
     path: str,
-    adapter_path: str | None,
-    max_batch: int,
-    prompt_cache_bytes: int,
-    prefill_step_size: int,
-    prefill_batch_size: int,
+    settings: _LoadSettings,
+    *,
     distributed: bool = False,
-    parallel: str = "auto",
     chat_template: str | None = None,
 ) -> _Loaded:
     """Load, check and warm the model (on the worker thread)."""
@@ -100,57 +108,45 @@ def _load(
 
     lane_type: type[BatchLane] = BatchLane
     group, channel = None, None
+    prompt_cache_bytes = settings.prompt_cache_bytes
+    result: Any  # (model, tokenizer, config)
     if distributed:
         group = _distributed.group()
         if group is None:
             raise InvalidRequest("launched for distributed mode, but the group has one rank")
         channel = _distributed.Channel(group)
-        # Every rank gets rank 0's settings: they shape the collectives (and a
+        # Every rank takes rank 0's settings: they shape the collectives (and a
         # refusal below must end every rank, not leave the followers waiting).
-        settings = (
-            max_batch,
-            prompt_cache_bytes,
-            prefill_step_size,
-            prefill_batch_size,
-            parallel,
-            adapter_path,
-        )
-        (
-            max_batch,
-            prompt_cache_bytes,
-            prefill_step_size,
-            prefill_batch_size,
-            parallel,
-            adapter_path,
-        ) = channel.share(settings, limit=_distributed.start_timeout())
-        if adapter_path is not None:
+        settings = channel.share(settings, limit=_distributed.start_timeout())
+        if settings.adapter_path is not None:
             raise InvalidRequest(
                 "distributed mode does not support LoRA adapters",
                 param="adapter_path",
                 code="unsupported_in_distributed_mode",
             )
-        result = _distributed_load(path, group, parallel)
+        result = _distributed.load_shard(path, group, settings.parallel)
         # Every rank has its shard: a barrier before the first step.
         channel.share(None, limit=_distributed.start_timeout())
+        prompt_cache_bytes = settings.prompt_cache_bytes
         if getattr(getattr(result[0], "model", None), "pipeline_size", 1) > 1:
             # Stages hold different layers, so byte-capped caches would evict
             # differently on each rank: the ranks' prompts would diverge.
             prompt_cache_bytes = 0
         lane_type = _distributed.MirroredLane
     else:
-        result = mlx_lm.load(path, adapter_path=adapter_path, return_config=True)
+        result = mlx_lm.load(path, adapter_path=settings.adapter_path, return_config=True)
     model, tokenizer, config = result
     if chat_template is not None:
         _set_chat_template(tokenizer, chat_template)
-    if adapter_path is not None:
+    if settings.adapter_path is not None:
         _fuse_lora(model)
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
     lane = lane_type(
         model,
         tokenizer,
-        max_batch,
-        prefill_step_size=prefill_step_size,
-        prefill_batch_size=prefill_batch_size,
+        settings.max_batch,
+        prefill_step_size=settings.prefill_step_size,
+        prefill_batch_size=settings.prefill_batch_size,
     )
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
@@ -179,16 +175,6 @@ def _set_chat_template(tokenizer: Any, template: str) -> None:
         raise InvalidRequest(
             f"the chat template cannot render a message: {exc}", param="chat_template"
         ) from None
-
-
-def _distributed_load(path: str, group: Any, parallel: str) -> Any:
-    """Every rank: its shard of the model, seeded alike (see :mod:`trio_mlx._distributed`)."""
-    import mlx.core as mx
-
-    result = _distributed.load_shard(path, group, parallel)
-    # Sampled tokens feed the next step on every rank: their random streams must agree.
-    mx.random.seed(_distributed.SEED)
-    return result
 
 
 @asynccontextmanager
@@ -238,7 +224,6 @@ async def open_engine(
     if prompt_cache_bytes < 0:
         raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
     path = _resolve_model(model)
-    adapter = os.fspath(adapter_path) if adapter_path is not None else None
     if prefill_step_size < 1 or prefill_batch_size < 1:
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
@@ -247,17 +232,20 @@ async def open_engine(
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
         )
+    settings = _LoadSettings(
+        adapter_path=os.fspath(adapter_path) if adapter_path is not None else None,
+        max_batch=max_batch,
+        prompt_cache_bytes=prompt_cache_bytes,
+        prefill_step_size=prefill_step_size,
+        prefill_batch_size=prefill_batch_size,
+        parallel=parallel,
+    )
     load = partial(
         _load,
         path,
-        adapter,
-        max_batch,
-        prompt_cache_bytes,
-        prefill_step_size,
-        prefill_batch_size,
-        _distributed.launched(),
-        parallel,
-        chat_template,
+        settings,
+        distributed=_distributed.launched(),
+        chat_template=chat_template,
     )
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
