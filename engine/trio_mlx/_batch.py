@@ -250,6 +250,7 @@ class BatchLane:
         rows = [self._rows[i] for i in ids if i in self._rows]
         uids = [row.uid for row in rows if row.uid is not None]
         caches = self._generator.remove(uids, return_prompt_caches=True) if uids else {}
+        kept = []
         for row in rows:
             if row.uid is None:
                 continue
@@ -260,10 +261,11 @@ class BatchLane:
                 cache, tokens = entry
                 for layer in cache:
                     layer.trim(1)
-                # Materialized now: a lazy slice would keep the batch's buffers alive.
-                mx.eval([layer.state for layer in cache])
+                kept.append(cache)
                 row.parked = (cache, list(tokens))
             row.uid = None
+        # Materialized now (one sync for all): a lazy slice would keep the batch's buffers alive.
+        mx.eval([layer.state for cache in kept for layer in cache])
 
     def fail_all(self, error: BaseException) -> list[RowEvent]:
         """Fail and forget every row in the batch (parked rows stay)."""
@@ -349,6 +351,7 @@ class BatchLane:
         self.generator_seconds += time.perf_counter() - start
         events = []
         finished: list[int] = []
+        done: list[Any] = []  # responses of rows the generator finished: their caches to keep
         for response in responses:
             row_id = self._by_uid.get(response.uid)
             if row_id is None:
@@ -364,7 +367,7 @@ class BatchLane:
             if event.finish_reason is None:
                 continue
             if response.finish_reason is not None:
-                self._store(response)
+                done.append(response)
                 self._by_uid.pop(response.uid, None)
                 self._rows.pop(row_id, None)
             else:
@@ -378,8 +381,9 @@ class BatchLane:
             if row.error is not None and not any(e.id == row_id for e in events):
                 events.append(RowEvent(row_id, error=row.error))
         self._remove(finished)
+        if done and self.prompt_cache is not None:
+            self.prompt_cache.store_many(
+                self.cache_key,
+                [(r.all_tokens, r.prompt_cache) for r in done if r.prompt_cache is not None],
+            )
         return events
-
-    def _store(self, response: Any) -> None:
-        if self.prompt_cache is not None and response.prompt_cache is not None:
-            self.prompt_cache.store(self.cache_key, response.all_tokens, response.prompt_cache)
