@@ -4,7 +4,8 @@
 
 Rank 0 serves the requests through ``open_engine`` and writes their token ids
 (and decode timings with ``--bench``) to OUT.json; the other ranks follow.
-``reference`` computes the same outputs in one process, for comparison.
+Run without ``mlx.launch``, the same script computes the same outputs in one
+process, for comparison (``tests/test_distributed.py`` does both).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ async def completions(engine: Any) -> dict[str, Any]:
 
 
 async def refusals(engine: Any) -> list[str]:
-    """What distributed mode refuses, with its messages (none in one process)."""
+    """What distributed mode refuses, with its messages (one process: only the unknown adapter)."""
     refused = []
     try:
         await engine.complete(PROMPTS[0], trio_mlx.SamplingParams(max_tokens=2, adapter="x"))
@@ -232,4 +233,5 @@ if __name__ == "__main__":
         Channel.send = vanishing  # type: ignore[method-assign]
     if args.follower_leaves_after:
         trio.run(lose_follower, args.model, args.out)
-    trio.run(main, args.model, args.out, args.bench, args.parallel, args.idle)
+    else:
+        trio.run(main, args.model, args.out, args.bench, args.parallel, args.idle)
