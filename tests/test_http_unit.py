@@ -399,8 +399,9 @@ def test_chat_template_flag_takes_text_or_a_file(tmp_path: Path) -> None:
     file = tmp_path / "template.jinja"
     file.write_text(template)
     for value in (template, str(file)):
-        args = build_parser().parse_args(["serve", "--chat-template", value])
-        assert _engine_options(args)["chat_template"] == template
+        for command in (["serve"], ["generate", "Hello"]):
+            args = build_parser().parse_args([*command, "--chat-template", value])
+            assert _engine_options(args)["chat_template"] == template
     assert "chat_template" not in _engine_options(build_parser().parse_args(["serve"]))
 
 

@@ -141,7 +141,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 async def generate(args: argparse.Namespace) -> int:
     """Generate one completion, streaming its text to stdout."""
-    async with trio_mlx.open_engine(model=args.model, adapter_path=args.adapter_path) as engine:
+    async with trio_mlx.open_engine(**_engine_options(args)) as engine:
         prompt: Any = args.prompt
         if not args.raw and engine.tokenizer.has_chat_template:
             prompt = [{"role": "user", "content": args.prompt}]
