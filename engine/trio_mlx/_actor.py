@@ -476,10 +476,12 @@ class Actor:
         for spec in inserts:
             self._requests[spec.id].inserted = True
         steps = 1
-        if self.burst_steps > 1:
-            arb = self._arbiter.statistics()
-            if arb.state is State.ADMITTING and not arb.waiting_jobs:
-                steps = self.burst_steps
+        if (
+            self.burst_steps > 1
+            and self._arbiter.state is State.ADMITTING
+            and not self._arbiter.jobs_waiting
+        ):
+            steps = self.burst_steps
         # Cleared right after the decision (on this thread, with no checkpoint
         # in between): any later ring ends the burst at the next step.
         self._news.clear()

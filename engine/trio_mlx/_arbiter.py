@@ -335,6 +335,12 @@ TABLE: tuple[Transition, ...] = (
     *(Transition(state, On.CLOSE, When.ALWAYS, _C, Does.CLOSE) for state in (_A, _D, _E)),
 )
 
+#: TABLE's rows by (state, on), in table order: what ``Arbiter._first`` tries.
+_ROWS: dict[tuple[State, On], tuple[Transition, ...]] = {
+    key: tuple(row for row in TABLE if (row.state, row.on) == key)
+    for key in dict.fromkeys((row.state, row.on) for row in TABLE)
+}
+
 
 # --- statistics -----------------------------------------------------------------------
 
@@ -414,9 +420,9 @@ class Arbiter:
         return self._state
 
     @property
-    def policy(self) -> ArbiterPolicy:
-        """The policy the arbiter was built with."""
-        return self._policy
+    def jobs_waiting(self) -> bool:
+        """Whether a serial or exclusive job waits for the model (cheaper than statistics())."""
+        return bool(self._waiting)
 
     # --- events ---
 
@@ -608,8 +614,8 @@ class Arbiter:
         return self._policy.max_batch - len(self._running)
 
     def _first(self, on: On, now: float) -> Transition | None:
-        for row in TABLE:
-            if row.state is self._state and row.on is on and self._holds(row.when, now):
+        for row in _ROWS.get((self._state, on), ()):
+            if self._holds(row.when, now):
                 return row
         return None
 
