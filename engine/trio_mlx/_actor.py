@@ -68,7 +68,7 @@ from trio_mlx._arbiter import (
     Wait,
 )
 from trio_mlx._batch import BatchLane, RowSpec, StepResult
-from trio_mlx._errors import EngineClosed, EngineOverloaded, GenerationFailed
+from trio_mlx._errors import EngineClosed, EngineOverloaded, GenerationFailed, TrioMLXError
 from trio_mlx._output import RowEvent
 from trio_mlx._worker import Worker
 
@@ -430,10 +430,8 @@ class Actor:
             if self.decision_hook is not None:
                 self.decision_hook(decision, self._arbiter.statistics())
             match decision:
-                case Admit(ids):
-                    self._admit(ids)
-                case Resume(ids):
-                    self._resume(ids)
+                case Admit(ids) | Resume(ids):
+                    self._queue_rows(ids)
                 case Park(ids):
                     # The arbiter counts these rows parked from now on: so must
                     # a cancel that arrives before the park itself has run.
@@ -449,17 +447,8 @@ class Actor:
             # Best effort: failing here only keeps the rows' caches a while longer.
             self._batch_rows = await self.worker.run(partial(self.lane.discard, removes))
 
-    def _admit(self, ids: tuple[int, ...]) -> None:
-        for row_id in ids:
-            request = self._requests[row_id]
-            request.phase = Phase.RUNNING
-            assert request.spec is not None
-            if request.inserted:
-                self._resumes.append(row_id)
-            else:
-                self._inserts.append(request.spec)
-
-    def _resume(self, ids: tuple[int, ...]) -> None:
+    def _queue_rows(self, ids: tuple[int, ...]) -> None:
+        """Admitted or resumed rows join the next step: new ones inserted, parked ones resumed."""
         for row_id in ids:
             request = self._requests[row_id]
             request.phase = Phase.RUNNING
@@ -692,10 +681,6 @@ class Actor:
 
 def failure(error: BaseException) -> BaseException:
     """The error a consumer sees for a failed request."""
-    if isinstance(error, EngineClosed | GenerationFailed):
-        return error
-    from trio_mlx._errors import TrioMLXError
-
     if isinstance(error, TrioMLXError):
         return error
     failed = GenerationFailed(f"generation failed: {type(error).__name__}: {error}")

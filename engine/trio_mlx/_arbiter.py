@@ -677,9 +677,9 @@ class Arbiter:
                 self._step_in_flight = True
                 return Step()
             case Does.PARK:
-                ids = tuple(self._running)
-                self._preemptions += len(ids)
-                return Park(self._move(self._running, _Place.PARKED, len(ids)))
+                count = len(self._running)
+                self._preemptions += count
+                return Park(self._move(self._running, _Place.PARKED, count))
             case Does.START_CYCLE:
                 self._drain_deadline = None
                 self._cycle = set(self._waiting)

@@ -197,12 +197,8 @@ class BatchLane:
                 events.append(RowEvent(row_id, error=exc))
         decoded = 0
         if self._by_uid:
-            if steps <= 1:
-                events.extend(self._decode())
-                decoded = 1
-            else:
-                burst, decoded = self._burst(steps, seconds, interrupt)
-                events.extend(burst)
+            burst, decoded = self._burst(steps, seconds, interrupt)
+            events.extend(burst)
         return StepResult(events, cached, len(self._rows), decoded)
 
     def _burst(

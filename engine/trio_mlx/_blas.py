@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import glob
 import importlib.util
-import logging
 import os
 import platform
 import sys
@@ -43,13 +42,11 @@ __all__ = [
     "bundled_reference_blas",
     "classify_blas",
     "find_fast_blas",
-    "log_backend_info",
     "maybe_reexec_with_fast_blas",
     "plan_reexec",
     "preload_env",
 ]
 
-logger = logging.getLogger("trio_mlx")
 
 BlasKind = Literal["reference", "openblas", "mkl", "accelerate", "unknown"]
 
@@ -363,17 +360,3 @@ def backend_info() -> BackendInfo:
         os.path.realpath(p) == real for p in _preloaded(os.environ)
     )
     return BackendInfo(plat, device, kind, path, preloaded, _blas_threads(path, kind))
-
-
-_logged = False
-
-
-def log_backend_info() -> BackendInfo:
-    """Log :func:`backend_info` once per process (INFO; a WARNING on the reference BLAS)."""
-    global _logged
-    info = backend_info()
-    if not _logged:
-        _logged = True
-        level = logging.WARNING if info.blas == "reference" else logging.INFO
-        logger.log(level, "%s", info.describe())
-    return info

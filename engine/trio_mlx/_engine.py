@@ -108,7 +108,6 @@ def _load(
 
     lane_type: type[BatchLane] = BatchLane
     group, channel = None, None
-    prompt_cache_bytes = settings.prompt_cache_bytes
     result: Any  # (model, tokenizer, config)
     if distributed:
         group = _distributed.group()
@@ -127,15 +126,15 @@ def _load(
         result = _distributed.load_shard(path, group, settings.parallel)
         # Every rank has its shard: a barrier before the first step.
         channel.share(None, limit=_distributed.start_timeout())
-        prompt_cache_bytes = settings.prompt_cache_bytes
-        if getattr(getattr(result[0], "model", None), "pipeline_size", 1) > 1:
-            # Stages hold different layers, so byte-capped caches would evict
-            # differently on each rank: the ranks' prompts would diverge.
-            prompt_cache_bytes = 0
         lane_type = _distributed.MirroredLane
     else:
         result = mlx_lm.load(path, adapter_path=settings.adapter_path, return_config=True)
     model, tokenizer, config = result
+    prompt_cache_bytes = settings.prompt_cache_bytes
+    if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
+        # Pipeline stages hold different layers, so byte-capped caches would
+        # evict differently on each rank: the ranks' prompts would diverge.
+        prompt_cache_bytes = 0
     if chat_template is not None:
         _set_chat_template(tokenizer, chat_template)
     if settings.adapter_path is not None:

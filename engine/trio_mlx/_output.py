@@ -103,7 +103,6 @@ class RowOutput:
     detokenizer: Any
     scanner: StopScanner = attrs.field(init=False)
     generated: int = 0
-    done: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.scanner = StopScanner(self.params.stop)
@@ -116,7 +115,6 @@ class RowOutput:
         if token in self.eos_ids:
             self.detokenizer.finalize()
             text, _ = self.scanner.feed(self.detokenizer.last_segment, final=True)
-            self.done = True
             return RowEvent(self.id, text, (), self._empty_lps(), "stop", None, self.generated)
         self.detokenizer.add_token(token)
         segment = self.detokenizer.last_segment
@@ -126,7 +124,6 @@ class RowOutput:
         text, stopped = self.scanner.feed(segment, final=finish is not None)
         if stopped:
             finish = "stop"
-        self.done = finish is not None
         lps = self._logprobs(token, logprobs)
         return RowEvent(self.id, text, (token,), lps, finish, None, self.generated)
 

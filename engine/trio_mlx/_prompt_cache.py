@@ -17,8 +17,6 @@ class PromptCache:
     max_bytes: int
     max_entries: int = 64
     _lru: Any = attrs.field(init=False, default=None)
-    hits: int = attrs.field(init=False, default=0)
-    cached_tokens: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache
@@ -45,8 +43,6 @@ class PromptCache:
                 return None, tokens
             trim_prompt_cache(cache, 1)
             rest = tokens[-1:]
-        self.hits += 1
-        self.cached_tokens += len(tokens) - len(rest)
         return cache, rest
 
     def clear(self) -> None:

@@ -66,18 +66,12 @@ class Worker:
     _token: trio.lowlevel.TrioToken | None = attrs.field(init=False, default=None)
     _alive: bool = attrs.field(init=False, default=False)
     _ended: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _calls: int = attrs.field(init=False, default=0)
     _busy: float = attrs.field(init=False, default=0.0)
 
     @property
     def alive(self) -> bool:
         """Whether the thread is running and accepts calls."""
         return self._alive
-
-    @property
-    def calls(self) -> int:
-        """How many calls the worker has run."""
-        return self._calls
 
     @property
     def busy_seconds(self) -> float:
@@ -146,7 +140,6 @@ class Worker:
                 start = time.perf_counter()
                 result = outcome.capture(fn)
                 self._busy += time.perf_counter() - start
-                self._calls += 1
                 if isinstance(result, outcome.Error) and not isinstance(result.error, Exception):
                     death = result.error
                     error = EngineClosed(f"the MLX worker thread died: {death!r}")
