@@ -42,7 +42,7 @@ import contextlib
 import enum
 import itertools
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Mapping
 from functools import partial
 from types import MappingProxyType
@@ -91,7 +91,7 @@ class Phase(enum.Enum):
 class Outbox:
     """A request's unbounded buffer of events; ``put`` never blocks (max_tokens bounds it)."""
 
-    _items: deque[RowEvent] = attrs.field(init=False, factory=deque)
+    _items: list[RowEvent] = attrs.field(init=False, factory=list)
     _lot: trio.lowlevel.ParkingLot = attrs.field(init=False, factory=trio.lowlevel.ParkingLot)
     closed: bool = attrs.field(init=False, default=False)
 
@@ -107,8 +107,7 @@ class Outbox:
 
     def take(self) -> list[RowEvent]:
         """Every event buffered so far."""
-        items = list(self._items)
-        self._items.clear()
+        items, self._items = self._items, []
         return items
 
     async def wait(self) -> None:

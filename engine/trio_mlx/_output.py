@@ -133,13 +133,15 @@ class RowOutput:
     def _logprobs(self, token: int, vector: Any) -> tuple[TokenLogprob, ...] | None:
         if not self.params.logprobs or vector is None:
             return None
+        import mlx.core as mx
+
         top: tuple[tuple[int, float], ...] = ()
+        chosen = vector[token]
         k = self.params.top_logprobs
         if k > 0:
-            import mlx.core as mx
-
             indices = mx.argpartition(-vector, kth=k - 1)[:k]
+            values = vector[indices]
+            mx.eval(chosen, indices, values)  # one evaluation, not three
             ids: list[int] = indices.tolist()  # type: ignore[assignment]
-            values: list[float] = vector[indices].tolist()
-            top = tuple(sorted(zip(ids, values, strict=True), key=lambda p: -p[1]))
-        return (TokenLogprob(token, float(vector[token].item()), top),)
+            top = tuple(sorted(zip(ids, values.tolist(), strict=True), key=lambda p: -p[1]))
+        return (TokenLogprob(token, float(chosen.item()), top),)
