@@ -209,9 +209,7 @@ def _adapter_path(settings: Settings, path: str) -> Path:
             "path must be inside the server's adapter folder", param="path", code="path_outside"
         )
     if not resolved.is_dir():
-        raise NotFound(
-            f"no adapter folder {path!r} in the adapter folder", param="path", code="not_found"
-        )
+        raise NotFound(f"no adapter folder {path!r} in the adapter folder", param="path")
     return resolved
 
 
@@ -267,7 +265,7 @@ def _install_service(app: QuartTrio) -> None:
     async def health() -> dict[str, Any]:
         state = _state()
         if state.engine.closed:
-            raise EngineClosed("the engine is closed", code="engine_closed")
+            raise EngineClosed("the engine is closed")
         stats = state.engine.statistics()
         return {
             "status": "ok",

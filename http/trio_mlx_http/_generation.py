@@ -242,7 +242,7 @@ async def respond(
     completions = await _complete_all(state, request, jobs)
     access.tokens = sum(c.result.completion_tokens for c in completions)
     for completion in completions:
-        state.metrics.finished(access.endpoint, completion.result, completion.result.finish_reason)
+        state.metrics.finished(access.endpoint, completion.result)
     results = [c.result for c in completions]
     return fmt.envelope.body(
         [fmt.whole(i, c) for i, c in enumerate(completions)],
@@ -301,17 +301,16 @@ async def _stream(
                 for index in range(len(streams)):
                     for chunk in fmt.start(index):
                         yield _sse.event(chunk)
-                iterators = [aiter(s) for s in streams]
                 active = list(range(len(streams)))
                 while active:
                     for index in list(active):
                         try:
-                            delta = await anext(iterators[index])
+                            delta = await anext(streams[index])
                         except StopAsyncIteration:
                             active.remove(index)
                             result = results[index] = streams[index].result
                             access.tokens += result.completion_tokens
-                            state.metrics.finished(access.endpoint, result, result.finish_reason)
+                            state.metrics.finished(access.endpoint, result)
                             chunks = fmt.end(index, result)
                         else:
                             chunks = fmt.delta(index, delta)

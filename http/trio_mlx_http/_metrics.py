@@ -129,9 +129,9 @@ class Metrics:
         """Export the engine's statistics on every scrape."""
         self.registry.register(_EngineCollector(statistics))
 
-    def finished(self, endpoint: str, result: GenerationResult, outcome: str) -> None:
-        """Count one finished choice."""
-        self.generations.labels(endpoint, result.lane, outcome).inc()
+    def finished(self, endpoint: str, result: GenerationResult) -> None:
+        """Count one finished choice (its outcome is its finish reason)."""
+        self.generations.labels(endpoint, result.lane, result.finish_reason).inc()
         if result.time_to_first_token is not None:
             self.ttft.labels(result.lane).observe(result.time_to_first_token)
 

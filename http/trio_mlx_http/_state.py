@@ -55,7 +55,7 @@ class Access:
         """Log the request and count it."""
         elapsed = time.perf_counter() - self.started
         self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
-        if self.tokens or self.endpoint.endswith("completions"):
+        if self.endpoint.endswith("completions"):
             self.state.metrics.duration.labels(self.endpoint).observe(elapsed)
         access_logger.info(
             "%s %s %d tokens=%d %.3fs", self.method, self.path, status, self.tokens, elapsed
