@@ -8,6 +8,11 @@ from pathlib import Path
 
 import trio
 
+#: logit_bias that keeps the tiny model from ending a row early (its EOS ids are 0 and 2).
+NO_EOS = {0: -100.0, 2: -100.0}
+#: A prompt the engine tests share.
+PROMPT = "The quick brown fox jumps"
+
 
 def make_adapter(model_path: Path, out: Path) -> Path:
     """A random LoRA adapter for the tiny model (lora_b non-zero, so it changes outputs)."""

@@ -9,14 +9,12 @@ import pytest
 import trio
 
 import trio_mlx
-from engine_helpers import wait_until
+from engine_helpers import NO_EOS, wait_until
 from trio_mlx import SamplingParams, TokenLogprob
 from trio_mlx._batch import BatchLane, RowSpec
 from trio_mlx._output import RowEvent, merge_events
 
 pytestmark = pytest.mark.model
-
-NO_EOS = {0: -100.0, 2: -100.0}
 
 
 def _lane(tiny_model: tuple[Any, Any]) -> BatchLane:

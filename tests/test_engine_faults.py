@@ -10,13 +10,11 @@ import pytest
 import trio
 
 import trio_mlx
-from engine_helpers import wait_until
+from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import EngineClosed, GenerationFailed, SamplingParams
 
 pytestmark = pytest.mark.model
 
-PROMPT = "The quick brown fox jumps"
-NO_EOS = {0: -100.0, 2: -100.0}
 #: A logit_bias entry that marks a row for fault injection.
 POISON = 511
 

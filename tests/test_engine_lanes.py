@@ -9,13 +9,9 @@ import pytest
 import trio
 
 import trio_mlx
-from engine_helpers import make_adapter, wait_until
+from engine_helpers import NO_EOS, PROMPT, make_adapter, wait_until
 from trio_mlx import InvalidRequest, NotFound, SamplingParams
 from trio_mlx._gate import choose_lane
-
-PROMPT = "The quick brown fox jumps"
-NO_EOS = {0: -100.0, 2: -100.0}
-
 
 # --- the gate: one test per reason -----------------------------------------------------
 

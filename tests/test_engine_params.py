@@ -9,12 +9,10 @@ import pytest
 import trio
 
 import trio_mlx
+from engine_helpers import NO_EOS, PROMPT
 from trio_mlx import SamplingParams
 
 pytestmark = pytest.mark.model
-
-PROMPT = "The quick brown fox jumps"
-NO_EOS = {0: -100.0, 2: -100.0}
 
 
 async def _batch(

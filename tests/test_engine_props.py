@@ -18,13 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trio_mlx
-from engine_helpers import make_adapter, wait_until
+from engine_helpers import NO_EOS, make_adapter, wait_until
 from trio_mlx import EngineOverloaded, InvalidRequest, NotFound, SamplingParams
 from trio_mlx._arbiter import Admit, Park, Resume, Start, Step
 
 pytestmark = [pytest.mark.model, pytest.mark.props]
 
-NO_EOS = {0: -100.0, 2: -100.0}
 PROMPTS = ["Hello world", "The quick brown fox", "def main():"]
 MAX_BATCH = 3
 

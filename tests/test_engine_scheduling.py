@@ -11,13 +11,12 @@ import pytest
 import trio
 
 import trio_mlx
-from engine_helpers import wait_until
+from engine_helpers import NO_EOS, wait_until
 from trio_mlx import EngineOverloaded, SamplingParams
 from trio_mlx._actor import Actor
 
 pytestmark = pytest.mark.model
 
-NO_EOS = {0: -100.0, 2: -100.0}
 PROMPTS = [
     "Hello world",
     "The quick brown fox jumps over the lazy dog",
