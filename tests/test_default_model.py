@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 
 from trio_mlx import default_adapter_path, default_model_path
+from trio_mlx.default_model.train import PROMPT
+from trio_mlx.default_model.train_adapter import upper_share
 
 pytestmark = pytest.mark.model
 
-PROMPT = "The with statement"
 WORD = re.compile(r"[A-Za-z]+")
 
 
@@ -62,11 +63,6 @@ def looks_like_documentation(text: str) -> bool:
         and m["known_words"] >= 0.9
         and m["known_pairs"] >= 0.6
     )
-
-
-def upper_share(text: str) -> float:
-    letters = [c for c in text if c.isalpha()]
-    return sum(c.isupper() for c in letters) / max(1, len(letters))
 
 
 def greedy(model: Any, tokenizer: Any, max_tokens: int = 40) -> str:
