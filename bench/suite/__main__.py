@@ -339,7 +339,7 @@ class Suite:
                 data["servers"].setdefault(name, []).append(best)
                 self.log(f"  {name} C={c}: {best['tok_s']:,.0f} tok/s (rounds "
                          f"{', '.join(f'{t:,.0f}' for t in best['rounds'])}), TTFT p99 "
-                         f"{_ms(best['ttft_p99_s'])} ms, exact tokens {best['exact_tokens']}, "
+                         f"{report.ms(best['ttft_p99_s'])} ms, exact tokens {best['exact_tokens']}, "
                          f"failed {best['failed']}")  # fmt: skip
 
     def _server_extras(
@@ -349,14 +349,14 @@ class Suite:
             self.log(f"3. fairness on {name} ({2 * p['fairness']['duration']:.0f} s)")
             f = scenarios.fairness(server, p)
             self.results.setdefault("fairness", {})[name] = f
-            self.log(f"  serial wait p50/p99 {_ms(f['serial_wait']['ttft_p50_s'])}/"
-                     f"{_ms(f['serial_wait']['ttft_p99_s'])} ms")  # fmt: skip
+            self.log(f"  serial wait p50/p99 {report.ms(f['serial_wait']['ttft_p50_s'])}/"
+                     f"{report.ms(f['serial_wait']['ttft_p99_s'])} ms")  # fmt: skip
         if main and wanted("responsiveness"):
             self.log(f"4. /health latency on {name}")
             r = scenarios.responsiveness(server, p)
             self.results.setdefault("responsiveness", {})[name] = r
             self.log(
-                f"  idle p99 {_ms(r['idle']['p99_s'])} ms, busy p99 {_ms(r['busy']['p99_s'])} ms"
+                f"  idle p99 {report.ms(r['idle']['p99_s'])} ms, busy p99 {report.ms(r['busy']['p99_s'])} ms"
             )
         if main and wanted("prompt_cache"):
             self.log(f"6. prompt cache on {name}")
@@ -391,10 +391,6 @@ class Suite:
                 out["engine_tok_s"] = b1["engine"]["decode_tok_s"]
                 out["engine_fraction"] = (b1["engine"]["decode_tok_s"] or 0) / bound
         self.results["bound"] = out
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:,.0f}"
 
 
 def main() -> None:

@@ -173,7 +173,7 @@ def memory(job: dict[str, Any]) -> None:
     rng = random.Random(0)
     done = 0
 
-    async def worker(engine: Any, tokenizer_len: int, work: Any) -> None:
+    async def worker(engine: Any, work: Any) -> None:
         nonlocal done
         async for i in work:
             words = rng.randint(4, job["max_prompt_words"])
@@ -196,7 +196,7 @@ def memory(job: dict[str, Any]) -> None:
             snapshots["0"] = _memory_now()
             async with trio.open_nursery() as nursery:
                 for _ in range(job["concurrency"]):
-                    nursery.start_soon(worker, engine, 0, receive.clone())
+                    nursery.start_soon(worker, engine, receive.clone())
                 async with send:
                     for i in range(total):
                         await send.send(i)

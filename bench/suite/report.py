@@ -13,7 +13,7 @@ def _num(value: Any, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def _ms(value: Any) -> str:
+def ms(value: Any) -> str:
     return "-" if value is None else f"{value * 1000:,.0f}"
 
 
@@ -60,7 +60,7 @@ def _server_md(results: dict[str, Any]) -> list[str]:
         for c, b in sorted(bare.items(), key=lambda kv: int(kv[0])):
             lines.append(
                 f"| {model} | bare BatchGenerator | {c} | {_num(b['e2e_tok_s'])} | 1.00 | "
-                f"{_num(b['decode_tok_s'])} tok/s | {_ms(b['ttft_max_s'])} (max) | | | | "
+                f"{_num(b['decode_tok_s'])} tok/s | {ms(b['ttft_max_s'])} (max) | | | | "
                 f"{b['complete']} | | | |"
             )
         for name, rows in data.get("servers", {}).items():
@@ -69,9 +69,9 @@ def _server_md(results: dict[str, Any]) -> list[str]:
                 lines.append(
                     f"| {model} | {name} | {row['concurrency']} | {_num(row['tok_s'])} | "
                     f"{_ratio(row['tok_s'], ceiling.get('e2e_tok_s'))} | "
-                    f"{_ratio(row['tok_s'], ceiling.get('decode_tok_s'))} | {_ms(row['ttft_p50_s'])} | "
-                    f"{_ms(row['ttft_p99_s'])} | {_ms(row['latency_p50_s'])} | "
-                    f"{_ms(row['latency_p99_s'])} | {row.get('exact_tokens')} | "
+                    f"{_ratio(row['tok_s'], ceiling.get('decode_tok_s'))} | {ms(row['ttft_p50_s'])} | "
+                    f"{ms(row['ttft_p99_s'])} | {ms(row['latency_p50_s'])} | "
+                    f"{ms(row['latency_p99_s'])} | {row.get('exact_tokens')} | "
                     f"{row['failed']} ({row.get('retries', 0)}) | "
                     f"{row['client_cpu_max']:.2f} | {row['server_cpu']:.2f} |"
                 )
@@ -116,8 +116,8 @@ def _fairness_md(results: dict[str, Any]) -> list[str]:
         )
         failed = s["failed"] + r["failed"] + b["failed"] + f["serial_flood"]["failed"]
         lines.append(
-            f"| {name} | {_ms(s['ttft_p50_s'])} | {_ms(s['ttft_p99_s'])} | "
-            f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | {b['tokens']} | {failed} |"
+            f"| {name} | {ms(s['ttft_p50_s'])} | {ms(s['ttft_p99_s'])} | "
+            f"{ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | {b['tokens']} | {failed} |"
         )
     return [*lines, ""]
 
@@ -134,8 +134,8 @@ def _responsiveness_md(results: dict[str, Any]) -> list[str]:
     for name, r in data.items():
         i, b = r["idle"], r["busy"]
         lines.append(
-            f"| {name} | {_ms(i['p50_s'])} | {_ms(i['p99_s'])} | {_ms(b['p50_s'])} | "
-            f"{_ms(b['p99_s'])} | {_ms(b['max_s'])} | {r['rows']} |"
+            f"| {name} | {ms(i['p50_s'])} | {ms(i['p99_s'])} | {ms(b['p50_s'])} | "
+            f"{ms(b['p99_s'])} | {ms(b['max_s'])} | {r['rows']} |"
         )
     return [*lines, ""]
 
@@ -184,7 +184,7 @@ def _cache_md(results: dict[str, Any]) -> list[str]:
             c, w = p[lane]["cold_ttft_p50_s"], p[lane]["warm_ttft_p50_s"]
             errors = (p[lane].get("errors") or [""])[0].replace("|", "/")
             lines.append(
-                f"| {name} | {p['prefix_words']} | {lane} | {_ms(c)} | {_ms(w)} | "
+                f"| {name} | {p['prefix_words']} | {lane} | {ms(c)} | {ms(w)} | "
                 f"{_ratio(c, w)} | {errors} |"
             )
     return [*lines, ""]
