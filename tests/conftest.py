@@ -36,6 +36,14 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_adapter_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LoRA adapter for the tiny model (built once per run; tests only read it)."""
+    from engine_helpers import make_adapter
+
+    return make_adapter(tiny_model_path, tmp_path_factory.mktemp("adapters") / "shout")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_path: Path) -> tuple[Any, Any]:
     """The tiny model and its tokenizer, loaded with ``mlx_lm.load``."""
     import mlx_lm

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 import trio_mlx
-from engine_helpers import NO_EOS, PROMPT, make_adapter, wait_until
+from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import InvalidRequest, NotFound, SamplingParams
 from trio_mlx._gate import choose_lane
 
@@ -168,19 +168,14 @@ async def test_run_exclusive_error_reaches_the_caller_and_engine_survives(
 # --- adapters ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def adapter_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_adapter(tiny_model_path, tmp_path_factory.mktemp("adapters") / "shout")
-
-
 @pytest.mark.model
 async def test_mounted_adapter_changes_only_requests_that_name_it(
-    tiny_model_path: Path, adapter_path: Path
+    tiny_model_path: Path, tiny_adapter_path: Path
 ) -> None:
     params = SamplingParams(max_tokens=16, logit_bias=NO_EOS)
     async with trio_mlx.open_engine(tiny_model_path) as engine:
         base = await engine.complete(PROMPT, params)
-        await engine.mount_adapter("shout", adapter_path)
+        await engine.mount_adapter("shout", tiny_adapter_path)
         assert engine.adapters == ("shout",)
         tuned = await engine.complete(
             PROMPT, SamplingParams(max_tokens=16, logit_bias=NO_EOS, adapter="shout")
@@ -197,7 +192,7 @@ async def test_mounted_adapter_changes_only_requests_that_name_it(
 
 @pytest.mark.model
 async def test_mount_rejects_bad_names_and_paths(
-    tiny_model_path: Path, adapter_path: Path, tmp_path: Path
+    tiny_model_path: Path, tiny_adapter_path: Path, tmp_path: Path
 ) -> None:
     async with trio_mlx.open_engine(tiny_model_path) as engine:
         with pytest.raises(NotFound, match="no adapter at"):
@@ -205,25 +200,25 @@ async def test_mount_rejects_bad_names_and_paths(
         with pytest.raises(InvalidRequest, match="not an adapter directory"):
             await engine.mount_adapter("x", tmp_path)
         with pytest.raises(InvalidRequest, match="non-empty"):
-            await engine.mount_adapter("", adapter_path)
-        await engine.mount_adapter("a", adapter_path)
+            await engine.mount_adapter("", tiny_adapter_path)
+        await engine.mount_adapter("a", tiny_adapter_path)
         with pytest.raises(InvalidRequest, match="already mounted"):
-            await engine.mount_adapter("a", adapter_path)
+            await engine.mount_adapter("a", tiny_adapter_path)
         with pytest.raises(NotFound, match="no adapter named 'b'"):
             await engine.unmount_adapter("b")
 
 
 @pytest.mark.model
 async def test_open_engine_with_adapter_path_fuses_it(
-    tiny_model_path: Path, adapter_path: Path
+    tiny_model_path: Path, tiny_adapter_path: Path
 ) -> None:
     params = SamplingParams(max_tokens=12, logit_bias=NO_EOS)
     async with trio_mlx.open_engine(tiny_model_path) as engine:
-        await engine.mount_adapter("shout", adapter_path)
+        await engine.mount_adapter("shout", tiny_adapter_path)
         tuned = await engine.complete(
             PROMPT, SamplingParams(max_tokens=12, logit_bias=NO_EOS, adapter="shout")
         )
-    async with trio_mlx.open_engine(tiny_model_path, adapter_path=adapter_path) as engine:
+    async with trio_mlx.open_engine(tiny_model_path, adapter_path=tiny_adapter_path) as engine:
         fused = await engine.complete(PROMPT, params)
     assert fused.result.lane == "batch"
     assert fused.token_ids == tuned.token_ids

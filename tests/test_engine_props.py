@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trio_mlx
-from engine_helpers import NO_EOS, make_adapter, wait_until
+from engine_helpers import NO_EOS, wait_until
 from trio_mlx import EngineOverloaded, InvalidRequest, NotFound, SamplingParams
 from trio_mlx._arbiter import Admit, Park, Resume, Start, Step
 
@@ -37,11 +37,6 @@ op = st.one_of(
     st.tuples(st.just("mount"), st.just(0), st.none(), delays),
     st.tuples(st.just("unmount"), st.just(0), st.none(), delays),
 )
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_adapter(tiny_model_path, tmp_path_factory.mktemp("prop-adapters") / "a")
 
 
 def _check_decisions(log: list[tuple[Any, Any]]) -> None:
@@ -153,6 +148,6 @@ async def _check_scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]
 )
 @given(ops=st.lists(op, min_size=1, max_size=10))
 def test_random_interleavings_end_every_request_exactly_once(
-    tiny_model_path: Path, adapter_dir: Path, ops: list[tuple[Any, ...]]
+    tiny_model_path: Path, tiny_adapter_path: Path, ops: list[tuple[Any, ...]]
 ) -> None:
-    trio.run(_check_scenario, tiny_model_path, adapter_dir, ops)
+    trio.run(_check_scenario, tiny_model_path, tiny_adapter_path, ops)
