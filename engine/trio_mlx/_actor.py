@@ -124,7 +124,6 @@ class Request:
     lane: str
     spec: RowSpec | None = None
     work: Callable[[], Any] | None = None
-    adapter: str | None = None
     outbox: Outbox = attrs.field(factory=Outbox)
     cancel_flag: threading.Event = attrs.field(factory=threading.Event)
     phase: Phase = Phase.INBOX

@@ -284,7 +284,7 @@ async def _serve(
     try:
         loaded = await worker.run(load)
         registry = AdapterRegistry()
-        engine = Engine(model_id, loaded, registry, policy.max_batch)
+        engine = Engine(model_id, loaded, registry)
         actor = Actor(
             policy,
             worker,
@@ -334,7 +334,6 @@ class Engine:
     model_id: str
     _loaded: _Loaded
     _registry: AdapterRegistry
-    _max_batch: int
     _actor: Actor = attrs.field(init=False)
     _encode_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(1)
@@ -554,14 +553,13 @@ class Engine:
         if params.kv_bits is not None:
             self._check_kv_group(params.kv_group_size)
         lane = choose_lane(
-            params, max_batch=self._max_batch, caches_merge=self._loaded.caches_merge
+            params, max_batch=self._loaded.lane.max_batch, caches_merge=self._loaded.caches_merge
         )
         request_id = self._actor.new_id()
         request = Request(
             request_id,
             "batch" if lane.batch else "serial",
             spec=RowSpec(request_id, tuple(tokens), params),
-            adapter=params.adapter,
         )
         await self._actor.submit(request)
         return request
@@ -619,9 +617,10 @@ class Engine:
         )
 
         def work() -> Any:
-            if request.adapter is None:
+            adapter = spec.params.adapter
+            if adapter is None:
                 return run(prompt_cache=loaded.prompt_cache)
-            with registry.use(loaded.model, request.adapter):
+            with registry.use(loaded.model, adapter):
                 return run()
 
         leader = loaded.leader
