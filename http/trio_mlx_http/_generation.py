@@ -53,10 +53,6 @@ class _ChatFormat:
     envelope: _openai.Envelope
     texts: _openai.TokenTexts
     extractors: list[ToolCallExtractor | None]
-    _calls_sent: list[int] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._calls_sent = [0] * len(self.extractors)
 
     def _chunk(
         self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
@@ -64,7 +60,10 @@ class _ChatFormat:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return self.envelope.body([choice])
 
-    def _split(self, index: int, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+    def _split(
+        self, index: int, text: str, final: bool, *, streamed: bool = True
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """Visible text and the tool calls completed by ``text`` (indexed when streamed)."""
         extractor = self.extractors[index]
         if extractor is None:
             return text, []
@@ -72,9 +71,8 @@ class _ChatFormat:
         if final:
             rest, more = extractor.finish()
             shown, calls = shown + rest, calls + more
-        first = self._calls_sent[index]
-        self._calls_sent[index] += len(calls)
-        return shown, [c.as_openai(first + k) for k, c in enumerate(calls)]
+        first = extractor.calls - len(calls)
+        return shown, [c.as_openai(first + k if streamed else None) for k, c in enumerate(calls)]
 
     def start(self, index: int) -> list[dict[str, Any]]:
         return [self._chunk(index, {"role": "assistant", "content": ""})]
@@ -104,12 +102,10 @@ class _ChatFormat:
         return chunks
 
     def whole(self, index: int, completion: Completion) -> dict[str, Any]:
-        text, calls = self._split(index, completion.text, final=True)
+        text, calls = self._split(index, completion.text, final=True, streamed=False)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
-            message["tool_calls"] = [
-                {k: v for k, v in call.items() if k != "index"} for call in calls
-            ]
+            message["tool_calls"] = calls
         logprobs = (
             _openai.chat_logprobs(completion.logprobs, self.texts)
             if completion.logprobs is not None

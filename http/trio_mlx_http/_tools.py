@@ -61,8 +61,13 @@ class ToolCallExtractor:
     tools: list[dict[str, Any]] | None
     _pending: str = attrs.field(default="", init=False)
     _inside: bool = attrs.field(default=False, init=False)
-    #: Whether any call was found (the finish reason is then "tool_calls").
-    called: bool = attrs.field(default=False, init=False)
+    #: Calls parsed so far (a streamed call's ``index`` counts on from here).
+    calls: int = attrs.field(default=0, init=False)
+
+    @property
+    def called(self) -> bool:
+        """Whether any call was found (the finish reason is then "tool_calls")."""
+        return self.calls > 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Take the next piece of generated text."""
@@ -115,5 +120,5 @@ class ToolCallExtractor:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             call_id = item.get("id") or f"call_{uuid.uuid4().hex[:24]}"
             calls.append(ToolCall(id=str(call_id), name=item["name"], arguments=arguments))
-        self.called = self.called or bool(calls)
+        self.calls += len(calls)
         return calls
