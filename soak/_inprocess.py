@@ -1,4 +1,5 @@
-"""An in-process server (engine + Hypercorn in this Trio run), for scenarios that need the engine.
+"""An in-process server (engine + Hypercorn in this Trio run), for scenarios that need the engine
+and for the HTTP tests.
 
 Fault injection goes through ``engine.run_exclusive``, so it needs the engine
 object itself; everything else in the harness talks to a subprocess.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,28 +23,44 @@ from trio_mlx_http._settings import Settings
 
 
 @attrs.frozen
-class InProcess:
-    """A running in-process server."""
+class LiveServer:
+    """A running server: its base URL, its engine, and the event that stops it."""
 
     url: str
     engine: trio_mlx.Engine
+    shutdown: trio.Event
+    #: Set once Hypercorn has returned (in-flight requests done or cut off).
+    stopped: trio.Event
 
 
 @asynccontextmanager
-async def in_process(
-    model: Path | None, settings: Settings | None = None, **options: Any
-) -> AsyncIterator[InProcess]:
+async def live_server(
+    model: Path | None,
+    settings: Settings | None = None,
+    *,
+    graceful_timeout: float = 5.0,
+    **engine_options: Any,
+) -> AsyncIterator[LiveServer]:
     """Serve ``model`` on 127.0.0.1 at a free port for the block's duration."""
-    async with trio_mlx.open_engine(model, **options) as engine:
+    async with trio_mlx.open_engine(model, **engine_options) as engine:
         app = create_app(engine, settings or Settings())
-        config = hypercorn_config("127.0.0.1", 0, 5.0)
-        shutdown = trio.Event()
+        config = hypercorn_config("127.0.0.1", 0, graceful_timeout)
+        shutdown, stopped = trio.Event(), trio.Event()
+
+        async def serve(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            try:
+                await hypercorn.trio.serve(
+                    app,
+                    config,
+                    shutdown_trigger=shutdown_trigger(app, shutdown),
+                    task_status=task_status,
+                )
+            finally:
+                stopped.set()
+
         async with trio.open_nursery() as nursery:
-            serve = partial(
-                hypercorn.trio.serve, app, config, shutdown_trigger=shutdown_trigger(app, shutdown)
-            )
             binds = await nursery.start(serve)
             try:
-                yield InProcess(binds[0], engine)
+                yield LiveServer(binds[0], engine, shutdown, stopped)
             finally:
                 shutdown.set()

@@ -18,7 +18,7 @@ import httpx
 import trio
 
 from soak._answers import Answer, Spec, random_spec
-from soak._inprocess import in_process
+from soak._inprocess import live_server
 from soak.load import send
 
 
@@ -168,7 +168,7 @@ async def run_faults(
     model: Path | None, *, requests: int, pending: int, seed: int = 0
 ) -> dict[str, Any]:
     """Both phases on one in-process server; the report of each."""
-    async with in_process(model, max_batch=8) as server:
+    async with live_server(model, max_batch=8) as server:
         flaky = await _flaky_phase(server.url, server.engine, requests, seed)
         death = await _death_phase(server.url, server.engine, pending, deadline=30)
     return {"flaky": flaky, "worker_death": death}
