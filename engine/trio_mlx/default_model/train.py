@@ -188,6 +188,28 @@ def where_it_ran() -> dict[str, Any]:
     }
 
 
+def config_for_report(config: Any) -> dict[str, Any]:
+    """A trainer's config as JSON-ready data, without its output folder."""
+    data = {k: str(v) if isinstance(v, Path) else v for k, v in attrs.asdict(config).items()}
+    del data["out"]
+    return data
+
+
+def add_config_options(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str]) -> None:
+    """One ``--option`` per field of the attrs class ``cls``, but those in ``skip``."""
+    for field in attrs.fields(cls):
+        if field.name in skip:
+            continue
+        kind = int if field.name == "stop_after" else type(field.default)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default)
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    """The report on stdout, less its loss curves."""
+    skip = ("train_losses", "val_losses")
+    print(json.dumps({k: v for k, v in report.items() if k not in skip}, indent=1))
+
+
 def save_report(out: Path, report: dict[str, Any], title: str) -> None:
     """Write ``report.json`` and its loss curve ``loss.png`` (``title`` gets the device)."""
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -443,9 +465,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     report = {
         "kind": "base model",
         "where": where_it_ran(),
-        "config": {
-            k: str(v) if isinstance(v, Path) else v for k, v in attrs.asdict(config).items()
-        },
+        "config": config_for_report(config),
         "parameters": int(n_params),
         "model_bytes": (out / "model.safetensors").stat().st_size,
         "vocab_size": tokenizer.get_vocab_size(),
@@ -465,7 +485,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "samples": samples(loaded, loaded_tokenizer, PROMPT, seed=config.seed),
     }
     report["total_wall_time_s"] = round(time.perf_counter() - started, 2)
-    del report["config"]["out"]
     save_report(out, report, f"default model ({n_params / 1e6:.2f}M params")
     return report
 
@@ -480,11 +499,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """Build a :class:`TrainConfig` from the command line (every field is an option)."""
     parser = argparse.ArgumentParser(prog="python -m trio_mlx.default_model.train")
     parser.add_argument("--out", type=Path, default=None, help="default: the bundled directory")
-    for field in attrs.fields(TrainConfig):
-        if field.name == "out":
-            continue
-        kind = int if field.name == "stop_after" else type(field.default)
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default)
+    add_config_options(parser, TrainConfig, skip=("out",))
     args = vars(parser.parse_args(argv))
     if args["out"] is None:
         args["out"] = _default_out()
@@ -493,12 +508,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry point."""
-    report = train(parse_args(argv))
-    print(
-        json.dumps(
-            {k: v for k, v in report.items() if k not in ("train_losses", "val_losses")}, indent=1
-        )
-    )
+    print_summary(train(parse_args(argv)))
 
 
 if __name__ == "__main__":

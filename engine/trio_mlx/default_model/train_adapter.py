@@ -37,9 +37,12 @@ from mlx.utils import tree_flatten
 from trio_mlx.default_model.train import (
     PROMPT,
     TrainConfig,
+    add_config_options,
+    config_for_report,
     document_text,
     fit,
     load_model,
+    print_summary,
     samples,
     save_report,
     shout,
@@ -183,9 +186,7 @@ def train_adapter(config: AdapterConfig) -> dict[str, Any]:
     report = {
         "kind": "LoRA adapter 'shout'",
         "where": where_it_ran(),
-        "config": {
-            k: str(v) if isinstance(v, Path) else v for k, v in attrs.asdict(config).items()
-        },
+        "config": config_for_report(config),
         "trainable_parameters": int(n_params),
         "adapter_bytes": (out / "adapters.safetensors").stat().st_size,
         "examples": {"train": len(train_tokens), "val": len(val_tokens)},
@@ -198,7 +199,6 @@ def train_adapter(config: AdapterConfig) -> dict[str, Any]:
         "samples_without_adapter": {"prompt": PROMPT, "greedy": base_text},
         "samples": shouted,
     }
-    del report["config"]["out"]
     report["config"]["model"] = config.model.name
     save_report(out, report, f"'shout' LoRA adapter ({n_params / 1e3:.0f}k params")
     return report
@@ -211,11 +211,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AdapterConfig:
     parser = argparse.ArgumentParser(prog="python -m trio_mlx.default_model.train_adapter")
     parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
     parser.add_argument("--out", type=Path, default=None, help="default: the bundled 'shout'")
-    for field in attrs.fields(AdapterConfig):
-        if field.name in ("model", "out"):
-            continue
-        kind = int if field.name == "stop_after" else type(field.default)
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default)
+    add_config_options(parser, AdapterConfig, skip=("model", "out"))
     args = vars(parser.parse_args(argv))
     args["model"] = args["model"] or default_model_path()
     args["out"] = args["out"] or default_adapter_path("shout")
@@ -224,9 +220,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AdapterConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry point."""
-    report = train_adapter(parse_args(argv))
-    skip = ("train_losses", "val_losses")
-    print(json.dumps({k: v for k, v in report.items() if k not in skip}, indent=1))
+    print_summary(train_adapter(parse_args(argv)))
 
 
 if __name__ == "__main__":
