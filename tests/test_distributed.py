@@ -287,3 +287,16 @@ def test_adapter_path_is_refused_on_every_rank_at_start(tiny_model_path: Path) -
     assert run.stdout.count(refusal) == 2, run.stdout[-4000:]  # rank 0's and the follower's
     assert "exited with code 1" in run.stdout, run.stdout[-4000:]
     assert time.monotonic() - begin < 30
+
+
+def test_a_lost_group_exits_non_zero_even_when_the_program_ends_first() -> None:
+    # The ring backend can raise on a lost peer instead of hanging: the engine
+    # then closes cleanly and the program may end inside the exit grace.
+    program = (
+        "from trio_mlx._distributed import _exit_soon\n"
+        "_exit_soon(1)\n"
+        "print('program ended', flush=True)\n"
+    )
+    run = _run([sys.executable, "-c", program], TIMEOUT)
+    assert "program ended" in run.stdout, run.stdout
+    assert run.returncode == 1, run.stdout

@@ -58,11 +58,13 @@ when it is true.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import pickle
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -388,11 +390,25 @@ class Leader:
 
 
 def _exit_soon(status: int) -> None:
+    """End the process with ``status`` in ``EXIT_GRACE`` seconds, or sooner if its program ends.
+
+    The engine closed already; the grace lets rank 0 answer what is pending.
+    A program that ends first (its engine closed cleanly because the
+    collective raised instead of hanging) still exits with ``status``.
+    """
+
     def bye() -> None:
-        time.sleep(EXIT_GRACE)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
         os._exit(status)
 
-    threading.Thread(target=bye, name="trio-mlx-group-lost", daemon=True).start()
+    def later() -> None:
+        time.sleep(EXIT_GRACE)
+        bye()
+
+    atexit.register(bye)
+    threading.Thread(target=later, name="trio-mlx-group-lost", daemon=True).start()
 
 
 @attrs.define(eq=False)
