@@ -300,3 +300,16 @@ def test_a_lost_group_exits_non_zero_even_when_the_program_ends_first() -> None:
     run = _run([sys.executable, "-c", program], TIMEOUT)
     assert "program ended" in run.stdout, run.stdout
     assert run.returncode == 1, run.stdout
+
+
+def test_a_lost_group_makes_the_command_line_exit_non_zero() -> None:
+    # ``trio-mlx serve`` ends its process with os._exit (no interpreter exit):
+    # a serve that stopped inside the exit grace must not report success.
+    program = (
+        "from trio_mlx._distributed import _exit_soon\n"
+        "from trio_mlx_http._cli import _exit_now\n"
+        "_exit_soon(1)\n"
+        "_exit_now(0)\n"
+    )
+    run = _run([sys.executable, "-c", program], TIMEOUT)
+    assert run.returncode == 1, run.stdout

@@ -389,6 +389,19 @@ class Leader:
         threading.Thread(target=run, name="trio-mlx-watchdog", daemon=True).start()
 
 
+#: The exit status a lost group gave this process (None while it has not lost one).
+_lost_status: int | None = None
+
+
+def exit_status(status: int) -> int:
+    """``status``, unless this process gave its group up: then that status (non-zero).
+
+    For a program that ends its process itself (``os._exit``) rather than
+    through the interpreter's exit, which :func:`_exit_soon` also hooks.
+    """
+    return status if _lost_status is None else _lost_status
+
+
 def _exit_soon(status: int) -> None:
     """End the process with ``status`` in ``EXIT_GRACE`` seconds, or sooner if its program ends.
 
@@ -396,6 +409,8 @@ def _exit_soon(status: int) -> None:
     A program that ends first (its engine closed cleanly because the
     collective raised instead of hanging) still exits with ``status``.
     """
+    global _lost_status
+    _lost_status = status
 
     def bye() -> None:
         logging.shutdown()

@@ -156,11 +156,14 @@ def _exit_now(status: int) -> None:
     finalizing by then, CPython ends that thread mid-destructor and the C++
     runtime aborts (exit 134 instead of 0, seen in about a third of
     ``serve`` shutdowns). Everything is flushed first; nothing else is pending.
+    A rank that gave its distributed group up exits non-zero whatever ``status``.
     """
+    from trio_mlx import _distributed
+
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)
+    os._exit(_distributed.exit_status(status))
 
 
 def _fast_blas(argv: Sequence[str] | None) -> None:
