@@ -6,7 +6,7 @@ JSON line per job result. Jobs:
 * ``bare``: a bare mlx-lm ``BatchGenerator`` loop, B rows of the same prompts and
   ``max_tokens`` as the engine gets, greedy, no stop tokens;
 * ``engine``: ``engine.generate`` with B concurrent consumers in one Trio task each;
-* ``memory``: N mixed requests through the engine; RSS and MLX active memory.
+* ``memory``: N mixed requests through the engine; RSS and MLX active/cache/peak memory.
 
 Bare and engine runs alternate per B for ``rounds`` rounds and the best round of
 each counts: load on a shared machine only ever slows a round down.
@@ -151,7 +151,13 @@ def overhead(job: dict[str, Any]) -> None:
 def _memory_now() -> dict[str, int]:
     import mlx.core as mx
 
-    out = {"mlx_active": mx.get_active_memory(), "mlx_peak": mx.get_peak_memory()}
+    out = {
+        "mlx_active": mx.get_active_memory(),
+        "mlx_peak": mx.get_peak_memory(),
+        # Freed buffers MLX keeps for reuse: on CUDA they are managed memory, which the
+        # host may have touched, so they can show in the RSS.
+        "mlx_cache": mx.get_cache_memory(),
+    }
     with open("/proc/self/status") as status:
         for line in status:
             key, _, value = line.partition(":")

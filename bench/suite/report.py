@@ -148,22 +148,30 @@ def _memory_md(results: dict[str, Any]) -> list[str]:
     keys = sorted(snaps, key=int)
     mib = 1 << 20
     lines = ["## 5. Memory after mixed requests through the engine", ""]
-    lines += ["| after requests | RSS MiB | peak RSS MiB | MLX active MiB | MLX peak MiB |"]
-    lines += ["| ---: | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "| after requests | RSS MiB | peak RSS MiB | MLX active MiB | MLX cache MiB | MLX peak MiB |"
+    ]
+    lines += ["| ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def cache(s: dict[str, Any]) -> str:  # not recorded by runs before it was added
+        return f"{s['mlx_cache'] / mib:,.1f}" if "mlx_cache" in s else ""
+
     for k in keys:
         s = snaps[k]
         lines.append(
             f"| {k} | {s['VmRSS'] / mib:,.0f} | {s['VmHWM'] / mib:,.0f} | "
-            f"{s['mlx_active'] / mib:,.1f} | {s['mlx_peak'] / mib:,.1f} |"
+            f"{s['mlx_active'] / mib:,.1f} | {cache(s)} | {s['mlx_peak'] / mib:,.1f} |"
         )
     if len(keys) >= 3:
         a, b = snaps[keys[1]], snaps[keys[-1]]
-        lines += [
-            "",
+        growth = (
             f"Growth from request {keys[1]} to {keys[-1]}: RSS "
             f"{(b['VmRSS'] - a['VmRSS']) / mib:+,.1f} MiB, MLX active "
-            f"{(b['mlx_active'] - a['mlx_active']) / mib:+,.2f} MiB.",
-        ]
+            f"{(b['mlx_active'] - a['mlx_active']) / mib:+,.2f} MiB"
+        )
+        if "mlx_cache" in a and "mlx_cache" in b:
+            growth += f", MLX cache {(b['mlx_cache'] - a['mlx_cache']) / mib:+,.2f} MiB"
+        lines += ["", growth + "."]
     return [*lines, ""]
 
 
