@@ -147,8 +147,12 @@ async def lose_follower(model: str, out: str) -> None:
     start = time.perf_counter()
 
     async def one(engine: Any, prompt: list[int]) -> None:
+        # No row may end on its own before the follower leaves: EOS is banned.
+        no_eos = {int(i): -100.0 for i in engine.tokenizer.eos_token_ids}
         try:
-            await engine.complete(prompt, trio_mlx.SamplingParams(max_tokens=200))
+            await engine.complete(
+                prompt, trio_mlx.SamplingParams(max_tokens=200, logit_bias=no_eos)
+            )
             errors.append("finished")
         except trio_mlx.TrioMLXError as exc:
             errors.append(type(exc).__name__)
