@@ -44,11 +44,11 @@ arbitrary function cannot be replayed on other ranks).
 
 Liveness
 --------
-The ring backend never raises on a dead peer; a collective just blocks. Rank
-0 runs a watchdog thread: a mirrored call (or a serial token) that takes more
-than ``TRIO_MLX_DISTRIBUTED_TIMEOUT`` seconds closes the engine (pending
-requests end with :class:`~trio_mlx.EngineClosed`) and ends the process with
-status 1. While idle, rank 0 sends a heartbeat every :data:`HEARTBEAT`
+On a dead peer a collective blocks (NCCL; often the ring backend) or raises
+(the ring backend, sometimes). Rank 0 runs a watchdog thread: a mirrored call
+(or a serial token) that takes more than ``TRIO_MLX_DISTRIBUTED_TIMEOUT``
+seconds, like one that raised, closes the engine (pending requests end with
+:class:`~trio_mlx.EngineClosed`) and ends the process with status 1. While idle, rank 0 sends a heartbeat every :data:`HEARTBEAT`
 seconds; a follower that hears nothing for the timeout exits with status 1.
 
 Nothing here runs in a single-process engine: :func:`launched` only reads the
@@ -68,7 +68,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 
@@ -299,7 +299,7 @@ class Channel:
 
             def give_up() -> None:
                 log.error("rank %d: the other ranks did not answer in %g s", self.rank, limit)
-                os._exit(1)
+                end_process(1)
 
             timer = threading.Timer(limit, give_up)
             timer.daemon = True
@@ -378,28 +378,48 @@ class Leader:
         """Start the watchdog: a mirrored call that runs past ``limit`` loses the group."""
         bound = timeout() if limit is None else limit
 
-        def run() -> None:
-            while not self.closed:
-                time.sleep(min(1.0, bound / 4))
-                since = self.busy_since
-                if since is not None and time.perf_counter() - since > bound:
-                    self.lost(f"a collective call has not returned in {bound:g} s")
-                    return
+        def stuck() -> None:
+            self.lost(f"a collective call has not returned in {bound:g} s")
 
-        threading.Thread(target=run, name="trio-mlx-watchdog", daemon=True).start()
+        _watchdog("trio-mlx-watchdog", bound, lambda: self.busy_since, stuck, lambda: self.closed)
+
+
+def _watchdog(
+    name: str,
+    bound: float,
+    since: Callable[[], float | None],
+    stuck: Callable[[], None],
+    done: Callable[[], bool] = lambda: False,
+) -> None:
+    """A daemon thread that calls ``stuck()`` once ``since()`` (a perf_counter
+    start, None when nothing waits) is more than ``bound`` seconds ago; it ends
+    then, or once ``done()``."""
+
+    def run() -> None:
+        while not done():
+            time.sleep(min(1.0, bound / 4))
+            start = since()
+            if start is not None and time.perf_counter() - start > bound:
+                stuck()
+                return
+
+    threading.Thread(target=run, name=name, daemon=True).start()
 
 
 #: The exit status a lost group gave this process (None while it has not lost one).
 _lost_status: int | None = None
 
 
-def exit_status(status: int) -> int:
-    """``status``, unless this process gave its group up: then that status (non-zero).
+def end_process(status: int) -> NoReturn:
+    """Flush the logs and standard streams, then end the process now (``os._exit``).
 
-    For a program that ends its process itself (``os._exit``) rather than
-    through the interpreter's exit, which :func:`_exit_soon` also hooks.
+    It exits with ``status``, unless this process gave its distributed group
+    up: then with that (non-zero) status, whatever its program reported.
     """
-    return status if _lost_status is None else _lost_status
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status if _lost_status is None else _lost_status)
 
 
 def _exit_soon(status: int) -> None:
@@ -412,17 +432,11 @@ def _exit_soon(status: int) -> None:
     global _lost_status
     _lost_status = status
 
-    def bye() -> None:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(status)
-
     def later() -> None:
         time.sleep(EXIT_GRACE)
-        bye()
+        end_process(status)
 
-    atexit.register(bye)
+    atexit.register(end_process, status)
     threading.Thread(target=later, name="trio-mlx-group-lost", daemon=True).start()
 
 
@@ -513,15 +527,11 @@ def _follower_agree(channel: Channel) -> Callable[[bool], bool]:
 def _watch_follower(channel: Channel, bound: float) -> None:
     """A follower that waits longer than ``bound`` for rank 0 exits with status 1."""
 
-    def run() -> None:
-        while True:
-            time.sleep(min(1.0, bound / 4))
-            since = channel.waiting_since
-            if since is not None and time.perf_counter() - since > bound:
-                log.error("rank %d: nothing from rank 0 in %g s; exiting", channel.rank, bound)
-                os._exit(1)
+    def stuck() -> None:
+        log.error("rank %d: nothing from rank 0 in %g s; exiting", channel.rank, bound)
+        end_process(1)
 
-    threading.Thread(target=run, name="trio-mlx-follower-watchdog", daemon=True).start()
+    _watchdog("trio-mlx-follower-watchdog", bound, lambda: channel.waiting_since, stuck)
 
 
 def _ignore_stop_signals() -> None:

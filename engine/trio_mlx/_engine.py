@@ -157,7 +157,8 @@ def _load(
     prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
     lane.prompt_cache = prompt_cache
     leader = None
-    if isinstance(lane, _distributed.MirroredLane) and channel is not None and channel.rank == 0:
+    if channel is not None and channel.rank == 0:  # distributed: the lane is a MirroredLane
+        assert isinstance(lane, _distributed.MirroredLane)
         leader = lane.leader = _distributed.Leader(channel)
     return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader)
 
@@ -548,8 +549,8 @@ class Engine:
         self._check_logit_bias(params)
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
-        if params.adapter is not None and params.adapter not in self._registry:
-            raise NotFound(f"no adapter named {params.adapter!r} is mounted", param="adapter")
+            if params.adapter not in self._registry:
+                raise NotFound(f"no adapter named {params.adapter!r} is mounted", param="adapter")
         if params.kv_bits is not None:
             self._check_kv_group(params.kv_group_size)
         lane = choose_lane(

@@ -160,10 +160,7 @@ def _exit_now(status: int) -> None:
     """
     from trio_mlx import _distributed
 
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_distributed.exit_status(status))
+    _distributed.end_process(status)
 
 
 def _fast_blas(argv: Sequence[str] | None) -> None:
