@@ -169,7 +169,7 @@ class BatchLane:
     cache_min_prefix: int = 64
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
-    #: Remove dead rows once there are at least live / removal_fraction of them.
+    #: Remove dead rows once there are at least live / removal_fraction of them (0: never by count).
     removal_fraction: int = 8
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
