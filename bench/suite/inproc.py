@@ -6,7 +6,10 @@ JSON line per job result. Jobs:
 * ``bare``: a bare mlx-lm ``BatchGenerator`` loop, B rows of the same prompts and
   ``max_tokens`` as the engine gets, greedy, no stop tokens;
 * ``engine``: ``engine.generate`` with B concurrent consumers in one Trio task each;
-* ``memory``: N mixed requests through the engine; RSS and MLX active/cache/peak memory.
+* ``memory``: N mixed requests through the engine; RSS and MLX active/cache/peak memory;
+* ``closed``: the bare references of the continuous-traffic part: a closed loop of B
+  rows, either all inserted (and finishing) together, or with staggered finishes and
+  each finished row replaced at once, as streaming clients do.
 
 Bare and engine runs alternate per B for ``rounds`` rounds and the best round of
 each counts: load on a shared machine only ever slows a round down.
@@ -215,6 +218,53 @@ def memory(job: dict[str, Any]) -> None:
     emit({"job": "memory", "snapshots": snapshots, "seconds": time.perf_counter() - start})
 
 
+def closed_loop(job: dict[str, Any]) -> None:
+    """Bare ``BatchGenerator`` closed loops of B rows: ``together`` and ``staggered``."""
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = mlx_lm.load(job["model"])
+    length, max_tokens = job["prompt_len"], job["max_tokens"]
+    pool = prompt_ids(tokenizer, 64, length, seed=7)
+    rng = random.Random(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [list(rng.choice(pool)) for _ in range(n)]
+
+    def run(b: int, staggered: bool, seconds: float) -> dict[str, Any]:
+        gen = BatchGenerator(model, completion_batch_size=b, prefill_batch_size=min(b, 16))
+        first = [max_tokens - (i * max_tokens) // b for i in range(b)] if staggered else None
+        gen.insert(prompts(b), max_tokens=first or [max_tokens] * b)
+        pending = 0
+        tokens = steps = 0
+        start = time.perf_counter()
+        try:
+            while True:
+                _, responses = gen.next()
+                now = time.perf_counter()
+                if now - start >= seconds:
+                    break
+                steps += 1
+                tokens += len(responses)
+                pending += sum(1 for r in responses if r.finish_reason)
+                if pending and (staggered or pending == b):
+                    gen.insert(prompts(pending), max_tokens=[max_tokens] * pending)
+                    pending = 0
+        finally:
+            gen.close()
+        wall = time.perf_counter() - start
+        return {"tok_s": tokens / wall, "steps": steps, "step_ms": 1000 * wall / max(steps, 1)}
+
+    for b in job["batches"]:
+        out: dict[str, Any] = {"job": "closed", "batch": b}
+        for kind in ("together", "staggered"):
+            run(b, kind == "staggered", job["warm_seconds"])
+            print(f"SAMPLE start {kind} {b}", flush=True)
+            out[kind] = run(b, kind == "staggered", job["seconds"])
+            print(f"SAMPLE stop {kind} {b}", flush=True)
+        emit(out)
+
+
 def emit(record: dict[str, Any]) -> None:
     """Print one result line for the parent process."""
     print("RESULT " + json.dumps(record), flush=True)
@@ -223,7 +273,7 @@ def emit(record: dict[str, Any]) -> None:
 def main(argv: Sequence[str]) -> None:
     """Run the job given as a JSON argument."""
     job = json.loads(argv[0])
-    {"overhead": overhead, "memory": memory}[job["kind"]](job)
+    {"overhead": overhead, "memory": memory, "closed": closed_loop}[job["kind"]](job)
 
 
 if __name__ == "__main__":

@@ -198,6 +198,71 @@ def _cache_md(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _traffic_md(results: dict[str, Any]) -> list[str]:
+    data = results.get("traffic")
+    if not data:
+        return []
+    t = data["settings"]
+    lines = ["## 7. Continuous traffic: streams that come and go", ""]
+    lines += [
+        f"Closed loop: C streaming clients, {data['prompt_tokens']}-token chat prompts, "
+        f"{t['max_tokens']} tokens each, {t['duration']:.0f} s per C (the first {t['warm']:.0f} s "
+        "not timed). Bare references in the same run: a `BatchGenerator` loop of C rows inserted "
+        "and finishing together (`together`), and one whose rows finish staggered and are "
+        "replaced at once (`staggered`). ITL: gap between a stream's content chunks per token. "
+        "GPU: `nvidia-smi` utilization, mean of 100 ms samples; worker: the MLX thread's busy "
+        "fraction (trio-mlx's `/metrics`); rows/admission: rows admitted per prefill call.",
+        "",
+        "| C | bare together | bare staggered | server | tok/s | x together | x staggered | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | GPU busy % | worker busy | rows/admission | failed | exact |",
+        "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    bare = data.get("bare", {})
+    for name, rows in data.get("servers", {}).items():
+        for row in rows:
+            b = bare.get(str(row["concurrency"]), {})
+            tog, stag = b.get("together", {}), b.get("staggered", {})
+            adm = row.get("admissions")
+            per = (row["requests"] / adm) if adm else None
+            lines.append(
+                f"| {row['concurrency']} | {_num(tog.get('tok_s'))} (GPU {_num(tog.get('gpu_busy_pct'))}%) | "
+                f"{_num(stag.get('tok_s'))} (GPU {_num(stag.get('gpu_busy_pct'))}%) | {name} | "
+                f"{_num(row['tok_s'])} | {_ratio(row['tok_s'], tog.get('tok_s'))} | "
+                f"{_ratio(row['tok_s'], stag.get('tok_s'))} | {ms(row['ttft_p50_s'])} | "
+                f"{ms(row['ttft_p99_s'])} | {ms(row['itl_p50_s'])} | {ms(row['itl_p99_s'])} | "
+                f"{_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
+                f"{_num(per, 1)} | {row['failed']} | {row.get('exact_tokens')} |"
+            )
+    servers = data.get("servers", {})
+    if "trio-mlx" in servers and "mlx_lm.server" in servers:
+        pairs = zip(servers["trio-mlx"], servers["mlx_lm.server"], strict=False)
+        vs = ", ".join(f"C={a['concurrency']}: {_ratio(a['tok_s'], b['tok_s'])}" for a, b in pairs)
+        lines += ["", f"trio-mlx / mlx_lm.server tok/s: {vs}"]
+    if data.get("open"):
+        lines += [
+            "",
+            f"Open loop: Poisson arrivals for {t['open_duration']:.0f} s at fractions of trio-mlx's "
+            f"closed-loop capacity ({_num(data.get('capacity_req_s'), 1)} req/s), prompts of "
+            f"{t['prompt_words_spread'][0]}-{t['prompt_words_spread'][1]} words (log-uniform) plus "
+            f"{t['long_prompts']} of {t['long_words']} words; `ITL during long`: the other streams' "
+            "gaps while a long prompt waited for its first token.",
+            "",
+            "| server | load | req/s | arrivals | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ITL during long p50 | p99 | long TTFT | GPU busy % | worker busy | failed |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        ]
+        for name, rows in data["open"].items():
+            for row in rows:
+                longs = ", ".join(ms(x) for x in row.get("long_ttft_s", []))
+                lines.append(
+                    f"| {name} | {row['fraction']:.0%} | {row['rate']:.1f} | {row['arrivals']} | "
+                    f"{_num(row['tok_s'])} | {ms(row['ttft_p50_s'])} | {ms(row['ttft_p99_s'])} | "
+                    f"{ms(row['itl_p50_s'])} | {ms(row['itl_p99_s'])} | "
+                    f"{ms(row['itl_during_long_p50_s'])} | {ms(row['itl_during_long_p99_s'])} | "
+                    f"{longs} | {_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
+                    f"{row['failed']} |"
+                )
+    return [*lines, ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown tables, one section per benchmark."""
     env = results["env"]
@@ -229,6 +294,7 @@ def markdown(results: dict[str, Any]) -> str:
         _responsiveness_md,
         _memory_md,
         _cache_md,
+        _traffic_md,
     ):
         lines += section(results)
     if results.get("notes"):

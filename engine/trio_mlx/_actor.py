@@ -485,8 +485,8 @@ class Actor:
         or two at a time while 64 rows decode cost the bare loop 76% of its
         throughput on the H200, grouping 16 cost 22% (shared/measured). So
         while rows decode, arrivals are collected until there are
-        ``admit_group`` of them (or a quarter of the decoding rows, or the
-        batch is full), or the first has waited ``admit_wait_steps`` decode
+        ``admit_group`` of them (no more than mlx-lm prefills in one pass, nor
+        a quarter of the decoding rows; or the batch is full), or the first has waited ``admit_wait_steps`` decode
         steps or ``admit_wait_seconds``. An idle lane admits at once.
         """
         pending = len(self._inserts)
@@ -494,7 +494,8 @@ class Actor:
             return True
         if self._arbiter.state is not State.ADMITTING or self._arbiter.jobs_waiting:
             return True  # a drain waits for these rows: never hold them then
-        target = min(self.admit_group, max(1, self._lane_live // self.admit_fraction))
+        group = min(self.admit_group, self.lane.prefill_batch_size)
+        target = min(group, max(1, self._lane_live // self.admit_fraction))
         if pending >= target or pending + self._lane_live >= self.policy.max_batch:
             return True
         if self._held_steps >= self.admit_wait_steps:

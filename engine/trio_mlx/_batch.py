@@ -163,7 +163,7 @@ class BatchLane:
     prompt_cache: PromptCache | None = None
     cache_key: Hashable = "base"
     prefill_step_size: int = 2048
-    prefill_batch_size: int = 8
+    prefill_batch_size: int = 16
     #: Shortest cached prefix worth taking from the prompt cache (tokens): a
     #: shorter one (a chat template's shared header) is prefilled instead.
     cache_min_prefix: int = 64

@@ -90,7 +90,7 @@ class _LoadSettings:
     max_batch: int = 1
     prompt_cache_bytes: int = 0
     prefill_step_size: int = 2048
-    prefill_batch_size: int = 8
+    prefill_batch_size: int = 16
     parallel: str = "auto"
 
 
@@ -189,7 +189,7 @@ async def open_engine(
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
     grace_period: float = 5.0,
     prefill_step_size: int = 2048,
-    prefill_batch_size: int = 8,
+    prefill_batch_size: int = 16,
     parallel: str = "auto",
     chat_template: str | None = None,
 ) -> AsyncIterator[Engine]:
