@@ -265,6 +265,66 @@ def closed_loop(job: dict[str, Any]) -> None:
         emit(out)
 
 
+def engine_closed(job: dict[str, Any]) -> None:
+    """``engine.generate`` closed loops of C consumers (no HTTP), for each planner variant."""
+    from pathlib import Path
+
+    import attrs
+    import trio
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    import trio_mlx
+    from trio_mlx import SamplingParams
+
+    tokenizer = load_tokenizer(Path(job["model"]))
+    pool = prompt_ids(tokenizer, 64, job["prompt_len"], seed=7)
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0)
+
+    async def main() -> None:
+        async with trio_mlx.open_engine(job["model"], max_batch=max(job["batches"])) as engine:
+            actor = engine._actor
+            defaults = {k: getattr(actor, k) for k in ("admit_group", "admit_wait_steps")}
+            defaults.update(removal_delay=actor.lane.removal_delay)
+            for variant in job["variants"]:
+                settings = {**defaults, **variant}
+                actor.admit_group = settings["admit_group"]
+                actor.admit_wait_steps = settings["admit_wait_steps"]
+                actor.lane.removal_delay = settings["removal_delay"]
+                for b in job["batches"]:
+                    tokens = 0
+                    rng = random.Random(b)
+                    before = engine.statistics()
+                    start = time.perf_counter()
+                    t0, t1 = start + job["warm"], start + job["seconds"]
+
+                    async def consume(
+                        i: int, rng: random.Random = rng, t0: float = t0, t1: float = t1, b: int = b
+                    ) -> None:
+                        nonlocal tokens
+                        # Finishes staggered from the start, as streaming clients' are.
+                        first = params.max_tokens - (i * params.max_tokens) // b
+                        todo = attrs.evolve(params, max_tokens=first)
+                        while time.perf_counter() < t1:
+                            async with engine.generate(rng.choice(pool), todo) as stream:
+                                todo = params
+                                async for delta in stream:
+                                    if t0 <= time.perf_counter() < t1:
+                                        tokens += len(delta.token_ids)
+
+                    async with trio.open_nursery() as nursery:
+                        for i in range(b):
+                            nursery.start_soon(consume, i)
+                    wall = time.perf_counter() - start
+                    after = engine.statistics()
+                    emit({"job": "engine_closed", "batch": b, "variant": variant,
+                          "tok_s": tokens / (job["seconds"] - job["warm"]),
+                          "worker_busy": (after.worker_busy_seconds - before.worker_busy_seconds) / wall,
+                          "admissions": after.admissions - before.admissions,
+                          "steps": after.steps - before.steps})  # fmt: skip
+
+    trio.run(main)
+
+
 def emit(record: dict[str, Any]) -> None:
     """Print one result line for the parent process."""
     print("RESULT " + json.dumps(record), flush=True)
@@ -273,7 +333,9 @@ def emit(record: dict[str, Any]) -> None:
 def main(argv: Sequence[str]) -> None:
     """Run the job given as a JSON argument."""
     job = json.loads(argv[0])
-    {"overhead": overhead, "memory": memory, "closed": closed_loop}[job["kind"]](job)
+    kinds = {"overhead": overhead, "memory": memory, "closed": closed_loop,
+             "engine_closed": engine_closed}  # fmt: skip
+    kinds[job["kind"]](job)
 
 
 if __name__ == "__main__":

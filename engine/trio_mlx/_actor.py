@@ -223,8 +223,8 @@ class Actor:
     admit_group: int = 16
     #: The group is at most 1/admit_fraction of the decoding rows.
     admit_fraction: int = 4
-    admit_wait_steps: int = 16
-    admit_wait_seconds: float = 0.05
+    admit_wait_steps: int = 32
+    admit_wait_seconds: float = 0.25
     #: Rows decoding in the lane after the last step (from the lane's result).
     _lane_live: int = attrs.field(init=False, default=0)
     #: When the oldest held insert was queued, and decode steps run since.

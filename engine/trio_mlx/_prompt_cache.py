@@ -45,6 +45,8 @@ class PromptCache:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
         tokens = list(tokens)
+        if self._shared_prefix(key, tokens) < max(1, min_prefix):
+            return None, tokens  # not worth the trie search for the best entry either
         found = self._nearest(key, tokens)
         if found is None:
             return None, tokens
@@ -61,6 +63,16 @@ class PromptCache:
         if entry_len > reuse:
             trim_prompt_cache(cache, entry_len - reuse)
         return cache, tokens[reuse:]
+
+    def _shared_prefix(self, key: Hashable, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` that some entry shares (an upper bound on any reuse)."""
+        node = self._lru._trie._trie.get(key)
+        depth = 0
+        while node is not None and depth < len(tokens):
+            node = node.get(tokens[depth])
+            if node is not None:
+                depth += 1
+        return depth
 
     def _nearest(self, key: Hashable, tokens: list[int]) -> tuple[list[Any], int, int] | None:
         """The best entry for ``tokens``: (its cache, its length, tokens of it to reuse).
