@@ -445,9 +445,14 @@ class Suite:
                                  f"{report._num(row.get('worker_busy'), 2)}")  # fmt: skip
                         self.write()
                     if capacity is None:
-                        best = max(r["tok_s"] or 0 for r in rows)
-                        capacity = best / t["max_tokens"]
+                        # Capacity for the open loop's prompt mix: a closed loop at the
+                        # largest C with prompts drawn from the same spread.
+                        cap = traffic.closed(server, p, max(cs), mixed=True)
+                        data["capacity_run"] = cap
+                        capacity = cap["req_s"] or 1.0
                         data["capacity_req_s"] = capacity
+                        self.log(f"  {name} capacity with the open loop's prompts: "
+                                 f"{capacity:.1f} req/s")  # fmt: skip
                     opens = data["open"].setdefault(name, [])
                     for k, fraction in enumerate(t["fractions"]):
                         row = traffic.open_loop(server, p, capacity * fraction, seed=k)

@@ -24,6 +24,7 @@ Times are ``time.monotonic()``, which is one clock for every process of a machin
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import resource
@@ -71,7 +72,11 @@ WORDS = (
 def chat_body(spec: dict[str, Any], rng: random.Random, seed: int | None) -> dict[str, Any]:
     """A streaming chat request as the spec describes; a fresh random prompt each time."""
     prefix = spec.get("prefix", "")
-    words = " ".join(rng.choice(WORDS) for _ in range(spec.get("prompt_words", 24)))
+    count = spec.get("prompt_words", 24)
+    if spec.get("prompt_words_spread"):  # log-uniform between the two bounds
+        lo, hi = spec["prompt_words_spread"]
+        count = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+    words = " ".join(rng.choice(WORDS) for _ in range(count))
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": prefix + words}],
         "max_tokens": spec["max_tokens"],

@@ -22,6 +22,8 @@ def _ratio(a: Any, b: Any) -> str:
 
 
 def _overhead_md(results: dict[str, Any]) -> list[str]:
+    if not results.get("overhead"):
+        return []
     lines = ["## 1. Engine overhead: `engine.generate` vs a bare `BatchGenerator` loop", ""]
     lines += [
         "Decode tokens/s in the steady state (every row decoding), best of the rounds; "
@@ -42,6 +44,8 @@ def _overhead_md(results: dict[str, Any]) -> list[str]:
 
 
 def _server_md(results: dict[str, Any]) -> list[str]:
+    if not results.get("server"):
+        return []
     lines = ["## 2. Servers vs bare: closed-loop streaming chat", ""]
     lines += [
         "Aggregate output tokens/s of C streaming clients (in separate processes), "
@@ -241,7 +245,7 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Open loop: Poisson arrivals for {t['open_duration']:.0f} s at fractions of trio-mlx's "
-            f"closed-loop capacity ({_num(data.get('capacity_req_s'), 1)} req/s), prompts of "
+            f"capacity ({_num(data.get('capacity_req_s'), 1)} req/s: a closed loop at the largest C with the same prompt mix), prompts of "
             f"{t['prompt_words_spread'][0]}-{t['prompt_words_spread'][1]} words (log-uniform) plus "
             f"{t['long_prompts']} of {t['long_words']} words; `ITL during long`: the other streams' "
             "gaps while a long prompt waited for its first token.",

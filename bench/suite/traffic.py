@@ -144,14 +144,18 @@ def _measure(
     return out
 
 
-def closed(server: Server, p: dict[str, Any], c: int) -> dict[str, Any]:
-    """C closed-loop streaming clients for ``duration`` s; the first ``warm`` s are not timed."""
+def closed(server: Server, p: dict[str, Any], c: int, *, mixed: bool = False) -> dict[str, Any]:
+    """C closed-loop streaming clients for ``duration`` s; the first ``warm`` s are not timed.
+
+    ``mixed``: prompt lengths from the open loop's spread (its capacity), else ``prompt_words``.
+    """
     t = p["traffic"]
     specs = [
         {"url": server.url, "model": server.model, "logit_bias": p.get("logit_bias"),
          "prompt_words": p["prompt_words"], "mode": "closed", "streams": n,
          "duration": t["duration"], "max_tokens": t["max_tokens"], "seed": c * 100 + i,
-         "record_times": True}
+         "record_times": True,
+         "prompt_words_spread": t["prompt_words_spread"] if mixed else None}
         for i, n in enumerate(split_streams(c, p["client_processes"]))
     ]  # fmt: skip
     out = _measure(server, specs, (t["warm"], t["duration"]))
@@ -161,6 +165,10 @@ def closed(server: Server, p: dict[str, Any], c: int) -> dict[str, Any]:
         r.get("tokens") == t["max_tokens"] for r in records if r.get("status") == 200
     )
     out["concurrency"] = c
+    # Requests completed per second: with ``mixed``, the open loop's capacity.
+    done = [r for r in records if r.get("status") == 200 and "error" not in r]
+    span = max(r["end"] for r in done) - min(r["start"] for r in done) if done else 0.0
+    out["req_s"] = len(done) / span if span > 0 else None
     return out
 
 
