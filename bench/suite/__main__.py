@@ -190,7 +190,8 @@ def chat_prompt_len(model: Model, words: int) -> int:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(model.path)
-    text = " ".join(random.Random(0).choice(WORDS) for _ in range(words))
+    rng = random.Random(0)  # one generator: a fresh one per word repeated the first word
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
     messages = [{"role": "user", "content": text}]
     return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 

@@ -278,18 +278,16 @@ def engine_closed(job: dict[str, Any]) -> None:
 
     tokenizer = load_tokenizer(Path(job["model"]))
     pool = prompt_ids(tokenizer, 64, job["prompt_len"], seed=7)
-    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0)
+    bias = {int(k): v for k, v in job["logit_bias"].items()} if job["logit_bias"] else None
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, logit_bias=bias)
 
     async def main() -> None:
         async with trio_mlx.open_engine(job["model"], max_batch=max(job["batches"])) as engine:
             actor = engine._actor
-            defaults = {k: getattr(actor, k) for k in ("admit_group", "admit_wait_steps")}
-            defaults.update(removal_delay=actor.lane.removal_delay)
             for variant in job["variants"]:
-                settings = {**defaults, **variant}
-                actor.admit_group = settings["admit_group"]
-                actor.admit_wait_steps = settings["admit_wait_steps"]
-                actor.lane.removal_delay = settings["removal_delay"]
+                # A variant sets planner knobs (actor: admit_*, lane: removal_*).
+                for key, value in variant.items():
+                    setattr(actor.lane if key.startswith("removal") else actor, key, value)
                 for b in job["batches"]:
                     tokens = 0
                     rng = random.Random(b)
@@ -319,7 +317,7 @@ def engine_closed(job: dict[str, Any]) -> None:
                     emit({"job": "engine_closed", "batch": b, "variant": variant,
                           "tok_s": tokens / (job["seconds"] - job["warm"]),
                           "worker_busy": (after.worker_busy_seconds - before.worker_busy_seconds) / wall,
-                          "admissions": after.admissions - before.admissions,
+                          "admissions": getattr(after, "admissions", 0) - getattr(before, "admissions", 0),
                           "steps": after.steps - before.steps})  # fmt: skip
 
     trio.run(main)

@@ -106,9 +106,11 @@ def summarize(records: Sequence[dict[str, Any]], t0: float, t1: float) -> dict[s
         per_chunk = (r.get("tokens") or 0) / len(times) if times else 0.0
         tokens += per_chunk * sum(1 for t in times if t0 <= t <= t1)
         itl.extend((b - a) / per_chunk for a, b in itertools.pairwise(times) if per_chunk)
+    bad = sorted({str(r.get("error") or r.get("status"))[:200] for r in records if r not in ok})
     return {
         "requests": len(records),
         "failed": len(records) - len(ok),
+        "errors": bad[:5],
         "tok_s": tokens / (t1 - t0) if t1 > t0 else None,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
