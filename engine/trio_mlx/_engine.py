@@ -56,6 +56,10 @@ class _Loaded:
     group: Any = None
     #: Rank 0's end of the distributed command stream (None: one process, or a follower).
     leader: _distributed.Leader | None = None
+    #: The step planner's grouping (admission in groups, removal in bulk): on a GPU the
+    #: host-side cost of each admission and removal dominates and grouping pays; on the
+    #: CPU the compute dominates, and a held arrival or a dead row only wastes it.
+    grouping: bool = True
 
 
 def _resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -160,7 +164,12 @@ def _load(
     if channel is not None and channel.rank == 0:  # distributed: the lane is a MirroredLane
         assert isinstance(lane, _distributed.MirroredLane)
         leader = lane.leader = _distributed.Leader(channel)
-    return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader)
+    grouping = mx.default_device() != mx.cpu
+    if not grouping:
+        lane.removal_delay = 0  # every dead row leaves at the end of its step
+    return _Loaded(
+        model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader, grouping
+    )
 
 
 def _set_chat_template(tokenizer: Any, template: str) -> None:
@@ -294,6 +303,8 @@ async def _serve(
             adapters=lambda: registry.names,
         )
         engine._actor = actor
+        if not loaded.grouping:
+            actor.admit_group = 1  # the CPU admits arrivals at once (see _Loaded.grouping)
         if loaded.group is not None:
             actor.ranks = int(loaded.group.size())
         worker.on_death = actor.on_worker_death
