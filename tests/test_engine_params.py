@@ -121,12 +121,20 @@ async def test_prompt_cache_serves_a_shared_prefix(tiny_model_path: Path) -> Non
     assert uncached.token_ids == second.token_ids == again.token_ids
 
 
-async def test_prompt_cache_skips_a_short_shared_prefix(tiny_model_path: Path) -> None:
+async def test_prompt_cache_skips_a_prefix_shorter_than_the_lanes_threshold(
+    tiny_model_path: Path,
+) -> None:
     params = SamplingParams(max_tokens=6, logit_bias=NO_EOS)
     async with trio_mlx.open_engine(tiny_model_path) as engine:
+        # On the CPU any prefix is reused (a prefilled token costs compute there).
         await engine.complete(PROMPT, params)
-        second = await engine.complete(PROMPT + " over the lazy dog", params)
-    assert second.result.cached_tokens == 0
+        reused = await engine.complete(PROMPT + " over the lazy dog", params)
+        # The GPU's threshold: a short shared prefix is prefilled instead of fetched.
+        engine._loaded.lane.cache_min_prefix = 64
+        await engine.complete(PROMPT + " and", params)
+        skipped = await engine.complete(PROMPT + " and the quick dog", params)
+    assert reused.result.cached_tokens > 0
+    assert skipped.result.cached_tokens == 0
 
 
 async def test_prompt_cache_holds_no_more_memory_than_it_counts(tiny_model_path: Path) -> None:

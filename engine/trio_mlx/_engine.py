@@ -56,9 +56,10 @@ class _Loaded:
     group: Any = None
     #: Rank 0's end of the distributed command stream (None: one process, or a follower).
     leader: _distributed.Leader | None = None
-    #: The step planner's grouping (admission in groups, removal in bulk): on a GPU the
-    #: host-side cost of each admission and removal dominates and grouping pays; on the
-    #: CPU the compute dominates, and a held arrival or a dead row only wastes it.
+    #: The step planner's grouping (admission in groups, removal in bulk, prompt-cache
+    #: entries only for long prefixes): on a GPU the host-side cost of each admission,
+    #: removal and fetch dominates and grouping pays; on the CPU the compute dominates,
+    #: and a held arrival, a dead row or a prefilled token only wastes it.
     grouping: bool = True
 
 
@@ -167,6 +168,7 @@ def _load(
     grouping = mx.default_device() != mx.cpu
     if not grouping:
         lane.removal_delay = 0  # every dead row leaves at the end of its step
+        lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
     return _Loaded(
         model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader, grouping
     )
