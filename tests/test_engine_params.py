@@ -177,7 +177,8 @@ async def test_ignore_eos_and_min_tokens_keep_a_row_going(tiny_model_path: Path,
     # min_tokens: EOS is banned for 4 tokens, then wins at once.
     assert held.result.finish_reason == "stop"
     assert held.result.completion_tokens == 5
-    assert len(held.token_ids) == 4 and 2 not in held.token_ids
+    assert len(held.token_ids) == 4
+    assert 2 not in held.token_ids
 
 
 @pytest.mark.parametrize("include", [False, True])

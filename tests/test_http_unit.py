@@ -39,11 +39,22 @@ def _expect_rejection(param: str, body: dict[str, object], *, chat: bool = True)
     return caught.value
 
 
-def test_unknown_fields_are_ignored_and_defaults_apply() -> None:
-    request = _chat(frobnicate=True, response_format={"type": "text"}, user="u1")
+def test_harmless_fields_are_ignored_and_defaults_apply() -> None:
+    request = _chat(metadata={"k": "v"}, store=False, user="u1", service_tier="auto")
     assert request.params.max_tokens == SETTINGS.max_tokens
     assert request.params.temperature == 0.0
     assert (request.n, request.stream, request.include_usage) == (1, False, False)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_unknown_and_unsupported_fields_are_refused_by_name(chat: bool) -> None:
+    body: dict[str, object] = {"messages": USER} if chat else {"prompt": "hi"}
+    for name, value in [("frobnicate", True), ("use_beam_search", True)]:
+        error = _expect_rejection(name, {**body, name: value}, chat=chat)
+        assert error.code == "unsupported_parameter"
+    # null means absent, for every field.
+    parse = _schema.parse_chat if chat else _schema.parse_completion
+    parse({**body, "frobnicate": None}, SETTINGS)
 
 
 def test_null_fields_mean_absent() -> None:
@@ -295,7 +306,10 @@ def test_streamed_tool_calls_become_indexed_deltas_and_finish_with_tool_calls() 
     from trio_mlx_http._generation import _ChatFormat
 
     fmt = _ChatFormat(
-        _openai.Envelope.chat("m", chunk=True), _openai.TokenTexts(_Tokens()), [_extractor()]
+        _openai.Envelope.chat("m", chunk=True),
+        _openai.TokenTexts(_Tokens()),
+        [_extractor()],
+        [None],
     )
     pieces = ["Let me check. <tool_", 'call>{"name": "now", "arguments": {}}</tool_call>']
     chunks = [c for p in pieces for c in fmt.delta(0, Delta(p, (1,)))]

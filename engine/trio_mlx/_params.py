@@ -203,9 +203,7 @@ class SamplingParams:
     #: End-of-sequence tokens are banned, and stop strings not matched, before this many tokens.
     min_tokens: int = attrs.field(default=0, validator=_number(low=0, integer=True))
     #: A matched stop string stays at the end of the output (it is cut by default).
-    include_stop_str_in_output: bool = attrs.field(
-        default=False, validator=_boolean
-    )
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=_boolean)
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:

@@ -22,6 +22,7 @@ from quart import Response
 from trio_mlx import Completion, Delta, GenerationResult, InvalidRequest, NotFound, TrioMLXError
 from trio_mlx_http import _openai, _sse
 from trio_mlx_http._errors import error_body, status_of
+from trio_mlx_http._reasoning import ReasoningSplitter, prompt_opens_reasoning
 from trio_mlx_http._schema import GenerationRequest, Prompt
 from trio_mlx_http._state import Access, ServerState
 from trio_mlx_http._tools import ToolCallExtractor
@@ -48,11 +49,24 @@ def _finish_reason(result: GenerationResult, extractor: ToolCallExtractor | None
     return result.finish_reason
 
 
+def _reasoning_fields(reasoning: str) -> dict[str, str]:
+    # vLLM's name, and mlx_lm.server's (clients read one or the other).
+    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+
+
 @attrs.define(eq=False)
 class _ChatFormat:
     envelope: _openai.Envelope
     texts: _openai.TokenTexts
     extractors: list[ToolCallExtractor | None]
+    splitters: list[ReasoningSplitter | None]
+
+    def _think(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of a piece of text."""
+        splitter = self.splitters[index]
+        if splitter is None:
+            return "", text
+        return splitter.feed(text, final=final)
 
     def _chunk(
         self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
@@ -78,9 +92,10 @@ class _ChatFormat:
         return [self._chunk(index, {"role": "assistant", "content": ""})]
 
     def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
-        text, calls = self._split(index, delta.text, final=False)
+        reasoning, content = self._think(index, delta.text, final=False)
+        text, calls = self._split(index, content, final=False)
         logprobs = _openai.chat_logprobs(delta.logprobs, self.texts) if delta.logprobs else None
-        body: dict[str, Any] = {}
+        body: dict[str, Any] = _reasoning_fields(reasoning)
         if text:
             body["content"] = text
         if calls:
@@ -90,10 +105,13 @@ class _ChatFormat:
         return [self._chunk(index, body, logprobs)]
 
     def end(self, index: int, result: GenerationResult) -> list[dict[str, Any]]:
-        text, calls = self._split(index, "", final=True)
+        reasoning, content = self._think(index, "", final=True)
+        text, calls = self._split(index, content, final=True)
         chunks = []
-        if text or calls:
-            body: dict[str, Any] = {"content": text} if text else {}
+        if text or calls or reasoning:
+            body: dict[str, Any] = _reasoning_fields(reasoning)
+            if text:
+                body["content"] = text
             if calls:
                 body["tool_calls"] = calls
             chunks.append(self._chunk(index, body))
@@ -102,8 +120,10 @@ class _ChatFormat:
         return chunks
 
     def whole(self, index: int, completion: Completion) -> dict[str, Any]:
-        text, calls = self._split(index, completion.text, final=True, streamed=False)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reasoning, content = self._think(index, completion.text, final=True)
+        text, calls = self._split(index, content, final=True, streamed=False)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        message.update(_reasoning_fields(reasoning))
         if calls:
             message["tool_calls"] = calls
         logprobs = (
@@ -123,11 +143,12 @@ class _ChatFormat:
 class _TextFormat:
     envelope: _openai.Envelope
     texts: _openai.TokenTexts
-    choices: int
+    #: Per choice: the prompt text that precedes it (``echo``), or "".
+    echoes: list[str]
     _offsets: list[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._offsets = [0] * self.choices
+        self._offsets = [len(echo) for echo in self.echoes]
 
     def _chunk(
         self, index: int, text: str, logprobs: Any = None, finish: str | None = None
@@ -136,7 +157,7 @@ class _TextFormat:
         return self.envelope.body([choice])
 
     def start(self, index: int) -> list[dict[str, Any]]:
-        return []
+        return [self._chunk(index, self.echoes[index])] if self.echoes[index] else []
 
     def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         logprobs = None
@@ -158,7 +179,7 @@ class _TextFormat:
         )
         return {
             "index": index,
-            "text": completion.text,
+            "text": self.echoes[index] + completion.text,
             "logprobs": logprobs,
             "finish_reason": completion.result.finish_reason,
         }
@@ -167,7 +188,7 @@ class _TextFormat:
 def _resolve_model(state: ServerState, request: GenerationRequest) -> tuple[str, GenerationRequest]:
     """The model id to answer with; a mounted adapter's name selects that adapter."""
     name = request.model
-    if name is None or name == state.model_id:
+    if name is None or name in state.model_names:
         return state.model_id, request
     if name in state.engine.adapters:
         if request.params.adapter not in (None, name):
@@ -202,16 +223,91 @@ def _check_tools(state: ServerState, tools: list[dict[str, Any]] | None) -> None
         )
 
 
-def _extractor(state: ServerState, tools: list[dict[str, Any]] | None) -> ToolCallExtractor | None:
-    if not tools:
+def _extractor(state: ServerState, request: GenerationRequest) -> ToolCallExtractor | None:
+    if not request.tools:
         return None
     tokenizer = state.engine.tokenizer
     return ToolCallExtractor(
         start=tokenizer.tool_call_start,
-        end=tokenizer.tool_call_end,
+        end=tokenizer.tool_call_end or "",
         parser=tokenizer.tool_parser,
-        tools=tools,
+        tools=request.tools,
+        limit=None if request.parallel_tool_calls else 1,
     )
+
+
+def reasoning_markers(state: ServerState) -> tuple[str, str] | None:
+    """The model's reasoning markers (``--reasoning-markers`` or the tokenizer's), if any."""
+    markers = state.settings.reasoning_markers
+    if markers is False:
+        return None
+    if isinstance(markers, tuple):
+        return markers
+    tokenizer = state.engine.tokenizer
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    return (start, end) if isinstance(start, str) and isinstance(end, str) else None
+
+
+async def _opens_reasoning(
+    state: ServerState, request: GenerationRequest, markers: tuple[str, str]
+) -> bool:
+    """Whether the rendered chat prompt ends inside a reasoning block (mlx_lm.server's test)."""
+    messages = request.prompts[0]
+    kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
+    if request.tools:
+        kwargs["tools"] = request.tools
+
+    def render() -> str:
+        text = state.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        return str(text)
+
+    try:
+        prompt = await trio.to_thread.run_sync(render)
+    except Exception:  # the engine reports a template that does not render
+        return False
+    return prompt_opens_reasoning(prompt, *markers)
+
+
+#: Fill-in-the-middle markers (prefix, suffix, middle) of the model families that have them.
+_FIM_MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2
+    (
+        "<\uff5cfim\u2581begin\uff5c>",
+        "<\uff5cfim\u2581hole\uff5c>",
+        "<\uff5cfim\u2581end\uff5c>",
+    ),  # DeepSeek-Coder
+)
+
+
+def _fill_in_the_middle(state: ServerState, request: GenerationRequest) -> GenerationRequest:
+    """``suffix``: each prompt becomes prefix-suffix-middle in the model's FIM markers."""
+    if request.suffix is None:
+        return request
+    vocab = state.engine.tokenizer.get_vocab()
+    markers = next((m for m in _FIM_MARKERS if all(t in vocab for t in m)), None)
+    if markers is None:
+        raise InvalidRequest(
+            f"suffix needs a fill-in-the-middle model; {state.model_id!r} has no FIM tokens",
+            param="suffix",
+            code="unsupported_parameter",
+        )
+    if not all(isinstance(p, str) for p in request.prompts):
+        raise InvalidRequest("suffix needs the prompt as text, not token ids", param="suffix")
+    pre, suf, mid = markers
+    prompts = tuple(f"{pre}{p}{suf}{request.suffix}{mid}" for p in request.prompts)
+    return attrs.evolve(request, prompts=prompts)
+
+
+def _echoes(state: ServerState, request: GenerationRequest, prompts: Sequence[Prompt]) -> list[str]:
+    """``echo``: the text of each choice's prompt (token ids decoded)."""
+    if not request.echo:
+        return [""] * len(prompts)
+    return [
+        p if isinstance(p, str) else str(state.engine.tokenizer.decode(list(p))) for p in prompts
+    ]
 
 
 async def respond(
@@ -220,15 +316,24 @@ async def respond(
     """Run ``request``; a streaming response or the whole JSON body."""
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
+    echo_of = list(request.prompts)
+    request = _fill_in_the_middle(state, request)
     choices = len(request.prompts) * request.n
     fmt: _Format
     if chat:
-        extractors = [_extractor(state, request.tools) for _ in range(choices)]
+        extractors = [_extractor(state, request) for _ in range(choices)]
+        markers = reasoning_markers(state)
+        splitters: list[ReasoningSplitter | None] = [None] * choices
+        if markers is not None:
+            opened = await _opens_reasoning(state, request, markers)
+            new = ReasoningSplitter.opened if opened else ReasoningSplitter
+            splitters = [new(*markers) for _ in range(choices)]
         fmt = _ChatFormat(
-            _openai.Envelope.chat(model, chunk=request.stream), state.texts, extractors
+            _openai.Envelope.chat(model, chunk=request.stream), state.texts, extractors, splitters
         )
     else:
-        fmt = _TextFormat(_openai.Envelope.text(model), state.texts, choices)
+        echoes = _echoes(state, request, [p for p in echo_of for _ in range(request.n)])
+        fmt = _TextFormat(_openai.Envelope.text(model), state.texts, echoes)
     jobs = [prompt for prompt in request.prompts for _ in range(request.n)]
     if request.stream:
         body = _stream(state, request, jobs, fmt, access)
@@ -251,14 +356,18 @@ async def _complete_all(
 ) -> list[Completion]:
     """One engine request per choice, run together; the first error wins and cancels the rest."""
     engine = state.engine
+    options: dict[str, Any] = {
+        "tools": request.tools,
+        "chat_template_kwargs": request.chat_template_kwargs,
+    }
     if len(jobs) == 1:
-        return [await engine.complete(jobs[0], request.params, tools=request.tools)]
+        return [await engine.complete(jobs[0], request.params, **options)]
     out: list[Completion | None] = [None] * len(jobs)
     failure: list[TrioMLXError] = []
 
     async def one(index: int, nursery: trio.Nursery) -> None:
         try:
-            out[index] = await engine.complete(jobs[index], request.params, tools=request.tools)
+            out[index] = await engine.complete(jobs[index], request.params, **options)
         except TrioMLXError as error:
             failure.append(error)
             nursery.cancel_scope.cancel()
@@ -286,7 +395,12 @@ async def _stream(
         async with contextlib.AsyncExitStack() as stack:
             streams = [
                 await stack.enter_async_context(
-                    engine.generate(prompt, request.params, tools=request.tools)
+                    engine.generate(
+                        prompt,
+                        request.params,
+                        tools=request.tools,
+                        chat_template_kwargs=request.chat_template_kwargs,
+                    )
                 )
                 for prompt in jobs
             ]

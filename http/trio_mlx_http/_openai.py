@@ -127,7 +127,6 @@ class Envelope:
             "object": self.object,
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": None,
             "choices": choices,
             **extra,
         }
