@@ -483,3 +483,103 @@ async def test_extension_fields_have_their_effect(walk: Walk) -> None:
         "param": "frobnicate",
         "code": "unsupported_parameter",
     }
+
+
+def _template_body(walk: Walk, **fields: Any) -> dict[str, Any]:
+    return {"messages": USER, "max_tokens": 1, **fields}
+
+
+async def test_chat_template_kwargs_reach_the_template(tiny_model_path: Path) -> None:
+    template = "{{ greeting | default('') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    settings = Settings(chat_template_args={"greeting": "Good morning to you all. "})
+    async with (
+        live_server(tiny_model_path, settings, chat_template=template) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=60) as http,
+    ):
+        walk = Walk(server, http)
+        default = await walk.chat(max_tokens=1)
+        mine = await walk.chat(max_tokens=1, chat_template_kwargs={"greeting": "Hi. "})
+        none = await walk.chat(max_tokens=1, chat_template_kwargs={"greeting": ""})
+        encode = server.engine.encode
+        assert default["usage"]["prompt_tokens"] == len(
+            encode("Good morning to you all. " + "Say something.")
+        )
+        assert mine["usage"]["prompt_tokens"] == len(encode("Hi. Say something."))
+        assert none["usage"]["prompt_tokens"] == len(encode("Say something."))
+        for bad in ({"tools": []}, "enable_thinking"):
+            await walk.refused(
+                "/v1/chat/completions", "chat_template_kwargs", bad, {"messages": USER}
+            )
+
+
+async def test_the_model_answers_to_every_name_and_lists_the_first(tiny_model_path: Path) -> None:
+    from trio_mlx_http._cli import build_parser
+    from trio_mlx_http._run import model_names, settings_from
+
+    assert model_names("mlx-community/Some-Model", None) == (
+        "mlx-community/Some-Model",
+        ("Some-Model",),
+    )
+    path = str(tiny_model_path)
+    args = build_parser().parse_args(
+        ["serve", "--model", path, "--served-model-name", "first", "--served-model-name", "second"]
+    )
+    settings = settings_from(args)
+    async with (
+        live_server(tiny_model_path, settings) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=60) as http,
+    ):
+        walk = Walk(server, http)
+        listed = (await http.get("/v1/models")).json()["data"]
+        assert [card["id"] for card in listed] == ["first"]
+        for name in ("first", "second", path, tiny_model_path.name):
+            assert (await walk.chat(model=name, max_tokens=1))["model"] == "first"
+            if not name.startswith("/"):  # an absolute path is no URL segment
+                assert (await http.get(f"/v1/models/{name}")).json()["id"] == "first"
+        assert (
+            await walk.post("/v1/chat/completions", _template_body(walk, model="x"))
+        ).status_code == 404
+    plain = settings_from(build_parser().parse_args(["serve", "--model", path]))
+    assert (plain.model_name, plain.model_aliases) == (tiny_model_path.name, (path,))
+
+
+def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
+    from trio_mlx_http._cli import build_parser
+    from trio_mlx_http._run import _engine_options, settings_from
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--kv-bits",
+            "4",
+            "--kv-group-size",
+            "32",
+            "--prompt-cache-bytes",
+            "512M",
+            "--chat-template-args",
+            '{"enable_thinking": false}',
+            "--reasoning-markers",
+            "<think>,</think>",
+        ]
+    )
+    settings = settings_from(args)
+    assert (settings.kv_bits, settings.kv_group_size) == (4, 32)
+    assert settings.chat_template_args == {"enable_thinking": False}
+    assert settings.reasoning_markers == ("<think>", "</think>")
+    assert _engine_options(args)["prompt_cache_bytes"] == 512 * 1024 * 1024
+    # Requests that leave kv_bits out take the server's.
+    request = _schema.parse_chat({"messages": USER}, settings)
+    assert (request.params.kv_bits, request.params.kv_group_size) == (4, 32)
+    defaults = build_parser().parse_args(["serve"])
+    assert "prompt_cache_bytes" not in _engine_options(defaults)
+    assert settings_from(defaults).reasoning_markers is None
+    off = build_parser().parse_args(["serve", "--reasoning-markers", "off"])
+    assert settings_from(off).reasoning_markers is False
+    for bad in (
+        ["--kv-bits", "5"],
+        ["--prompt-cache-bytes", "lots"],
+        ["--chat-template-args", "[1]"],
+        ["--reasoning-markers", "<think>"],
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])
