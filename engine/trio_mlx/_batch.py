@@ -30,7 +30,14 @@ from trio_mlx._output import RowEvent, RowOutput, merge_events
 from trio_mlx._params import SamplingParams
 from trio_mlx._prompt_cache import PromptCache
 
-__all__ = ["BatchLane", "RowSpec", "StepResult", "make_processors", "make_row_sampler"]
+__all__ = [
+    "BatchLane",
+    "RowSpec",
+    "StepResult",
+    "eos_processors",
+    "make_processors",
+    "make_row_sampler",
+]
 
 
 @attrs.frozen
@@ -98,20 +105,21 @@ def _min_tokens_processor(minimum: int, eos_ids: Sequence[int]) -> Callable[[Any
     return processor
 
 
-def make_processors(
-    params: SamplingParams, eos_ids: Sequence[int] = ()
+def eos_processors(
+    params: SamplingParams, eos_ids: Sequence[int]
 ) -> list[Callable[[Any, Any], Any]]:
-    """mlx-lm's logits processors for ``params`` (empty when none apply).
+    """The processor that holds ``eos_ids`` back for ``min_tokens`` (empty when none applies)."""
+    if params.min_tokens > 0 and eos_ids and not params.ignore_eos:
+        return [_min_tokens_processor(params.min_tokens, eos_ids)]
+    return []
 
-    ``eos_ids`` are the tokens ``min_tokens`` bans (none: nothing is banned).
-    """
+
+def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
+    """mlx-lm's logits processors for ``params`` (empty when none apply)."""
     from mlx_lm.sample_utils import make_logits_processors
 
     size = params.repetition_context_size
-    extra = []
-    if params.min_tokens > 0 and eos_ids and not params.ignore_eos:
-        extra.append(_min_tokens_processor(params.min_tokens, eos_ids))
-    return extra + list(
+    return list(
         make_logits_processors(
             dict(params.logit_bias) if params.logit_bias else None,
             params.repetition_penalty,
@@ -313,7 +321,8 @@ class BatchLane:
             make_row_sampler(spec.params, self.tokenizer),
             [],
         )
-        processors = make_processors(spec.params, sorted(self._eos_ids))
+        processors = eos_processors(spec.params, sorted(self._eos_ids))
+        processors += make_processors(spec.params)
         row.processors = [_guard(row, p) for p in processors]
         self._rows[spec.id] = row
         return self._start(row)
