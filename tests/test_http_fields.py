@@ -506,6 +506,10 @@ async def test_chat_template_kwargs_reach_the_template(tiny_model_path: Path) ->
         )
         assert mine["usage"]["prompt_tokens"] == len(encode("Hi. Say something."))
         assert none["usage"]["prompt_tokens"] == len(encode("Say something."))
+        counted = await http.post(
+            "/tokenize", json={"messages": USER, "chat_template_kwargs": {"greeting": "Hi. "}}
+        )
+        assert counted.json()["count"] == mine["usage"]["prompt_tokens"]
         for bad in ({"tools": []}, "enable_thinking"):
             await walk.refused(
                 "/v1/chat/completions", "chat_template_kwargs", bad, {"messages": USER}

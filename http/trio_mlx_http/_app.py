@@ -251,8 +251,10 @@ def _install_tokens(app: QuartTrio) -> None:
     @app.post("/tokenize")
     async def tokenize() -> dict[str, Any]:
         state = _state()
-        parsed = _schema.parse_tokenize(await _body())
-        tokens = state.engine.encode(parsed.prompt, tools=parsed.tools)
+        parsed = _schema.parse_tokenize(await _body(), state.settings)
+        tokens = state.engine.encode(
+            parsed.prompt, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs
+        )
         return {
             "tokens": list(tokens),
             "count": len(tokens),

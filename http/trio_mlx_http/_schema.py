@@ -154,6 +154,8 @@ class TokenizeRequest:
 
     prompt: Prompt
     tools: list[dict[str, Any]] | None
+    #: Chat template arguments, as a chat completion would render with them.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -508,10 +510,14 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
     )
 
 
-def parse_tokenize(body: Mapping[str, Any]) -> TokenizeRequest:
+def parse_tokenize(body: Mapping[str, Any], settings: Settings | None = None) -> TokenizeRequest:
     """Validate a ``/tokenize`` body: ``prompt`` (text) or ``messages``."""
     if body.get("messages") is not None:
-        return TokenizeRequest(prompt=_messages(body["messages"]), tools=_tools(body))
+        return TokenizeRequest(
+            prompt=_messages(body["messages"]),
+            tools=_tools(body),
+            chat_template_kwargs=_template_kwargs(body, settings or Settings()),
+        )
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise InvalidRequest("prompt must be a string (or send messages)", param="prompt")
