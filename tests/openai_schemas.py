@@ -7,9 +7,12 @@ be null. Nothing of that document is copied here; where it marks a field
 ``nullable: true`` the schema below allows ``null``. Objects stay open
 (extra fields such as ``reasoning_content`` are allowed), as OpenAI's are.
 
-The one deliberate difference: OpenAI streams ``text_completion`` chunks with
-``finish_reason: null`` although its schema (shared with the whole response)
-lists only the three reasons; the chunk schema here allows ``null``.
+Two deliberate differences, both where OpenAI's own answers differ from its
+schema: it streams ``text_completion`` chunks with ``finish_reason: null``
+although the schema (shared with the whole response) lists only the three
+reasons, and an echoed prompt's first token has ``null`` in ``token_logprobs``
+and ``top_logprobs`` (nothing precedes it) although the schema says number and
+object. The schemas here allow those nulls.
 
 :class:`SchemaChecker` wraps a live app's ASGI callable and validates every
 body and every stream event of the OpenAI endpoints as it is sent.
@@ -139,11 +142,11 @@ _TEXT_LOGPROBS = {
     **_object(
         [],
         text_offset={"type": "array", "items": _INT},
-        token_logprobs={"type": "array", "items": {"type": "number"}},
+        token_logprobs={"type": "array", "items": {"type": ["number", "null"]}},
         tokens={"type": "array", "items": _STR},
         top_logprobs={
             "type": "array",
-            "items": {"type": "object", "additionalProperties": {"type": "number"}},
+            "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
         },
     ),
     "type": ["object", "null"],

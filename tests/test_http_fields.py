@@ -19,6 +19,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from http_helpers import NO_EOS, LiveServer, live_server, sse_events
+from trio_mlx import SamplingParams
 from trio_mlx_http import _schema
 from trio_mlx_http._settings import Settings
 
@@ -296,7 +297,19 @@ async def text_echo(walk: Walk) -> None:
     body = {"prompt": "Hi", "echo": True, "stream": True, "max_tokens": 3}
     events = sse_events((await walk.post("/v1/completions", body)).content)
     assert events[0]["choices"][0]["text"] == "Hi"
-    await walk.refused("/v1/completions", "echo", True, {"prompt": "Hi", "logprobs": 2})
+    # With logprobs the prompt's own tokens are scored (the first has none).
+    scored = (await walk.text(echo=True, logprobs=2))["choices"][0]["logprobs"]
+    generated = (await walk.text(logprobs=2))["choices"][0]["logprobs"]
+    assert len(scored["tokens"]) == len(ids) + 12
+    assert scored["token_logprobs"][0] is None
+    assert scored["top_logprobs"][0] is None
+    assert all(lp <= 0 for lp in scored["token_logprobs"][1:])
+    assert scored["tokens"][len(ids) :] == generated["tokens"]
+    # max_tokens 0 scores the prompt alone.
+    alone = await walk.text(echo=True, logprobs=0, max_tokens=0)
+    assert _text(alone) == "The quick brown fox"
+    assert alone["usage"]["completion_tokens"] == 0
+    assert alone["choices"][0]["logprobs"]["tokens"] == scored["tokens"][: len(ids)]
 
 
 async def text_logprobs(walk: Walk) -> None:
@@ -587,3 +600,26 @@ def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
     ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad])
+
+
+async def test_echoed_prompt_logprobs_match_the_models_own(walk: Walk) -> None:
+    # Score a prompt plus its greedy continuation: the continuation's scores are the
+    # logprobs generation reported, token for token.
+    engine = walk.server.engine
+    prompt = engine.encode("The quick brown fox")
+    # No logit_bias: generation's logprobs are taken after the processors.
+    params = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=3)
+    made = await engine.complete(prompt, params)
+    assert made.logprobs is not None
+    assert made.token_ids
+    body = {"prompt": prompt + list(made.token_ids), "echo": True, "logprobs": 3, "max_tokens": 0}
+    response = await walk.post("/v1/completions", body)
+    scored = response.json()["choices"][0]["logprobs"]
+    assert len(scored["token_logprobs"]) == len(prompt) + len(made.token_ids)
+    for got, want in zip(scored["token_logprobs"][len(prompt) :], made.logprobs, strict=True):
+        assert abs(got - want.logprob) < 1e-3
+    tops = scored["top_logprobs"][len(prompt) :]
+    for got, want in zip(tops, made.logprobs, strict=True):
+        assert sorted(got.values(), reverse=True) == pytest.approx(
+            [lp for _, lp in want.top], abs=1e-3
+        )

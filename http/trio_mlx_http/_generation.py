@@ -22,6 +22,7 @@ from quart import Response
 from trio_mlx import Completion, Delta, GenerationResult, InvalidRequest, NotFound, TrioMLXError
 from trio_mlx_http import _openai, _sse
 from trio_mlx_http._errors import error_body, status_of
+from trio_mlx_http._prompt_logprobs import prompt_logprobs
 from trio_mlx_http._reasoning import ReasoningSplitter, prompt_opens_reasoning
 from trio_mlx_http._schema import GenerationRequest, Prompt
 from trio_mlx_http._state import Access, ServerState
@@ -145,6 +146,8 @@ class _TextFormat:
     texts: _openai.TokenTexts
     #: Per choice: the prompt text that precedes it (``echo``), or "".
     echoes: list[str]
+    #: Per choice: the echoed prompt's logprobs (``echo`` with ``logprobs``), or None.
+    prompt_logprobs: list[dict[str, Any] | None]
     _offsets: list[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -157,7 +160,9 @@ class _TextFormat:
         return self.envelope.body([choice])
 
     def start(self, index: int) -> list[dict[str, Any]]:
-        return [self._chunk(index, self.echoes[index])] if self.echoes[index] else []
+        if not self.echoes[index]:
+            return []
+        return [self._chunk(index, self.echoes[index], self.prompt_logprobs[index])]
 
     def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         logprobs = None
@@ -172,14 +177,18 @@ class _TextFormat:
         return [self._chunk(index, "", finish=result.finish_reason)]
 
     def whole(self, index: int, completion: Completion) -> dict[str, Any]:
+        echo = self.echoes[index]
         logprobs = (
-            _openai.completion_logprobs(completion.logprobs, self.texts)
+            _openai.completion_logprobs(completion.logprobs, self.texts, len(echo))
             if completion.logprobs is not None
             else None
         )
+        prompt = self.prompt_logprobs[index]
+        if prompt is not None:
+            logprobs = {k: prompt[k] + (logprobs or {}).get(k, []) for k in prompt}
         return {
             "index": index,
-            "text": self.echoes[index] + completion.text,
+            "text": echo + completion.text,
             "logprobs": logprobs,
             "finish_reason": completion.result.finish_reason,
         }
@@ -301,6 +310,59 @@ def _fill_in_the_middle(state: ServerState, request: GenerationRequest) -> Gener
     return attrs.evolve(request, prompts=prompts)
 
 
+async def _prompt_logprobs(
+    state: ServerState, request: GenerationRequest, prompts: Sequence[Prompt]
+) -> list[dict[str, Any] | None]:
+    """``echo`` with ``logprobs``: each prompt's own logprobs (each distinct prompt scored once)."""
+    if not (request.echo and request.params.logprobs):
+        return [None] * len(prompts)
+    if request.suffix is not None:
+        raise InvalidRequest(
+            "echo with logprobs and suffix is not supported: the echoed prompt is not "
+            "the fill-in-the-middle prompt the model reads",
+            param="suffix",
+            code="unsupported_parameter",
+        )
+    if request.params.adapter is not None:
+        raise InvalidRequest(
+            "echo with logprobs scores with the base model; it cannot use an adapter",
+            param="adapter",
+            code="unsupported_parameter",
+        )
+    engine = state.engine
+    scored: dict[int, dict[str, Any]] = {}
+    out: list[dict[str, Any] | None] = []
+    for index, prompt in enumerate(prompts):
+        if index % request.n == 0:
+            ids = await trio.to_thread.run_sync(engine.encode, prompt)
+            first, rest = await prompt_logprobs(engine, ids, request.params.top_logprobs)
+            scored[index // request.n] = _openai.prompt_completion_logprobs(
+                first, rest, state.texts
+            )
+        out.append(scored[index // request.n])
+    return out
+
+
+def _echo_only(
+    fmt: _TextFormat, request: GenerationRequest, prompt_tokens: list[int]
+) -> dict[str, Any]:
+    """``echo`` with ``max_tokens: 0``: the prompts themselves, nothing generated."""
+    choices = [
+        {
+            "index": i,
+            "text": fmt.echoes[i],
+            "logprobs": fmt.prompt_logprobs[i],
+            "finish_reason": "length",
+        }
+        for i in range(len(fmt.echoes))
+    ]
+    used = sum(prompt_tokens)
+    counts = {"prompt_tokens": used, "completion_tokens": 0, "total_tokens": used}
+    return fmt.envelope.body(
+        choices, usage={**counts, "prompt_tokens_details": {"cached_tokens": 0}}
+    )
+
+
 def _echoes(state: ServerState, request: GenerationRequest, prompts: Sequence[Prompt]) -> list[str]:
     """``echo``: the text of each choice's prompt (token ids decoded)."""
     if not request.echo:
@@ -332,8 +394,15 @@ async def respond(
             _openai.Envelope.chat(model, chunk=request.stream), state.texts, extractors, splitters
         )
     else:
-        echoes = _echoes(state, request, [p for p in echo_of for _ in range(request.n)])
-        fmt = _TextFormat(_openai.Envelope.text(model), state.texts, echoes)
+        per_choice = [p for p in echo_of for _ in range(request.n)]
+        echoes = _echoes(state, request, per_choice)
+        scores = await _prompt_logprobs(state, request, per_choice)
+        text_fmt = _TextFormat(_openai.Envelope.text(model), state.texts, echoes, scores)
+        if request.prompt_only:
+            counts = [len(state.engine.encode(p)) for p in echo_of]
+            access.tokens = 0
+            return _echo_only(text_fmt, request, counts)
+        fmt = text_fmt
     jobs = [prompt for prompt in request.prompts for _ in range(request.n)]
     if request.stream:
         body = _stream(state, request, jobs, fmt, access)

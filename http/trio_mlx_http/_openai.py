@@ -21,6 +21,7 @@ __all__ = [
     "TokenTexts",
     "chat_logprobs",
     "completion_logprobs",
+    "prompt_completion_logprobs",
     "usage",
 ]
 
@@ -80,6 +81,19 @@ def completion_logprobs(
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
         "text_offset": offsets,
+    }
+
+
+def prompt_completion_logprobs(
+    first: int, scored: Sequence[TokenLogprob], texts: TokenTexts
+) -> dict[str, Any]:
+    """Legacy completions' logprobs of an echoed prompt: the first token has none (null)."""
+    rest = completion_logprobs(scored, texts, len(texts(first)))
+    return {
+        "tokens": [texts(first), *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
     }
 
 

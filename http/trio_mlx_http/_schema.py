@@ -142,8 +142,11 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     #: Chat: False keeps only the first tool call of a reply.
     parallel_tool_calls: bool = True
-    #: Completions: the prompt text precedes each choice's text.
+    #: Completions: the prompt text (and with logprobs, its log-probabilities) precedes
+    #: each choice's text.
     echo: bool = False
+    #: Completions: ``echo`` with ``max_tokens: 0``: the prompt alone, nothing generated.
+    prompt_only: bool = False
     #: Completions: the text after the insertion point (fill-in-the-middle).
     suffix: str | None = None
 
@@ -482,14 +485,15 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
     stream, include_usage = _stream(body)
     # The legacy API's logprobs is the number of alternatives per token.
     top = _get(body, "logprobs", int, "an integer")
-    if echo and top is not None:
-        raise InvalidRequest(
-            "echo with logprobs is not supported: the server does not compute the "
-            "prompt's log-probabilities; send echo or logprobs, not both",
-            param="echo",
-            code="unsupported_parameter",
-        )
     max_tokens, max_name = _max_tokens(body, settings)
+    # OpenAI's way to score a text: echo it with max_tokens 0 (nothing is generated).
+    prompt_only = echo and max_tokens == 0 and not isinstance(max_tokens, bool)
+    if prompt_only:
+        if stream:
+            raise InvalidRequest(
+                "max_tokens 0 (echo the prompt only) cannot stream", param="max_tokens"
+            )
+        max_tokens = 1
     extra: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": top is not None}
     if top is not None:
         extra["top_logprobs"] = top
@@ -506,6 +510,7 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
         include_usage=include_usage,
         tools=None,
         echo=echo,
+        prompt_only=prompt_only,
         suffix=suffix,
     )
 
