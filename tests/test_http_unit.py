@@ -428,3 +428,22 @@ def test_engine_errors_carry_a_machine_readable_code() -> None:
     assert error_body(NotFound("gone", code="model_not_found"))["error"]["code"] == (
         "model_not_found"
     )
+
+
+def test_reasoning_is_split_even_when_markers_arrive_in_pieces() -> None:
+    from trio_mlx_http._reasoning import ReasoningSplitter
+
+    text = "<think>\nPlan it.</think>\n\nThe answer. <thi"
+    splitter = ReasoningSplitter("<think>", "</think>")
+    reasoning, content = "", ""
+    for char in text:
+        r, c = splitter.feed(char)
+        assert "<" not in r
+        reasoning, content = reasoning + r, content + c
+    r, c = splitter.feed("", final=True)
+    # Leading whitespace of each part is dropped; a marker's prefix at the end is text.
+    assert (reasoning + r, content + c) == ("Plan it.", "The answer. <thi")
+    opened = ReasoningSplitter.opened("<think>", "</think>")
+    assert opened.feed("more thought</think>done", final=True) == ("more thought", "done")
+    plain = ReasoningSplitter("<think>", "</think>")
+    assert plain.feed("no reasoning at all", final=True) == ("", "no reasoning at all")
