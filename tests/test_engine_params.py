@@ -204,3 +204,34 @@ def test_min_tokens_above_max_tokens_is_refused() -> None:
     with pytest.raises(trio_mlx.InvalidRequest) as caught:
         SamplingParams(ignore_eos=1)  # type: ignore[arg-type]
     assert caught.value.param == "ignore_eos"
+
+
+async def test_min_tokens_counts_on_across_a_park(tiny_model_path: Path) -> None:
+    # EOS always wins, so each row ends the moment min_tokens lets it: a park halfway
+    # (an exclusive job preempts the batch) must not restart or skip the count.
+    params = SamplingParams(max_tokens=60, logit_bias=_EOS_NOW, min_tokens=30)
+    async with trio_mlx.open_engine(
+        tiny_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_cache_bytes=0
+    ) as engine:
+        results: list[trio_mlx.GenerationResult | None] = [None, None]
+        lengths = [0, 0]
+        started = trio.Event()
+
+        async def row(i: int) -> None:
+            async with engine.generate(PROMPT, params) as stream:
+                async for delta in stream:
+                    lengths[i] += len(delta.token_ids)
+                    if lengths[i] >= 10:
+                        started.set()
+                results[i] = stream.result
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(row, i)
+            await started.wait()
+            await engine.run_exclusive(lambda model, tokenizer: None)
+        assert engine.statistics().preemptions >= 1
+    assert lengths == [30, 30]
+    for result in results:
+        assert result is not None
+        assert (result.finish_reason, result.completion_tokens) == ("stop", 31)
