@@ -46,7 +46,6 @@ REFUSED = {
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
     "moderation": {"model": "omni-moderation-latest"},
-    "reasoning_effort": "low",
     "verbosity": "low",
     "web_search_options": {},
 }
@@ -225,6 +224,17 @@ async def chat_modalities(walk: Walk) -> None:
     await walk.refused("/v1/chat/completions", "modalities", ["text", "audio"], {"messages": USER})
 
 
+async def chat_reasoning_effort(walk: Walk) -> None:
+    # Honoured where the chat template reads it (test_chat_template_kwargs_reach_the_template);
+    # this model's does not.
+    response = await walk.post(
+        "/v1/chat/completions", {"messages": USER, "reasoning_effort": "low"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "unsupported_parameter"
+    await walk.refused("/v1/chat/completions", "reasoning_effort", "lots", {"messages": USER})
+
+
 def _harmless(path: str, name: str) -> Check:
     async def check(walk: Walk) -> None:
         call = walk.chat if path.endswith("chat/completions") else walk.text
@@ -261,6 +271,7 @@ CHAT: dict[str, Check] = {
     "tools": chat_tools,
     "parallel_tool_calls": chat_parallel_tool_calls,
     "modalities": chat_modalities,
+    "reasoning_effort": chat_reasoning_effort,
     **{n: _harmless("/v1/chat/completions", n) for n in HARMLESS},
     **{n: _refused("/v1/chat/completions", n, {"messages": USER}) for n in REFUSED},
 }
@@ -503,7 +514,10 @@ def _template_body(walk: Walk, **fields: Any) -> dict[str, Any]:
 
 
 async def test_chat_template_kwargs_reach_the_template(tiny_model_path: Path) -> None:
-    template = "{{ greeting | default('') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    template = (
+        "{{ greeting | default('') }}{{ reasoning_effort | default('') }}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
     settings = Settings(chat_template_args={"greeting": "Good morning to you all. "})
     async with (
         live_server(tiny_model_path, settings, chat_template=template) as server,
@@ -523,6 +537,10 @@ async def test_chat_template_kwargs_reach_the_template(tiny_model_path: Path) ->
             "/tokenize", json={"messages": USER, "chat_template_kwargs": {"greeting": "Hi. "}}
         )
         assert counted.json()["count"] == mine["usage"]["prompt_tokens"]
+        # A template that reads reasoning_effort gets it.
+        effort = await walk.chat(max_tokens=1, reasoning_effort="high", chat_template_kwargs={})
+        expected = encode("Good morning to you all. high" + "Say something.")
+        assert effort["usage"]["prompt_tokens"] == len(expected)
         for bad in ({"tools": []}, "enable_thinking"):
             await walk.refused(
                 "/v1/chat/completions", "chat_template_kwargs", bad, {"messages": USER}

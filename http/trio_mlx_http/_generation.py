@@ -222,6 +222,24 @@ def _clamp_max_tokens(state: ServerState, request: GenerationRequest) -> Generat
     return attrs.evolve(request, params=attrs.evolve(request.params, max_tokens=limit))
 
 
+def _reasoning_effort(state: ServerState, request: GenerationRequest) -> GenerationRequest:
+    """``reasoning_effort`` goes to a chat template that reads it (gpt-oss's); else 400."""
+    effort = request.reasoning_effort
+    if effort is None:
+        return request
+    template = getattr(state.engine.tokenizer, "chat_template", None)
+    if not (isinstance(template, str) and "reasoning_effort" in template):
+        raise InvalidRequest(
+            f"the model {state.model_id!r} has no reasoning effort to set (its chat template "
+            "does not read reasoning_effort); for templates with enable_thinking send "
+            "chat_template_kwargs",
+            param="reasoning_effort",
+            code="unsupported_parameter",
+        )
+    kwargs = {"reasoning_effort": effort, **(request.chat_template_kwargs or {})}
+    return attrs.evolve(request, chat_template_kwargs=kwargs)
+
+
 def _check_tools(state: ServerState, tools: list[dict[str, Any]] | None) -> None:
     if tools and not state.engine.tokenizer.has_tool_calling:
         raise InvalidRequest(
@@ -378,6 +396,7 @@ async def respond(
     """Run ``request``; a streaming response or the whole JSON body."""
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
+    request = _reasoning_effort(state, request)
     echo_of = list(request.prompts)
     request = _fill_in_the_middle(state, request)
     choices = len(request.prompts) * request.n

@@ -84,6 +84,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "parallel_tool_calls",
     "chat_template_kwargs",
     "modalities",
+    "reasoning_effort",
 }
 #: What ``/v1/completions`` honours.
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
@@ -108,8 +109,6 @@ UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported",
     "functions": "the deprecated functions API is not supported; send tools",
     "function_call": "the deprecated functions API is not supported; send tool_choice",
-    "reasoning_effort": "the server cannot set a model's reasoning effort; "
-    "send chat_template_kwargs (e.g. {'enable_thinking': false}) where the template has it",
     "verbosity": "the server cannot set a model's verbosity",
     "web_search_options": "web search is not supported",
     "moderation": "moderation is not supported",
@@ -140,6 +139,8 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None
     #: Chat: extra arguments for the chat template (server default, then the request's).
     chat_template_kwargs: dict[str, Any] | None = None
+    #: Chat: passed to a chat template that takes it (gpt-oss's); else refused.
+    reasoning_effort: str | None = None
     #: Chat: False keeps only the first tool call of a reply.
     parallel_tool_calls: bool = True
     #: Completions: the prompt text (and with logprobs, its log-probabilities) precedes
@@ -393,6 +394,18 @@ def _template_kwargs(body: Mapping[str, Any], settings: Settings) -> dict[str, A
     return merged or None
 
 
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
+    effort: str | None = _get(body, "reasoning_effort", str, "a string")
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidRequest(
+            f"reasoning_effort must be one of {', '.join(_EFFORTS)}", param="reasoning_effort"
+        )
+    return effort
+
+
 def _modalities(body: Mapping[str, Any]) -> None:
     modalities = _get(body, "modalities", list, "a list")
     if modalities is not None and any(m != "text" for m in modalities):
@@ -430,6 +443,7 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
         include_usage=include_usage,
         tools=_tools(body),
         chat_template_kwargs=_template_kwargs(body, settings),
+        reasoning_effort=_reasoning_effort(body),
         parallel_tool_calls=_get(body, "parallel_tool_calls", bool, "a boolean") is not False,
     )
 
