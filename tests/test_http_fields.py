@@ -295,9 +295,18 @@ async def text_model(walk: Walk) -> None:
 
 async def text_best_of(walk: Walk) -> None:
     assert len((await walk.text(best_of=2, n=2))["choices"]) == 2
+    # Four sampled candidates are generated (usage counts them all), one is returned; which
+    # one (the highest cumulative logprob) is test_best_of_returns_the_most_likely_candidates.
+    sampled = {"temperature": 1.5, "max_tokens": 6}
+    best = await walk.text(best_of=4, logprobs=0, **sampled)
+    assert len(best["choices"]) == 1
+    assert best["usage"]["completion_tokens"] == 4 * 6
+    assert len(best["choices"][0]["logprobs"]["tokens"]) == 6
+    plain = await walk.text(best_of=4, **sampled)
+    assert plain["choices"][0]["logprobs"] is None  # ranked on logprobs, not sent unasked
     base = {"prompt": "Hi"}
-    await walk.refused("/v1/completions", "best_of", 3, base)  # ranking is not supported
     await walk.refused("/v1/completions", "best_of", 1, {**base, "n": 2})
+    await walk.refused("/v1/completions", "best_of", 3, {**base, "stream": True})
 
 
 async def text_echo(walk: Walk) -> None:

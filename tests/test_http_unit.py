@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -447,3 +448,26 @@ def test_reasoning_is_split_even_when_markers_arrive_in_pieces() -> None:
     assert opened.feed("more thought</think>done", final=True) == ("more thought", "done")
     plain = ReasoningSplitter("<think>", "</think>")
     assert plain.feed("no reasoning at all", final=True) == ("", "no reasoning at all")
+
+
+def test_best_of_returns_the_most_likely_candidates() -> None:
+    from trio_mlx import Completion
+    from trio_mlx_http._generation import _best
+
+    def candidate(*logprobs: float) -> Completion:
+        result = GenerationResult("length", 3, len(logprobs), 0, "batch", 0.0, 0.0)
+        lps = tuple(TokenLogprob(7, lp) for lp in logprobs)
+        return Completion("x" * len(logprobs), (7,) * len(logprobs), lps, result)
+
+    # Two prompts, three candidates each, two returned per prompt, best first.
+    first = [candidate(-3.0, -1.0), candidate(-0.5), candidate(-1.0, -1.0)]
+    second = [candidate(-9.0), candidate(-0.1, -0.1), candidate(-4.0)]
+    request = _schema.parse_completion({"prompt": ["a", "b"], "n": 2, "best_of": 3}, SETTINGS)
+    expected = [first[1], first[2], second[1], second[2]]
+    # Not asked for, the logprobs used for ranking are not sent.
+    chosen = _best(first + second, 3, request)
+    assert chosen == [attrs.evolve(c, logprobs=None) for c in expected]
+    asked = _schema.parse_completion(
+        {"prompt": ["a", "b"], "n": 2, "best_of": 3, "logprobs": 0}, SETTINGS
+    )
+    assert _best(first + second, 3, asked) == expected

@@ -428,15 +428,41 @@ async def respond(
         await anext(body)  # enters every engine request: admission errors become statuses
         access.by_body = True
         return Response(body, status=200, headers=_sse.SSE_HEADERS, content_type=_sse.CONTENT_TYPE)
-    completions = await _complete_all(state, request, jobs)
+    per_prompt = request.n
+    if request.best_of is not None and request.best_of > request.n:
+        per_prompt = request.best_of
+        jobs = [prompt for prompt in request.prompts for _ in range(per_prompt)]
+        # Ranking needs every candidate's logprobs; they are dropped again if not asked for.
+        ranked = attrs.evolve(request, params=attrs.evolve(request.params, logprobs=True))
+        completions = await _complete_all(state, ranked, jobs)
+    else:
+        completions = await _complete_all(state, request, jobs)
     access.tokens = sum(c.result.completion_tokens for c in completions)
     for completion in completions:
         state.metrics.finished(access.endpoint, completion.result)
     results = [c.result for c in completions]
+    chosen = _best(completions, per_prompt, request)
     return fmt.envelope.body(
-        [fmt.whole(i, c) for i, c in enumerate(completions)],
-        usage=_openai.usage(results, request.n),
+        [fmt.whole(i, c) for i, c in enumerate(chosen)],
+        usage=_openai.usage(results, per_prompt),
     )
+
+
+def _best(
+    completions: list[Completion], per_prompt: int, request: GenerationRequest
+) -> list[Completion]:
+    """``best_of``: each prompt's ``n`` candidates of highest cumulative logprob, best first."""
+    if per_prompt == request.n:
+        return completions
+    chosen: list[Completion] = []
+    for start in range(0, len(completions), per_prompt):
+        group = completions[start : start + per_prompt]
+        group.sort(key=lambda c: -sum(lp.logprob for lp in c.logprobs or ()))
+        for completion in group[: request.n]:
+            if not request.params.logprobs:
+                completion = attrs.evolve(completion, logprobs=None)
+            chosen.append(completion)
+    return chosen
 
 
 async def _complete_all(

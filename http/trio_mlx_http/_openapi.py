@@ -210,7 +210,7 @@ _SCHEMAS: dict[str, Any] = {
                 "type": "integer",
                 "minimum": 1,
                 "nullable": True,
-                "description": "Must equal n (choices are not ranked).",
+                "description": "Candidates per prompt; the n most likely are returned.",
             },
         },
     },

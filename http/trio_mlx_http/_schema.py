@@ -148,6 +148,8 @@ class GenerationRequest:
     echo: bool = False
     #: Completions: ``echo`` with ``max_tokens: 0``: the prompt alone, nothing generated.
     prompt_only: bool = False
+    #: Completions: candidates generated per prompt, of which the ``n`` most likely are returned.
+    best_of: int | None = None
     #: Completions: the text after the insertion point (fill-in-the-middle).
     suffix: str | None = None
 
@@ -485,18 +487,21 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
     best_of = _get(body, "best_of", int, "an integer")
     if best_of is not None and best_of < n:
         raise InvalidRequest(f"best_of must be >= n ({n}), not {best_of}", param="best_of")
-    if best_of is not None and best_of > n:
-        raise InvalidRequest(
-            "best_of > n is not supported (choices are not ranked); send n alone",
-            param="best_of",
-            code="unsupported_parameter",
-        )
     echo = bool(_get(body, "echo", bool, "a boolean"))
     suffix = _get(body, "suffix", str, "a string")
     prompts = _prompts(body.get("prompt"), settings.max_choices)
     if len(prompts) * n > settings.max_choices:
         raise InvalidRequest(f"prompts times n may be at most {settings.max_choices}", param="n")
     stream, include_usage = _stream(body)
+    best_of = n if best_of is None else best_of
+    if best_of > n and stream:
+        raise InvalidRequest(
+            "best_of > n cannot stream (choices are ranked at the end)", param="best_of"
+        )
+    if len(prompts) * best_of > settings.max_choices:
+        raise InvalidRequest(
+            f"prompts times best_of may be at most {settings.max_choices}", param="best_of"
+        )
     # The legacy API's logprobs is the number of alternatives per token.
     top = _get(body, "logprobs", int, "an integer")
     max_tokens, max_name = _max_tokens(body, settings)
@@ -525,6 +530,7 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
         tools=None,
         echo=echo,
         prompt_only=prompt_only,
+        best_of=best_of,
         suffix=suffix,
     )
 
