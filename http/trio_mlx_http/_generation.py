@@ -418,7 +418,7 @@ async def respond(
         scores = await _prompt_logprobs(state, request, per_choice)
         text_fmt = _TextFormat(_openai.Envelope.text(model), state.texts, echoes, scores)
         if request.prompt_only:
-            counts = [len(state.engine.encode(p)) for p in echo_of]
+            counts = [len(await trio.to_thread.run_sync(state.engine.encode, p)) for p in echo_of]
             access.tokens = 0
             return _echo_only(text_fmt, request, counts)
         fmt = text_fmt
