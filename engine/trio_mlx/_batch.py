@@ -40,6 +40,8 @@ class RowSpec:
     id: int
     prompt: tuple[int, ...]
     params: SamplingParams
+    #: The compiled :class:`~trio_mlx._structured.Constraint` of a constrained request.
+    constraint: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -75,13 +77,20 @@ def make_row_sampler(params: SamplingParams, tokenizer: Any) -> Callable[[Any], 
     )
 
 
-def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
-    """mlx-lm's logits processors for ``params`` (empty when none apply)."""
+def make_processors(
+    params: SamplingParams, constraint: Any = None
+) -> list[Callable[[Any, Any], Any]]:
+    """mlx-lm's logits processors for ``params`` (empty when none apply).
+
+    A ``constraint`` (structured output) adds its grammar mask last, so no
+    bias or penalty can bring back a token the grammar forbids.
+    """
     from mlx_lm.sample_utils import make_logits_processors
 
     size = params.repetition_context_size
-    return list(
-        make_logits_processors(
+    grammar = [constraint.processor()] if constraint is not None else []
+    return [
+        *make_logits_processors(
             dict(params.logit_bias) if params.logit_bias else None,
             params.repetition_penalty,
             size,
@@ -89,8 +98,9 @@ def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
             size,
             params.frequency_penalty or None,
             size,
-        )
-    )
+        ),
+        *grammar,
+    ]
 
 
 @attrs.define(eq=False)
@@ -279,7 +289,7 @@ class BatchLane:
             make_row_sampler(spec.params, self.tokenizer),
             [],
         )
-        row.processors = [_guard(row, p) for p in make_processors(spec.params)]
+        row.processors = [_guard(row, p) for p in make_processors(spec.params, spec.constraint)]
         self._rows[spec.id] = row
         return self._start(row)
 

@@ -72,7 +72,7 @@ def run_serial(
         model,
         max_tokens=params.max_tokens,
         sampler=make_row_sampler(params, tokenizer),
-        logits_processors=make_processors(params) or None,
+        logits_processors=make_processors(params, spec.constraint) or None,
         prompt_cache=cache,
         kv_bits=params.kv_bits,
         kv_group_size=params.kv_group_size,
