@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 from trio_mlx._errors import GenerationFailed, InvalidGrammar
 from trio_mlx._params import SamplingParams
@@ -41,7 +44,7 @@ COMPILE_TIMEOUT = 10.0
 #: the library's default (any whitespace between tokens) a small model can pad
 #: with blanks until ``max_tokens`` and never close the value. A schema's own
 #: ``"x-guidance"`` object overrides these.
-COMPACT_JSON: dict[str, Any] = {
+COMPACT_JSON: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ",",
     "key_separator": ":",

@@ -19,11 +19,20 @@ import attrs
 import trio
 from quart import Response
 
-from trio_mlx import Completion, Delta, GenerationResult, InvalidRequest, NotFound, TrioMLXError
+from trio_mlx import (
+    Completion,
+    Delta,
+    GenerationResult,
+    InvalidGrammar,
+    InvalidRequest,
+    NotFound,
+    TrioMLXError,
+)
 from trio_mlx_http import _openai, _sse
 from trio_mlx_http._errors import error_body, status_of
 from trio_mlx_http._schema import GenerationRequest, Prompt
 from trio_mlx_http._state import Access, ServerState
+from trio_mlx_http._structured import grammar_param, tool_call_grammar
 from trio_mlx_http._tools import ToolCallExtractor
 
 __all__ = ["respond"]
@@ -214,12 +223,43 @@ def _extractor(state: ServerState, tools: list[dict[str, Any]] | None) -> ToolCa
     )
 
 
+def _enforce_tool_choice(state: ServerState, request: GenerationRequest) -> GenerationRequest:
+    """A required or named ``tool_choice`` becomes a grammar of the model's tool-call format."""
+    choice = request.tool_choice
+    if not choice.enforced:
+        return request
+    if not request.tools:
+        raise InvalidRequest(
+            f"tool_choice {choice.mode!r} needs tools to call", param="tool_choice"
+        )
+    if request.params.constrained:
+        raise InvalidRequest(
+            "response_format cannot be combined with tool_choice 'required' or a named function",
+            param="response_format",
+        )
+    grammar = tool_call_grammar(
+        request.tools, choice, state.engine.tokenizer, parallel=choice.parallel
+    )
+    return attrs.evolve(request, params=attrs.evolve(request.params, grammar=grammar))
+
+
 async def respond(
     state: ServerState, request: GenerationRequest, *, chat: bool, access: Access
 ) -> Response | dict[str, Any]:
     """Run ``request``; a streaming response or the whole JSON body."""
+    try:
+        return await _respond(state, request, chat=chat, access=access)
+    except InvalidGrammar as error:
+        # The engine names its own parameter; the client wrote response_format or tools.
+        raise grammar_param(error) from None
+
+
+async def _respond(
+    state: ServerState, request: GenerationRequest, *, chat: bool, access: Access
+) -> Response | dict[str, Any]:
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
+    request = _enforce_tool_choice(state, request)
     choices = len(request.prompts) * request.n
     fmt: _Format
     if chat:

@@ -18,6 +18,7 @@ import attrs
 
 from trio_mlx import InvalidRequest, SamplingParams
 from trio_mlx_http._settings import Settings
+from trio_mlx_http._structured import ToolChoice, parse_response_format, parse_tool_choice
 
 __all__ = [
     "AdapterMount",
@@ -69,6 +70,8 @@ class GenerationRequest:
     include_usage: bool
     #: Tool definitions for the chat template; None when there are none or tool_choice is "none".
     tools: list[dict[str, Any]] | None
+    #: The request's ``tool_choice``; "required" or a named function is enforced.
+    tool_choice: ToolChoice = attrs.field(factory=lambda: ToolChoice("auto"))
 
 
 @attrs.frozen
@@ -249,14 +252,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     tools = _get(body, "tools", list, "a list of tools")
-    choice = body.get("tool_choice")
-    if choice is not None and not (
-        choice in ("none", "auto", "required") or isinstance(choice, dict)
-    ):
-        raise InvalidRequest(
-            "tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice"
-        )
-    if not tools or choice == "none":
+    choice = parse_tool_choice(body)
+    if not tools or choice.mode == "none":
         return None
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -288,7 +285,9 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
         extra["top_logprobs"] = top
     if adapter is not None:
         extra["adapter"] = adapter
-    params = _sampling(body, settings, extra, {"max_tokens": max_name})
+    extra.update(parse_response_format(body))
+    renames = {"max_tokens": max_name, "json_schema": "response_format"}
+    params = _sampling(body, settings, extra, renames)
     return GenerationRequest(
         model=model,
         prompts=(messages,),
@@ -297,6 +296,7 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
         stream=stream,
         include_usage=include_usage,
         tools=_tools(body),
+        tool_choice=parse_tool_choice(body),
     )
 
 
@@ -345,7 +345,8 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
         extra["top_logprobs"] = top
     if adapter is not None:
         extra["adapter"] = adapter
-    renames = {"max_tokens": max_name, "top_logprobs": "logprobs"}
+    extra.update(parse_response_format(body))
+    renames = {"max_tokens": max_name, "top_logprobs": "logprobs", "json_schema": "response_format"}
     params = _sampling(body, settings, extra, renames)
     return GenerationRequest(
         model=model,
