@@ -116,4 +116,6 @@ FEATURES: dict[str, dict[str, Any]] = {
 
 def endless(schema: dict[str, Any]) -> dict[str, Any]:
     """An array of ``schema`` values that needs far more tokens than any benchmark run."""
-    return {"type": "array", "items": schema, "minItems": 10_000}
+    items = {k: v for k, v in schema.items() if k != "$defs"}
+    defs = {"$defs": schema["$defs"]} if "$defs" in schema else {}  # refs point at the root
+    return {**defs, "type": "array", "items": items, "minItems": 10_000}
