@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -593,6 +594,12 @@ class Engine:
                 self._loaded.tokenizer, vocab if isinstance(vocab, int) else None
             )
         compiler = self._grammar
+        if importlib.util.find_spec("llguidance") is None:
+            raise InvalidRequest(
+                "structured output needs the llguidance package, which is not installed",
+                param=param,
+                code="structured_output_unavailable",
+            )
         with trio.move_on_after(self.grammar_timeout):
             return await trio.to_thread.run_sync(
                 compiler.compile, params, abandon_on_cancel=True, limiter=self._grammar_limiter
