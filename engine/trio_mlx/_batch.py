@@ -30,7 +30,14 @@ from trio_mlx._output import RowEvent, RowOutput, merge_events
 from trio_mlx._params import SamplingParams
 from trio_mlx._prompt_cache import PromptCache
 
-__all__ = ["BatchLane", "RowSpec", "StepResult", "make_processors", "make_row_sampler"]
+__all__ = [
+    "BatchLane",
+    "RowSpec",
+    "StepResult",
+    "make_processors",
+    "make_row_sampler",
+    "row_processors",
+]
 
 
 @attrs.frozen
@@ -77,20 +84,13 @@ def make_row_sampler(params: SamplingParams, tokenizer: Any) -> Callable[[Any], 
     )
 
 
-def make_processors(
-    params: SamplingParams, constraint: Any = None
-) -> list[Callable[[Any, Any], Any]]:
-    """mlx-lm's logits processors for ``params`` (empty when none apply).
-
-    A ``constraint`` (structured output) adds its grammar mask last, so no
-    bias or penalty can bring back a token the grammar forbids.
-    """
+def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
+    """mlx-lm's logits processors for ``params`` (empty when none apply)."""
     from mlx_lm.sample_utils import make_logits_processors
 
     size = params.repetition_context_size
-    grammar = [constraint.processor()] if constraint is not None else []
-    return [
-        *make_logits_processors(
+    return list(
+        make_logits_processors(
             dict(params.logit_bias) if params.logit_bias else None,
             params.repetition_penalty,
             size,
@@ -98,9 +98,18 @@ def make_processors(
             size,
             params.frequency_penalty or None,
             size,
-        ),
-        *grammar,
-    ]
+        )
+    )
+
+
+def row_processors(spec: RowSpec) -> list[Callable[[Any, Any], Any]]:
+    """Every logits processor of a row: ``make_processors`` and, last, its grammar mask.
+
+    The grammar (structured output) comes last so no bias or penalty can bring
+    back a token it forbids.
+    """
+    grammar = [spec.constraint.processor()] if spec.constraint is not None else []
+    return [*make_processors(spec.params), *grammar]
 
 
 @attrs.define(eq=False)
@@ -289,7 +298,7 @@ class BatchLane:
             make_row_sampler(spec.params, self.tokenizer),
             [],
         )
-        row.processors = [_guard(row, p) for p in make_processors(spec.params, spec.constraint)]
+        row.processors = [_guard(row, p) for p in row_processors(spec)]
         self._rows[spec.id] = row
         return self._start(row)
 
