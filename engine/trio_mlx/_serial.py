@@ -72,7 +72,7 @@ def run_serial(
         model,
         max_tokens=params.max_tokens,
         sampler=make_row_sampler(params, tokenizer),
-        logits_processors=row_processors(spec) or None,
+        logits_processors=row_processors(spec, sorted(tokenizer.eos_token_ids)) or None,
         prompt_cache=cache,
         kv_bits=params.kv_bits,
         kv_group_size=params.kv_group_size,
