@@ -257,6 +257,12 @@ def test_bad_constraints_are_refused_when_the_params_are_built() -> None:
         SamplingParams(regex="")
     with pytest.raises(InvalidGrammar, match="does not serialize"):
         SamplingParams(json_schema={"type": object()})
+    # A complete value ends with EOS: holding EOS back or ignoring it cannot work.
+    with pytest.raises(InvalidGrammar, match="min_tokens cannot be combined") as caught:
+        SamplingParams(json_schema={"type": "object"}, min_tokens=3)
+    assert caught.value.param == "min_tokens"
+    with pytest.raises(InvalidGrammar, match="ignore_eos cannot be combined"):
+        SamplingParams(regex="a+", ignore_eos=True)
     assert SamplingParams(json_schema='{"type": "object"}').json_schema == {"type": "object"}
     assert SamplingParams(grammar="start: /a/").constrained
     assert not SamplingParams().constrained
