@@ -12,16 +12,19 @@ prompt and leaves no call to extract.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from trio_mlx import InvalidGrammar, InvalidRequest
+from trio_mlx import InvalidGrammar, InvalidRequest, SamplingParams
 
 __all__ = [
+    "COMPACT_JSON",
     "JSON_TOOL_PARSERS",
     "ToolChoice",
+    "after_reasoning",
     "grammar_param",
     "parse_response_format",
     "parse_tool_choice",
@@ -31,8 +34,8 @@ __all__ = [
 #: mlx-lm tool parsers whose call is ``START {"name": ..., "arguments": {...}} END``.
 JSON_TOOL_PARSERS = frozenset({"json_tools"})
 
-#: Request fields the engine's constraint parameters came from, for error messages.
-_SOURCES = {"json_schema": "response_format", "grammar": "tool_choice"}
+#: Compact JSON inside a Lark ``%json`` rule, as the engine writes JSON schemas.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 def parse_response_format(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,13 +120,15 @@ def parse_tool_choice(body: Mapping[str, Any]) -> ToolChoice:
 
 
 def _literal(tokenizer: Any, text: str) -> str:
-    """A Lark terminal for a tool-call marker: the special token itself, or the text."""
+    """A Lark item for a marker: its token id when it is one token, else the text.
+
+    llguidance refuses to match a special token through text (and counts more
+    added tokens as special than Hugging Face marks), so a one-token marker is
+    named by id (``<[id]>``).
+    """
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) == 1:
-        added = getattr(getattr(tokenizer, "_tokenizer", None), "added_tokens_decoder", {})
-        token = added.get(ids[0]) if isinstance(added, Mapping) else None
-        if token is not None and getattr(token, "special", False):
-            return f"<[{ids[0]}]>"
+        return f"<[{ids[0]}]>"
     return json.dumps(text)
 
 
@@ -133,12 +138,15 @@ def tool_call_grammar(
     tokenizer: Any,
     *,
     parallel: bool = True,
+    reasoning_end: str | None = None,
 ) -> str:
     """A Lark grammar (llguidance's dialect) for calls to ``tools`` in the model's format.
 
     Each call is the model's start marker, ``{"name": ..., "arguments": ...}``
     with the arguments constrained to that tool's ``parameters`` schema, and
     its end marker. With ``parallel`` one or more calls, else exactly one.
+    With ``reasoning_end`` (the prompt opened a reasoning block) free text up to
+    that marker comes first.
     """
     parser = getattr(tokenizer, "tool_parser", None)
     module = getattr(parser, "__module__", "") or ""
@@ -178,26 +186,51 @@ def tool_call_grammar(
         )
     body = options[0] if len(options) == 1 else {"anyOf": options}
     # Compact JSON, as the engine writes JSON schemas (see trio_mlx._structured).
-    body = {
-        "x-guidance": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
-        **body,
-    }
+    body = {"x-guidance": COMPACT_JSON, **body}
     start = _literal(tokenizer, tokenizer.tool_call_start)
     end = _literal(tokenizer, tokenizer.tool_call_end)
     calls = 'call ("\\n" call)*' if parallel else "call"
-    return "\n".join(
-        [
-            f"start: {calls}",
-            f'call: {start} "\\n" body "\\n" {end}',
-            f"body: %json {json.dumps(body)}",
-        ]
+    rules = [
+        f"start: {calls}" if reasoning_end is None else f"start: think {calls}",
+        f'call: {start} "\\n" body "\\n" {end}',
+        f"body: %json {json.dumps(body)}",
+    ]
+    if reasoning_end is not None:
+        rules.append(_think_rule(tokenizer, reasoning_end))
+    return "\n".join(rules)
+
+
+def _think_rule(tokenizer: Any, end: str) -> str:
+    """A Lark rule ``think``: any text, then the reasoning end marker."""
+    literal = _literal(tokenizer, end)
+    if literal.startswith("<["):  # one token: any text, then that token
+        return f"think: /(?s:.*)/ {literal}"
+    pattern = re.escape(end).replace("/", "\\/")
+    return f"think[lazy]: /(?s:.*){pattern}/"
+
+
+def after_reasoning(params: SamplingParams, tokenizer: Any, end: str) -> SamplingParams:
+    """``params``' JSON schema as a grammar that lets a reasoning block close first.
+
+    For a prompt that opens a reasoning block (``<think>``): the model reasons
+    freely up to ``end``, then writes the constrained value, so the value lands
+    in ``content`` and the reasoning in ``reasoning_content``.
+    """
+    if params.json_schema is None:
+        return params
+    schema = {"x-guidance": COMPACT_JSON, **params.json_schema}
+    grammar = "\n".join(
+        ["start: think body", _think_rule(tokenizer, end), f"body: %json {json.dumps(schema)}"]
     )
+    return attrs.evolve(params, json_schema=None, grammar=grammar)
 
 
-def grammar_param(error: InvalidRequest) -> InvalidRequest:
-    """``error`` naming the request field a constraint came from, not the engine's name."""
-    source = _SOURCES.get(error.param or "")
-    if source is None:
+def grammar_param(error: InvalidRequest, source: str) -> InvalidRequest:
+    """``error`` naming the request field (``source``) a constraint came from.
+
+    The engine names its own parameter (``json_schema``, ``grammar``).
+    """
+    if error.param not in ("json_schema", "regex", "grammar"):
         return error
     message = error.message
     if message.startswith(f"{error.param}: "):
