@@ -354,3 +354,45 @@ async def test_schema_starts_after_a_reasoning_block_the_prompt_opens(
     # The value follows the block (the script's own one-token answer is an added token,
     # which llguidance does not let into JSON text, so the city's letters differ).
     jsonschema.validate(json.loads(message.content), schema)
+
+
+async def test_required_tool_call_with_one_token_markers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from scripted_model import call_text, make_scripted_model
+
+    # As in Qwen's vocabulary, <tool_call> and </tool_call> are tokens of their own here
+    # (the grammar names them by id). The script says something else first; the grammar
+    # makes the answer a call at once (its small vocabulary spells JSON a character a token).
+    path = make_scripted_model(
+        tmp_path_factory.mktemp("models") / "caller",
+        ["Let me see.", *call_text("json_tools", "get_weather", "Paris")],
+        tokenizer_config={"tool_parser_type": "json_tools"},
+    )
+    async with (
+        live_server(path) as live,
+        openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="-", max_retries=0) as client,
+    ):
+        tokenizer = live.engine.tokenizer
+        assert len(tokenizer.encode(tokenizer.tool_call_start, add_special_tokens=False)) == 1
+        free = await client.chat.completions.create(
+            model="caller",
+            messages=USER,
+            max_tokens=40,
+            tools=[WEATHER],  # type: ignore[list-item]
+        )
+        forced = await client.chat.completions.create(
+            model="caller",
+            messages=USER,
+            max_tokens=150,
+            tools=[WEATHER],  # type: ignore[list-item],
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+    assert free.choices[0].message.content.startswith("Let me see.")  # type: ignore[union-attr]
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert not choice.message.content
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS["get_weather"])  # type: ignore[union-attr]
