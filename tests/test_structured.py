@@ -330,3 +330,23 @@ async def test_huge_schema_within_the_bound_compiles_and_generates(tiny_model_pa
         )
     assert cut.result.finish_reason == "length"
     assert cut.text.startswith('{"p0":')
+
+
+def test_a_schema_compiled_again_is_a_fresh_copy_from_the_cache(tiny_model: Any) -> None:
+    from trio_mlx._structured import GrammarCompiler
+
+    _model, tokenizer = tiny_model
+    compiler = GrammarCompiler(tokenizer)
+    params = SamplingParams(json_schema=SCHEMAS[3])
+    first = compiler.compile(params)
+    second = compiler.compile(params)
+    assert first is not None
+    assert second is not None
+    assert compiler.hits == 1
+    # Feeding one row's matcher leaves the other (and the cached one) at the start.
+    assert first.matcher.consume_tokens(tokenizer.encode('{"color":', add_special_tokens=False))
+    assert first.matcher.compute_bitmask() != second.matcher.compute_bitmask()
+    third = compiler.compile(params)
+    assert third is not None
+    assert third.matcher.compute_bitmask() == second.matcher.compute_bitmask()
+    assert compiler.hits == 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -39,6 +40,9 @@ __all__ = [
 
 #: Seconds a constraint may take to compile before the request is refused.
 COMPILE_TIMEOUT = 10.0
+#: Compiled grammars kept per engine (least recently used dropped first): clients tend
+#: to send the same schema again, and ``n`` choices of one request share it.
+CACHED_GRAMMARS = 64
 
 #: llguidance's JSON options for schemas: compact JSON, no free whitespace. With
 #: the library's default (any whitespace between tokens) a small model can pad
@@ -78,8 +82,11 @@ class GrammarCompiler:
     tokenizer: Any
     #: Width of the model's logits (its ``vocab_size``); None: the tokenizer's.
     vocab_size: int | None = None
+    #: Compiles served from the cache (a fresh copy of a matcher compiled before).
+    hits: int = attrs.field(init=False, default=0)
     _llg: Any = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _cache: OrderedDict[str, Any] = attrs.field(init=False, factory=OrderedDict)
 
     def llg_tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built once (about 20 ms at 3k tokens)."""
@@ -104,12 +111,23 @@ class GrammarCompiler:
         if source is None:
             return None
         grammar, param = source
+        with self._lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+                self.hits += 1
+                # A copy: the cached matcher itself never consumes a token.
+                return Constraint(cached.deep_copy())
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidGrammar(f"{param}: {matcher.get_error()}", param=param)
-        return Constraint(matcher)
+        with self._lock:
+            self._cache[grammar] = matcher
+            while len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return Constraint(matcher.deep_copy())
 
 
 @attrs.define(eq=False)
