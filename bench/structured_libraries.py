@@ -1,6 +1,10 @@
 """Compare grammar libraries for structured output on one tokenizer (design/structured-output.md).
 
     python bench/structured_libraries.py TOKENIZER_JSON [--libs llguidance,outlines-core]
+    python bench/structured_libraries.py TOKENIZER_JSON --train   # build it first (~2 min)
+
+``--train`` writes a 151,646-token byte-level BPE (Qwen2.5's vocabulary size)
+trained on this Python's standard library and site-packages sources.
 
 For each library: the time to prepare the vocabulary, the compile time of the 20
 benchmark schemas (``bench/suite/schemas.py``), which JSON-schema features of
@@ -217,12 +221,33 @@ def measure(lib: Any) -> dict[str, Any]:
     return out
 
 
+def train(path: Path, vocab: int = 151_646) -> None:
+    """Train the comparison's tokenizer on the installed Python sources and save it."""
+    import sysconfig
+
+    from trio_mlx.testing import corpus_text, train_tokenizer
+
+    texts = [corpus_text()]
+    for key in ("stdlib", "purelib"):
+        for source in Path(sysconfig.get_paths()[key]).rglob("*.py"):
+            try:
+                texts.append(source.read_text(errors="ignore"))
+            except OSError:
+                continue
+    tokenizer = train_tokenizer("\n".join(texts), vocab)
+    tokenizer.save(str(path))
+    print(f"wrote {path}: {tokenizer.get_vocab_size()} tokens")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokenizer", type=Path, help="a byte-level BPE tokenizer.json")
     parser.add_argument("--libs", default="llguidance,outlines-core,xgrammar")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--train", action="store_true", help="train TOKENIZER first")
     args = parser.parse_args()
+    if args.train:
+        train(args.tokenizer)
     vocab = len(token_bytes(args.tokenizer)[0])
     results: dict[str, Any] = {"vocab": vocab, "features": len(FEATURES), "walk": WALK}
     makers = {"llguidance": Llguidance, "outlines-core": OutlinesCore}
