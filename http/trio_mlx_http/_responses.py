@@ -1,0 +1,563 @@
+"""``POST /v1/responses``: OpenAI's Responses API over the engine.
+
+The body is turned into chat messages (``instructions`` first, then the
+stored conversation of ``previous_response_id``, then ``input``) and run as
+one turn by :mod:`._turn`; the renderer below writes the ``response`` object,
+its output items (``message`` with ``output_text``, ``function_call``) and,
+when streaming, the typed events with their ``sequence_number``.
+
+Every request field is honoured, ignored because it cannot change the
+output (:data:`IGNORED`), or refused with 400 ``unsupported_parameter`` unless
+it holds its default (:data:`REFUSED`); design/http.md lists them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from quart import Response
+
+from trio_mlx import InvalidRequest, NotFound, TrioMLXError
+from trio_mlx_http._response_store import ResponseStore, StoredResponse
+from trio_mlx_http._schema import GenerationRequest, _get, _messages, _sampling
+from trio_mlx_http._settings import Settings
+from trio_mlx_http._state import Access, ServerState
+from trio_mlx_http._tools import ToolCall
+from trio_mlx_http._turn import Ending, Event, Piece, run_turn
+
+__all__ = [
+    "IGNORED",
+    "REFUSED",
+    "ResponsesRequest",
+    "delete",
+    "parse_responses",
+    "respond",
+    "stored",
+]
+
+#: Fields that cannot change the output: accepted and ignored.
+IGNORED = frozenset(
+    {
+        "metadata",  # echoed back
+        "user",
+        "safety_identifier",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "stream_options",  # only include_obfuscation, which pads events
+    }
+)
+
+
+def _never(_value: Any) -> bool:
+    return False
+
+
+def _reasoning_default(value: Any) -> bool:
+    return isinstance(value, dict) and all(v is None for v in value.values())
+
+
+#: Known fields the server does not support: each accepts only its default
+#: (or null); any other value is 400 ``unsupported_parameter``.
+REFUSED: dict[str, Callable[[Any], bool]] = {
+    "background": lambda v: v is False,
+    "conversation": _never,
+    "prompt": _never,
+    "include": lambda v: v == [],
+    "top_logprobs": lambda v: v == 0,
+    "max_tool_calls": _never,
+    "parallel_tool_calls": lambda v: v is True,
+    "truncation": lambda v: v == "disabled",
+    "reasoning": _reasoning_default,
+    "context_management": _never,
+    "moderation": _never,
+    "image": _never,
+    "access_programs": _never,
+    "background_options": _never,
+}
+
+
+def _unsupported(name: str, detail: str = "") -> InvalidRequest:
+    more = f" ({detail})" if detail else ""
+    return InvalidRequest(
+        f"{name} is not supported by this server{more}; leave it out",
+        param=name,
+        code="unsupported_parameter",
+    )
+
+
+@attrs.frozen
+class ResponsesRequest:
+    """A validated Responses request: the engine request and what the response echoes."""
+
+    generation: GenerationRequest
+    #: The messages of this turn's conversation, without instructions (what gets stored).
+    conversation: tuple[dict[str, Any], ...]
+    instructions: str | None
+    #: The tools as the client sent them (echoed in the response).
+    tools: list[dict[str, Any]]
+    tool_choice: str
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    store: bool
+    previous_response_id: str | None
+    metadata: dict[str, Any]
+
+
+def _text_part(part: Any, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text"):
+        text = part.get("text")
+        if isinstance(text, str):
+            return text
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise InvalidRequest(
+        f"{where} must be text parts ({{'type': 'input_text', 'text': ...}}); "
+        f"{kind!r} content is not supported",
+        param=where,
+    )
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_text_part(part, f"{where}[{i}]") for i, part in enumerate(content))
+    raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
+
+
+def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    function = {"name": item["name"], "arguments": item["arguments"]}
+    return {"id": item["call_id"], "type": "function", "function": function}
+
+
+def _input_item(item: Any, where: str, out: list[dict[str, Any]]) -> None:
+    """Append the chat message(s) for one input item to ``out``."""
+    if not isinstance(item, dict):
+        raise InvalidRequest(f"{where} must be an object", param=where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise InvalidRequest(
+                f"{where}.role must be 'user', 'assistant', 'system' or 'developer'",
+                param=f"{where}.role",
+            )
+        out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+    elif kind == "function_call":
+        call = _function_call(item, where)
+        last = out[-1] if out else None
+        if last is not None and last["role"] == "assistant":
+            # Parallel calls, or text then calls: one assistant turn, as chat templates expect.
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise InvalidRequest(f"{where}.call_id must be a string", param=f"{where}.call_id")
+        output = _text(item.get("output"), f"{where}.output")
+        out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+    else:
+        raise InvalidRequest(
+            f"{where}.type {kind!r} is not supported; send 'message', 'function_call' "
+            "or 'function_call_output' items",
+            param=f"{where}.type",
+        )
+
+
+def _input(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("input must be a string or a non-empty list of items", param="input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        _input_item(item, f"input[{i}]", out)
+    return out
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """(tools as sent, tools in chat-template form, tool_choice)."""
+    tools = _get(body, "tools", list, "a list of tools") or []
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    if choice not in ("auto", "none"):
+        # Forcing a call ("required", a named function) needs constrained decoding.
+        raise _unsupported("tool_choice", "only 'auto' and 'none'")
+    chat = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise InvalidRequest(
+                f"{where}: only function tools are supported, not {kind!r}", param=where
+            )
+        if not isinstance(tool.get("name"), str):
+            raise InvalidRequest(f"{where}.name must be a string", param=f"{where}.name")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        chat.append({"type": "function", "function": function})
+    return list(tools), chat if choice != "none" else [], choice
+
+
+def _text_format(body: Mapping[str, Any]) -> None:
+    text = _get(body, "text", dict, "an object")
+    if text is None:
+        return
+    verbosity = text.get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise _unsupported("text.verbosity", "only 'medium'")
+    fmt = text.get("format")
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_schema", "json_object"):
+        # STRUCTURED OUTPUT: the one place to wire text.format to the engine's
+        # structured-output parameter once it exists; until then, refused.
+        raise _unsupported("text.format", f"{kind!r} output is not supported yet")
+    raise InvalidRequest(
+        "text.format.type must be 'text', 'json_schema' or 'json_object'", param="text.format"
+    )
+
+
+def _check_fields(body: Mapping[str, Any]) -> None:
+    for name, is_default in REFUSED.items():
+        value = body.get(name)
+        if value is not None and not is_default(value):
+            raise _unsupported(name)
+
+
+def _sampling_values(body: Mapping[str, Any], settings: Settings) -> tuple[Any, Any, Any]:
+    temperature = _get(body, "temperature", (int, float), "a number")
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise InvalidRequest(
+            f"temperature must be within [0, 2], not {temperature}", param="temperature"
+        )
+    top_p = _get(body, "top_p", (int, float), "a number")
+    max_output = body.get("max_output_tokens")
+    return (
+        settings.temperature if temperature is None else temperature,
+        settings.top_p if top_p is None else top_p,
+        max_output,
+    )
+
+
+def parse_responses(
+    body: Mapping[str, Any], settings: Settings, store: ResponseStore
+) -> ResponsesRequest:
+    """Validate a ``/v1/responses`` body (``previous_response_id`` is looked up in ``store``)."""
+    _check_fields(body)
+    _text_format(body)
+    model = _get(body, "model", str, "a string")
+    instructions = _get(body, "instructions", str, "a string")
+    metadata = _get(body, "metadata", dict, "an object") or {}
+    keep = _get(body, "store", bool, "a boolean")
+    stream = bool(_get(body, "stream", bool, "a boolean"))
+    previous_id = _get(body, "previous_response_id", str, "a string")
+    earlier: tuple[dict[str, Any], ...] = ()
+    if previous_id is not None:
+        stored = store.get(previous_id)
+        if stored is None:
+            raise InvalidRequest(
+                f"previous response {previous_id!r} is not stored here (it was not stored, or "
+                f"the store, which keeps the last {store.capacity} responses, forgot it); "
+                "send the whole conversation in input instead",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        earlier = stored.conversation
+    conversation = (*earlier, *_input(body.get("input")))
+    tools, chat_tools, choice = _tools(body)
+    temperature, top_p, max_output = _sampling_values(body, settings)
+    params = _sampling(
+        {"temperature": temperature, "top_p": top_p},
+        settings,
+        {"max_tokens": settings.max_tokens if max_output is None else max_output},
+        {"max_tokens": "max_output_tokens"},
+    )
+    system = [{"role": "system", "content": instructions}] if instructions is not None else []
+    messages = _messages([*system, *conversation])
+    generation = GenerationRequest(
+        model=model,
+        prompts=(messages,),
+        params=params,
+        n=1,
+        stream=stream,
+        include_usage=False,
+        tools=chat_tools or None,
+    )
+    return ResponsesRequest(
+        generation=generation,
+        conversation=conversation,
+        instructions=instructions,
+        tools=tools,
+        tool_choice=choice,
+        max_output_tokens=max_output,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        store=True if keep is None else keep,
+        previous_response_id=previous_id,
+        metadata=metadata,
+    )
+
+
+def _usage(ending: Ending) -> dict[str, Any]:
+    result = ending.result
+    return {
+        "input_tokens": result.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": result.cached_tokens},
+        "output_tokens": result.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+
+
+def _text_part_out(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_text_part_out(text)]
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def _call_item(
+    item_id: str, call: ToolCall, status: str, *, arguments: bool = True
+) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments else "",
+        "status": status,
+    }
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@attrs.define(eq=False)
+class _Renderer:
+    """The Responses API's shapes for one turn."""
+
+    request: ResponsesRequest
+    model: str
+    store: ResponseStore
+    id: str = attrs.field(factory=lambda: _new_id("resp"))
+    created_at: int = attrs.field(factory=lambda: int(time.time()))
+    _sequence: int = attrs.field(default=0, init=False)
+    _output: list[dict[str, Any]] = attrs.field(factory=list, init=False)
+    #: The message item being streamed: (output index, its text so far).
+    _open: tuple[int, list[str]] | None = attrs.field(default=None, init=False)
+    _text: list[str] = attrs.field(factory=list, init=False)
+    _calls: list[ToolCall] = attrs.field(factory=list, init=False)
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return kind, payload
+
+    def _response(
+        self, status: str, ending: Ending | None = None, error: TrioMLXError | None = None
+    ) -> dict[str, Any]:
+        request = self.request
+        incomplete = None
+        if ending is not None and ending.result.finish_reason == "length":
+            incomplete = {"reason": "max_output_tokens"}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None if error is None else {"code": "server_error", "message": error.message},
+            "incomplete_details": incomplete,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "model": self.model,
+            "output": list(self._output),
+            "parallel_tool_calls": True,
+            "previous_response_id": request.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": request.store,
+            "temperature": request.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": request.tool_choice,
+            "tools": request.tools,
+            "top_p": request.top_p,
+            "truncation": "disabled",
+            "usage": None if ending is None else _usage(ending),
+            "metadata": request.metadata,
+        }
+
+    @staticmethod
+    def _status(ending: Ending) -> str:
+        return "incomplete" if ending.result.finish_reason == "length" else "completed"
+
+    def _finish(self, ending: Ending) -> dict[str, Any]:
+        """The final response body; stored when the client asked."""
+        body = self._response(self._status(ending), ending)
+        if self.request.store:
+            said: dict[str, Any] = {"role": "assistant", "content": "".join(self._text)}
+            if self._calls:
+                said["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in self._calls
+                ]
+            conversation = (*self.request.conversation, said)
+            self.store.put(self.id, StoredResponse(body=body, conversation=conversation))
+        return body
+
+    # -- streaming -------------------------------------------------------
+
+    def opened(self, prompt_tokens: int) -> list[Event]:
+        snapshot = self._response("in_progress")
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
+
+    def _open_message(self) -> list[Event]:
+        index = len(self._output)
+        item_id = _new_id("msg")
+        self._output.append(_message_item(item_id, None, "in_progress"))
+        self._open = (index, [])
+        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        return [
+            self._event(
+                "response.output_item.added",
+                output_index=index,
+                item=_message_item(item_id, None, "in_progress"),
+            ),
+            self._event("response.content_part.added", **where, part=_text_part_out("")),
+        ]
+
+    def _close_message(self, status: str) -> list[Event]:
+        if self._open is None:
+            return []
+        index, pieces = self._open
+        self._open = None
+        text = "".join(pieces)
+        item = _message_item(self._output[index]["id"], text, status)
+        self._output[index] = item
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            self._event("response.output_text.done", **where, text=text, logprobs=[]),
+            self._event("response.content_part.done", **where, part=_text_part_out(text)),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def piece(self, piece: Piece) -> list[Event]:
+        if isinstance(piece, str):
+            events = self._open_message() if self._open is None else []
+            assert self._open is not None
+            index, pieces = self._open
+            pieces.append(piece)
+            self._text.append(piece)
+            item_id = self._output[index]["id"]
+            return [
+                *events,
+                self._event(
+                    "response.output_text.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    delta=piece,
+                    logprobs=[],
+                ),
+            ]
+        events = self._close_message("completed")
+        self._calls.append(piece)
+        index = len(self._output)
+        item_id = _new_id("fc")
+        item = _call_item(item_id, piece, "completed")
+        self._output.append(item)
+        where = {"item_id": item_id, "output_index": index}
+        return [
+            *events,
+            self._event(
+                "response.output_item.added",
+                output_index=index,
+                item=_call_item(item_id, piece, "in_progress", arguments=False),
+            ),
+            self._event("response.function_call_arguments.delta", **where, delta=piece.arguments),
+            self._event(
+                "response.function_call_arguments.done",
+                **where,
+                name=piece.name,
+                arguments=piece.arguments,
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def closed(self, ending: Ending) -> list[Event]:
+        status = self._status(ending)
+        events = [] if self._output else self._open_message()
+        events += self._close_message(status)
+        body = self._finish(ending)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return [*events, self._event(kind, response=body)]
+
+    def failed(self, error: TrioMLXError) -> list[Event]:
+        return [self._event("response.failed", response=self._response("failed", error=error))]
+
+    # -- whole -----------------------------------------------------------
+
+    def whole(self, pieces: Sequence[Piece], ending: Ending) -> dict[str, Any]:
+        status = self._status(ending)
+        texts = [p for p in pieces if isinstance(p, str)]
+        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        if texts or not calls:
+            self._output.append(_message_item(_new_id("msg"), "".join(texts), status))
+        self._output.extend(_call_item(_new_id("fc"), c, "completed") for c in calls)
+        self._text, self._calls = texts, calls
+        return self._finish(ending)
+
+
+async def respond(
+    state: ServerState, body: Mapping[str, Any], access: Access
+) -> Response | dict[str, Any]:
+    """Answer one ``POST /v1/responses``."""
+    request = parse_responses(body, state.settings, state.responses)
+    return await run_turn(
+        state,
+        request.generation,
+        lambda model: _Renderer(request, model, state.responses),
+        access,
+    )
+
+
+def stored(state: ServerState, response_id: str) -> dict[str, Any]:
+    """``GET /v1/responses/{id}``: a stored response's body."""
+    found = state.responses.get(response_id)
+    if found is None:
+        raise NotFound(f"no stored response {response_id!r}", param="response_id")
+    return found.body
+
+
+def delete(state: ServerState, response_id: str) -> dict[str, Any]:
+    """``DELETE /v1/responses/{id}``."""
+    if not state.responses.delete(response_id):
+        raise NotFound(f"no stored response {response_id!r}", param="response_id")
+    return {"id": response_id, "object": "response", "deleted": True}
