@@ -284,6 +284,9 @@ async def test_unsupported_fields_are_refused_by_name(
         ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": "Hi", "metadata": {"k": 3}}, "metadata"),
+        ({"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"input": "Hi", "text": {"verbosity": "high"}}, "text.verbosity"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(

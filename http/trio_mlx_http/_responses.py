@@ -107,7 +107,7 @@ class ResponsesRequest:
     top_p: float
     store: bool
     previous_response_id: str | None
-    metadata: dict[str, Any]
+    metadata: dict[str, str]
 
 
 def _text_part(part: Any, where: str) -> str:
@@ -230,6 +230,24 @@ def _text_format(body: Mapping[str, Any]) -> None:
     )
 
 
+def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
+    """OpenAI's metadata rules: at most 16 pairs, keys up to 64 and values up to 512 characters."""
+    metadata = _get(body, "metadata", dict, "an object") or {}
+    if len(metadata) > 16:
+        raise InvalidRequest("metadata may hold at most 16 pairs", param="metadata")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+            raise InvalidRequest(
+                "metadata maps keys of up to 64 characters to strings of up to 512",
+                param="metadata",
+            )
+        try:
+            (key + value).encode()
+        except UnicodeEncodeError:
+            raise InvalidRequest("metadata is not valid Unicode", param="metadata") from None
+    return dict(metadata)
+
+
 def _check_fields(body: Mapping[str, Any]) -> None:
     for name, is_default in REFUSED.items():
         value = body.get(name)
@@ -260,7 +278,7 @@ def parse_responses(
     _text_format(body)
     model = _get(body, "model", str, "a string")
     instructions = _get(body, "instructions", str, "a string")
-    metadata = _get(body, "metadata", dict, "an object") or {}
+    metadata = _metadata(body)
     keep = _get(body, "store", bool, "a boolean")
     stream = bool(_get(body, "stream", bool, "a boolean"))
     previous_id = _get(body, "previous_response_id", str, "a string")
