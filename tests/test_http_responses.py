@@ -147,6 +147,13 @@ async def test_function_call_item_and_its_output_round_trip(tool_server: LiveSer
                 {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
             ],
         )
+        # The agent pattern: only the tool's output, on top of the stored first response.
+        chained = await client.responses.create(
+            model=engine.model_id,
+            tools=TOOLS,
+            previous_response_id=first.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        )
     expected = [
         {"role": "user", "content": "Weather in Paris?"},
         {
@@ -164,6 +171,8 @@ async def test_function_call_item_and_its_output_round_trip(tool_server: LiveSer
     ]
     assert second.usage is not None
     assert second.usage.input_tokens == len(engine.encode(expected, tools=CHAT_TOOLS))
+    assert chained.usage is not None
+    assert chained.usage.input_tokens == second.usage.input_tokens
 
 
 async def test_streamed_function_call_events(tool_server: LiveServer) -> None:
