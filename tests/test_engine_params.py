@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -147,3 +148,17 @@ async def test_prompt_cache_holds_no_more_memory_than_it_counts(tiny_model_path:
         assert cache.nbytes > 0
         # What the cache counts, plus slack for MLX's own small allocations.
         assert held <= 2 * cache.nbytes + 4 * 2**20, (held, cache.nbytes)
+
+
+async def test_extreme_top_k_and_top_p_sample_instead_of_failing(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        vocab = len(engine.tokenizer.get_vocab())
+        base = SamplingParams(max_tokens=8, logit_bias=NO_EOS, temperature=0.8, seed=5)
+        greedy = await engine.complete(PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS))
+        whole = await engine.complete(PROMPT, base)
+        past_vocab = await engine.complete(PROMPT, attrs.evolve(base, top_k=vocab + 1000))
+        tiny_p = await engine.complete(PROMPT, attrs.evolve(base, top_p=1e-300))
+    # top_k past the vocabulary keeps every token: the same draw as no top_k.
+    assert past_vocab.token_ids == whole.token_ids
+    # A vanishing top_p keeps only the most likely token: greedy decoding.
+    assert tiny_p.token_ids == greedy.token_ids

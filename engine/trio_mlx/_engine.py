@@ -547,6 +547,7 @@ class Engine:
                 partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
             )
         self._check_logit_bias(params)
+        params = self._within_vocab(params)
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
             if params.adapter not in self._registry:
@@ -582,6 +583,16 @@ class Engine:
                     f"logit_bias names token {outside[0]}, outside the vocabulary ({vocab})",
                     param="logit_bias",
                 )
+
+    def _within_vocab(self, params: SamplingParams) -> SamplingParams:
+        """A ``top_k`` of the whole vocabulary or more keeps every token: the same as 0 (off).
+
+        mlx-lm's top-k raises for a k outside (0, vocabulary), which would fail the row.
+        """
+        vocab = self._loaded.config.get("vocab_size")
+        if isinstance(vocab, int) and params.top_k >= vocab:
+            return attrs.evolve(params, top_k=0)
+        return params
 
     def _check_kv_group(self, group: int) -> None:
         config = self._loaded.config
