@@ -119,7 +119,7 @@ class Tally:
             problem = f"{status}: {body[:300]!r}"
         elif isinstance(status, int) and 400 <= status < 500 and status != 413:
             # Anthropic's Messages route answers in Anthropic's error shape.
-            anthropic = name.endswith("/v1/messages")
+            anthropic = name.endswith(("/v1/messages", "/v1/messages/count_tokens"))
             shape = {"message", "type"} if anthropic else {"message", "type", "param", "code"}
             try:
                 error = json.loads(body)["error"]

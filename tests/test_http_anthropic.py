@@ -304,3 +304,24 @@ async def test_api_key_is_accepted_as_x_api_key_or_bearer(tiny_model_path: Path)
         assert bearer.status_code == 200
         assert openai_shape.status_code == 401
         assert openai_shape.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_count_tokens_counts_the_prompt_a_message_would_use(tool_server: LiveServer) -> None:
+    engine = tool_server.engine
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    async with _client(tool_server) as client:
+        counted = await client.messages.count_tokens(
+            model=engine.model_id, system="Be brief.", messages=messages, tools=TOOLS
+        )
+        reply = await client.messages.create(
+            model=engine.model_id,
+            max_tokens=4,
+            system="Be brief.",
+            messages=messages,
+            tools=TOOLS,
+        )
+        with pytest.raises(anthropic.BadRequestError):
+            await client.messages.count_tokens(model=engine.model_id, messages=[])
+    assert counted.input_tokens == reply.usage.input_tokens
+    expected = [{"role": "system", "content": "Be brief."}, *messages]
+    assert counted.input_tokens == len(engine.encode(expected, tools=CHAT_TOOLS))

@@ -25,13 +25,14 @@ from quart import Response
 
 from trio_mlx import InvalidRequest, TrioMLXError
 from trio_mlx_http._errors import anthropic_error_body
+from trio_mlx_http._generation import _check_tools, _resolve_model
 from trio_mlx_http._schema import GenerationRequest, _get, _messages, _sampling
 from trio_mlx_http._settings import Settings
 from trio_mlx_http._state import Access, ServerState
 from trio_mlx_http._tools import ToolCall
 from trio_mlx_http._turn import Ending, Event, Piece, run_turn
 
-__all__ = ["IGNORED", "REFUSED", "parse_messages", "respond"]
+__all__ = ["IGNORED", "REFUSED", "count_tokens", "parse_messages", "respond"]
 
 #: Fields that cannot change the output: accepted and ignored.
 IGNORED = frozenset(
@@ -202,10 +203,14 @@ def _check_fields(body: Mapping[str, Any]) -> None:
             raise _unsupported(name)
 
 
-def parse_messages(body: Mapping[str, Any], settings: Settings) -> GenerationRequest:
-    """Validate a ``/v1/messages`` body."""
+def parse_messages(
+    body: Mapping[str, Any], settings: Settings, *, counting: bool = False
+) -> GenerationRequest:
+    """Validate a ``/v1/messages`` body (``counting``: a ``count_tokens`` body, no max_tokens)."""
     _check_fields(body)
     model = _get(body, "model", str, "a string")
+    if counting:
+        body = {**body, "max_tokens": 1}
     if body.get("max_tokens") is None:
         raise InvalidRequest("max_tokens is required", param="max_tokens")
     temperature = _get(body, "temperature", (int, float), "a number")
@@ -375,3 +380,11 @@ async def respond(
     """Answer one ``POST /v1/messages``."""
     request = parse_messages(body, state.settings)
     return await run_turn(state, request, _Renderer, access)
+
+
+def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str, Any]:
+    """``POST /v1/messages/count_tokens``: the prompt's length, tools included."""
+    request = parse_messages(body, state.settings, counting=True)
+    _model, request = _resolve_model(state, request)
+    _check_tools(state, request.tools)
+    return {"input_tokens": len(state.engine.encode(request.prompts[0], tools=request.tools))}

@@ -175,6 +175,10 @@ def _install_generation(app: QuartTrio) -> None:
     async def messages() -> Response | dict[str, Any]:
         return await _anthropic.respond(_state(), await _body(), g.access)
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens() -> dict[str, Any]:
+        return _anthropic.count_tokens(_state(), await _body())
+
 
 def _model_card(state: ServerState, model_id: str, parent: str | None = None) -> dict[str, Any]:
     card: dict[str, Any] = {

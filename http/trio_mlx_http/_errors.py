@@ -44,7 +44,7 @@ _HTTP_TYPES = {
 }
 
 #: Routes that speak Anthropic's Messages API: their errors use Anthropic's shape.
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 #: Anthropic's ``error.type`` by HTTP status (anything else is ``api_error``).
 _ANTHROPIC_TYPES = {

@@ -263,6 +263,10 @@ _MESSAGES_REQUEST = {
 _SCHEMAS: dict[str, Any] = {
     "ResponsesRequest": _RESPONSES_REQUEST,
     "MessagesRequest": _MESSAGES_REQUEST,
+    "CountTokensRequest": {
+        **_MESSAGES_REQUEST,
+        "required": ["messages"],
+    },
     "AnthropicError": {
         "type": "object",
         "required": ["type", "error"],
@@ -559,6 +563,16 @@ def openapi(model_id: str) -> dict[str, Any]:
                 "post": _anthropic_errors(
                     _generation_op(
                         "Anthropic Messages API: one message", "MessagesRequest", "The message"
+                    )
+                )
+            },
+            "/v1/messages/count_tokens": {
+                "post": _anthropic_errors(
+                    _op(
+                        "Anthropic Messages API: count a prompt's tokens",
+                        _json({"type": "object"}, "{input_tokens}"),
+                        body="CountTokensRequest",
+                        errors=(400, 401, 404, 413),
                     )
                 )
             },
