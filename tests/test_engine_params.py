@@ -162,3 +162,22 @@ async def test_extreme_top_k_and_top_p_sample_instead_of_failing(tiny_model_path
     assert past_vocab.token_ids == whole.token_ids
     # A vanishing top_p keeps only the most likely token: greedy decoding.
     assert tiny_p.token_ids == greedy.token_ids
+
+
+async def test_a_vanishing_temperature_is_greedy_and_spoils_no_later_row(
+    tiny_model_path: Path,
+) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        greedy = await engine.complete(PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS))
+        tiny = [
+            await engine.complete(
+                PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS, temperature=t)
+            )
+            for t in (1e-300, 5e-324)
+        ]
+        # top_k=1 keeps only the most likely token: greedy, whatever the random state.
+        top_1 = await engine.complete(
+            PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS, temperature=1.0, top_k=1)
+        )
+    assert [c.token_ids for c in tiny] == [greedy.token_ids] * 2
+    assert top_1.token_ids == greedy.token_ids

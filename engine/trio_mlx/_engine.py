@@ -37,6 +37,8 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 DEFAULT_PARAMS = SamplingParams()
 #: Prompts (characters, or token ids) up to this size are tokenized on the event loop.
 _INLINE_PROMPT = 1024
+#: Temperatures below this are greedy decoding (1 / 1e-30 still fits float32).
+_TEMPERATURE_FLOOR = 1e-30
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
@@ -547,7 +549,7 @@ class Engine:
                 partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
             )
         self._check_logit_bias(params)
-        params = self._within_vocab(params)
+        params = self._sampler_safe(params)
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
             if params.adapter not in self._registry:
@@ -584,14 +586,20 @@ class Engine:
                     param="logit_bias",
                 )
 
-    def _within_vocab(self, params: SamplingParams) -> SamplingParams:
-        """A ``top_k`` of the whole vocabulary or more keeps every token: the same as 0 (off).
+    def _sampler_safe(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with two values mlx-lm's sampler cannot take replaced by their meaning.
 
-        mlx-lm's top-k raises for a k outside (0, vocabulary), which would fail the row.
+        A ``top_k`` of the whole vocabulary or more keeps every token: the same as
+        0 (off); mlx-lm's top-k raises for a k outside (0, vocabulary). A
+        temperature whose inverse overflows float32 is greedy decoding in the
+        limit; mlx-lm would scale the logits by inf, sample garbage and (measured
+        with 5e-324) leave later sampled rows of the process drawing garbage too.
         """
         vocab = self._loaded.config.get("vocab_size")
         if isinstance(vocab, int) and params.top_k >= vocab:
-            return attrs.evolve(params, top_k=0)
+            params = attrs.evolve(params, top_k=0)
+        if 0 < params.temperature < _TEMPERATURE_FLOOR:
+            params = attrs.evolve(params, temperature=0.0)
         return params
 
     def _check_kv_group(self, group: int) -> None:
