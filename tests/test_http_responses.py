@@ -249,8 +249,32 @@ def test_store_forgets_the_least_recently_used_response() -> None:
         True,
     )
     assert len(store) == 2
-    with pytest.raises(ValueError, match="capacity must be >= 1"):
+    with pytest.raises(ValueError, match="capacity and max_bytes must be >= 1"):
         ResponseStore(capacity=0)
+
+
+def test_store_keeps_within_its_byte_budget() -> None:
+    def stored(text: str) -> StoredResponse:
+        return StoredResponse(body={}, conversation=({"role": "user", "content": text},))
+
+    store = ResponseStore(capacity=100, max_bytes=300)
+    store.put("a", stored("x" * 100))
+    store.put("b", stored("y" * 100))
+    assert store.bytes <= 300
+    store.put("c", stored("z" * 100))  # over budget: "a", the least recently used, goes
+    assert (store.get("a"), store.get("b") is not None, store.get("c") is not None) == (
+        None,
+        True,
+        True,
+    )
+    assert store.bytes <= 300
+    store.put("huge", stored("h" * 400))  # larger than the whole budget: not kept
+    assert store.get("huge") is None
+    assert store.get("b") is not None
+    assert store.delete("b")
+    assert not store.delete("b")
+    store.put("c", stored("short"))  # replacing an entry recounts it
+    assert store.bytes == len(json.dumps([{}, ({"role": "user", "content": "short"},)]))
 
 
 @pytest.mark.parametrize(

@@ -288,7 +288,8 @@ def parse_responses(
         if stored is None:
             raise InvalidRequest(
                 f"previous response {previous_id!r} is not stored here (it was not stored, or "
-                f"the store, which keeps the last {store.capacity} responses, forgot it); "
+                f"the store, which keeps the last {store.capacity} responses up to "
+                f"{store.max_bytes // (1 << 20)} MiB, forgot it); "
                 "send the whole conversation in input instead",
                 param="previous_response_id",
                 code="previous_response_not_found",
