@@ -166,3 +166,23 @@ async def test_failure_mid_stream_ends_with_the_apis_error_event(
         assert [p["sequence_number"] for _, p in events] == list(range(len(events)))
     assert any("delta" in n for n, _ in events)
     assert f'trio_mlx_http_requests_total{{endpoint="{path}",status="500"}} 1.0' in metrics
+
+
+async def test_both_apis_and_chat_decode_in_one_batch(endless_model_path: Path) -> None:
+    chat = {
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 1500,
+        "stream": True,
+    }
+    async with (
+        live_server(endless_model_path) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+        contextlib.AsyncExitStack() as streams,
+    ):
+        engine = server.engine
+        for path, body in [*LONG.items(), ("/v1/chat/completions", chat)]:
+            response = await streams.enter_async_context(http.stream("POST", path, json=body))
+            assert response.status_code == 200
+        with trio.fail_after(10):
+            await wait_until(lambda: engine.statistics().running_rows == 3)
+        assert engine.statistics().queued_rows == 0
