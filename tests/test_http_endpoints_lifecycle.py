@@ -186,3 +186,28 @@ async def test_both_apis_and_chat_decode_in_one_batch(endless_model_path: Path) 
         with trio.fail_after(10):
             await wait_until(lambda: engine.statistics().running_rows == 3)
         assert engine.statistics().queued_rows == 0
+
+
+@pytest.mark.parametrize("path", sorted(LONG))
+async def test_a_queued_stream_opens_before_its_first_token(
+    endless_model_path: Path, path: str
+) -> None:
+    async with (
+        live_server(endless_model_path, max_batch=2, max_queue=2) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+        contextlib.AsyncExitStack() as streams,
+    ):
+        engine = server.engine
+        for _ in range(2):  # endless rows fill the batch
+            busy = await streams.enter_async_context(
+                http.stream("POST", "/v1/chat/completions", json=LONG["/v1/messages"])
+            )
+            assert busy.status_code == 200
+        with trio.fail_after(10):
+            await wait_until(lambda: engine.statistics().running_rows == 2)
+        waiting = await streams.enter_async_context(http.stream("POST", path, json=LONG[path]))
+        lines = waiting.aiter_lines()
+        first = await anext(line async for line in lines if line.startswith("event: "))
+        # The batch holds only the endless chats: this request is still queued, tokenless.
+        assert (engine.statistics().running_rows, engine.statistics().queued_rows) == (2, 1)
+    assert first in ("event: message_start", "event: response.created")

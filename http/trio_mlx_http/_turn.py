@@ -162,7 +162,10 @@ async def _stream(
             admitted = True
             yield b""  # primed: admitted
             try:
-                events = renderer.opened(stream.prompt_tokens)
+                # The opening events go out at once, before the first token.
+                for name, payload in renderer.opened(stream.prompt_tokens):
+                    yield _sse.named_event(name, payload)
+                events: list[Event] = []
                 token_ids: list[int] = []
                 async for delta in stream:
                     token_ids.extend(delta.token_ids)
