@@ -65,4 +65,13 @@ def endless_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathF
     from tool_model import make_tool_model
 
     path = tmp_path_factory.mktemp("models") / "endless-llama"
-    return make_tool_model(tiny_model_path, path, endless=True)
+    return make_tool_model(tiny_model_path, path, answer="endless")
+
+
+@pytest.fixture(scope="session")
+def text_call_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model rewired to answer every chat with the text "a", then one json_tools call."""
+    from tool_model import make_tool_model
+
+    path = tmp_path_factory.mktemp("models") / "text-call-llama"
+    return make_tool_model(tiny_model_path, path, answer="text-call")

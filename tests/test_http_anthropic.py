@@ -325,3 +325,31 @@ async def test_count_tokens_counts_the_prompt_a_message_would_use(tool_server: L
     assert counted.input_tokens == reply.usage.input_tokens
     expected = [{"role": "system", "content": "Be brief."}, *messages]
     assert counted.input_tokens == len(engine.encode(expected, tools=CHAT_TOOLS))
+
+
+async def test_text_then_tool_use_are_two_blocks(text_call_model_path: Path) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Weather?"}]
+    async with live_server(text_call_model_path) as server, _client(server) as client:
+        model = server.engine.model_id
+        whole = await client.messages.create(
+            model=model, max_tokens=10, messages=messages, tools=TOOLS
+        )
+        stream = await client.messages.create(
+            model=model, max_tokens=10, messages=messages, tools=TOOLS, stream=True
+        )
+        events = [event async for event in stream]
+    assert [block.type for block in whole.content] == ["text", "tool_use"]
+    assert whole.stop_reason == "tool_use"
+    assert _text(whole) == "a"
+    assert [(e.type, getattr(e, "index", None)) for e in events] == [
+        ("message_start", None),
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_stop", 1),
+        ("message_delta", None),
+        ("message_stop", None),
+    ]
+    assert events[-2].delta.stop_reason == "tool_use"  # type: ignore[union-attr]

@@ -359,3 +359,35 @@ async def test_deleted_response_is_gone(server: LiveServer) -> None:
         await client.responses.delete(reply.id)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(reply.id)
+
+
+async def test_text_then_call_closes_the_message_before_the_call(
+    text_call_model_path: Path,
+) -> None:
+    async with live_server(text_call_model_path) as server, _client(server) as client:
+        model = server.engine.model_id
+        whole = await client.responses.create(model=model, input="Weather?", tools=TOOLS)
+        async with client.responses.stream(model=model, input="Weather?", tools=TOOLS) as stream:
+            events = [event async for event in stream]
+            final = await stream.get_final_response()
+    assert [item.type for item in whole.output] == ["message", "function_call"]
+    assert whole.output_text == "a"
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.output_index for e in added] == [0, 1]  # type: ignore[union-attr]
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert final.output_text == "a"

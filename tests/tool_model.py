@@ -82,11 +82,13 @@ def _add_token(directory: Path, token_id: int) -> tuple[int, int]:
     return ids[-1], tokenizer.encode("a").ids[0]
 
 
-def make_tool_model(base: Path, out: Path, *, endless: bool = False) -> Path:
+def make_tool_model(base: Path, out: Path, *, answer: str = "call") -> Path:
     """Copy the tiny model at ``base`` to ``out`` and rewire it as described above.
 
-    ``endless`` wires it instead to answer ``a`` forever (never EOS), for tests
-    that need a row to keep running whatever the API lets a client ask.
+    ``answer`` picks what every chat gets: ``"call"`` the call then EOS;
+    ``"text-call"`` the text ``a``, the call, then EOS (text before a call);
+    ``"endless"`` ``a`` forever, never EOS, for tests that need a row to keep
+    running whatever the API lets a client ask.
     """
     import mlx.core as mx
 
@@ -112,12 +114,18 @@ def make_tool_model(base: Path, out: Path, *, endless: bool = False) -> Path:
         head[emit] = unit(embed[after]) * _MARGIN
 
     eos = 2  # <|im_end|>
-    if endless:
+    if answer == "endless":
         # One row that wins after the prompt and after itself: "a" forever.
         head[letter] = (unit(embed[last_prompt_token]) + unit(embed[letter])) * _MARGIN
-    else:
+    elif answer == "text-call":
+        wire(last_prompt_token, letter)
+        wire(letter, call_id)
+        wire(call_id, eos)
+    elif answer == "call":
         wire(last_prompt_token, call_id)
         wire(call_id, eos)
+    else:
+        raise ValueError(f"answer must be 'call', 'text-call' or 'endless', not {answer!r}")
     weights["model.embed_tokens.weight"] = embed
     weights["lm_head.weight"] = head
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
