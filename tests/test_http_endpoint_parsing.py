@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_mlx import InvalidRequest
-from trio_mlx_http import _anthropic, _responses
+from trio_mlx_http import _anthropic, _response_request
 from trio_mlx_http._response_store import ResponseStore, StoredResponse
 from trio_mlx_http._settings import Settings
 
@@ -58,7 +58,7 @@ _RESPONSES_BODY = st.fixed_dictionaries(
         "store": _JSON,
         "previous_response_id": st.sampled_from(["resp_1", "resp_2"]) | _JSON,
         "metadata": _JSON,
-        **dict.fromkeys(_responses.REFUSED, _JSON),
+        **dict.fromkeys(_response_request.REFUSED, _JSON),
     },
 )
 
@@ -105,7 +105,7 @@ def _refusal(parse: Callable[[], object]) -> InvalidRequest | None:
 def test_any_responses_body_parses_or_is_a_400_naming_a_field(body: dict[str, Any]) -> None:
     store = ResponseStore(capacity=4)
     store.put("resp_1", StoredResponse(body={}, conversation=({"role": "user", "content": "x"},)))
-    refused = _refusal(lambda: _responses.parse_responses(body, Settings(), store))
+    refused = _refusal(lambda: _response_request.parse_responses(body, Settings(), store))
     if refused is not None:
         assert refused.param
         assert refused.param.split(".")[0].split("[")[0] in {*body, "input"}
