@@ -353,3 +353,20 @@ async def test_text_then_tool_use_are_two_blocks(text_call_model_path: Path) -> 
         ("message_stop", None),
     ]
     assert events[-2].delta.stop_reason == "tool_use"  # type: ignore[union-attr]
+
+
+async def test_a_final_assistant_message_is_continued(server: LiveServer) -> None:
+    engine = server.engine
+    messages: list[Any] = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Lists are"},
+    ]
+    async with _client(server) as client:
+        reply = await client.messages.create(model=engine.model_id, max_tokens=4, messages=messages)
+        counted = await client.messages.count_tokens(model=engine.model_id, messages=messages)
+    # The prompt stops inside the assistant's turn (ChatML: no <|im_end|> after the prefill).
+    open_turn = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nLists are"
+    expected = len(engine.tokenizer.encode(open_turn, add_special_tokens=False))
+    assert reply.usage.input_tokens == counted.input_tokens == expected
+    closed = len(engine.encode(messages))
+    assert expected < closed

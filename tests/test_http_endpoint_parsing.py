@@ -116,7 +116,8 @@ def test_any_responses_body_parses_or_is_a_400_naming_a_field(body: dict[str, An
 def test_any_messages_body_parses_or_is_a_400_naming_a_field(body: dict[str, Any]) -> None:
     refused = _refusal(lambda: _anthropic.parse_messages(body, Settings()))
     if refused is None:
-        assert _anthropic.parse_messages(body, Settings()).params.max_tokens == body["max_tokens"]
+        parsed = _anthropic.parse_messages(body, Settings())
+        assert parsed.generation.params.max_tokens == body["max_tokens"]
     else:
         assert refused.param
         assert refused.param.split(".")[0].split("[")[0] in {*body, "max_tokens", "messages"}

@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
+import trio
 from quart import Response
 
 from trio_mlx import InvalidRequest, TrioMLXError
@@ -32,7 +33,7 @@ from trio_mlx_http._state import Access, ServerState
 from trio_mlx_http._tools import ToolCall
 from trio_mlx_http._turn import Ending, Event, Piece, run_turn
 
-__all__ = ["IGNORED", "REFUSED", "count_tokens", "parse_messages", "respond"]
+__all__ = ["IGNORED", "REFUSED", "MessagesRequest", "count_tokens", "parse_messages", "respond"]
 
 #: Fields that cannot change the output: accepted and ignored.
 IGNORED = frozenset(
@@ -203,9 +204,29 @@ def _check_fields(body: Mapping[str, Any]) -> None:
             raise _unsupported(name)
 
 
+@attrs.frozen
+class MessagesRequest:
+    """A validated Messages request."""
+
+    generation: GenerationRequest
+    #: The last message is the assistant's own text: the answer continues it
+    #: (Anthropic's "prefill") instead of starting a new turn.
+    prefill: bool
+
+
+def _is_prefill(body: Mapping[str, Any], conversation: list[dict[str, Any]]) -> bool:
+    last = conversation[-1]
+    return (
+        body["messages"][-1].get("role") == "assistant"
+        and last["role"] == "assistant"
+        and bool(last["content"])
+        and "tool_calls" not in last
+    )
+
+
 def parse_messages(
     body: Mapping[str, Any], settings: Settings, *, counting: bool = False
-) -> GenerationRequest:
+) -> MessagesRequest:
     """Validate a ``/v1/messages`` body (``counting``: a ``count_tokens`` body, no max_tokens)."""
     _check_fields(body)
     model = _get(body, "model", str, "a string")
@@ -226,15 +247,61 @@ def parse_messages(
     if stops:
         extra["stop"] = stops
     params = _sampling(sampling, settings, extra, {"stop": "stop_sequences"})
-    return GenerationRequest(
+    conversation = _conversation(body)
+    generation = GenerationRequest(
         model=model,
-        prompts=(_conversation(body),),
+        prompts=(conversation,),
         params=params,
         n=1,
         stream=bool(_get(body, "stream", bool, "a boolean")),
         include_usage=False,
         tools=_tools(body),
     )
+    return MessagesRequest(generation, _is_prefill(body, conversation))
+
+
+#: One prefill rendering at a time, off the event loop (as the engine tokenizes).
+_RENDER_LIMITER = trio.CapacityLimiter(1)
+
+
+def _continued(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+    """Token ids of ``messages`` with the last (assistant) one left open to continue."""
+    kwargs: dict[str, Any] = {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "tokenize": False,
+    }
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        text = str(tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs))
+    except Exception as exc:
+        raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from None
+    if not text.rstrip().endswith(str(messages[-1]["content"]).rstrip()):
+        raise InvalidRequest(
+            "this model's chat template cannot continue a final assistant message; "
+            "end the messages with a user message",
+            param="messages",
+            code="unsupported_parameter",
+        )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def _prompt(state: ServerState, request: MessagesRequest) -> GenerationRequest:
+    """The engine request: a prefill is rendered here, left open, and sent as token ids."""
+    generation = request.generation
+    if not request.prefill:
+        return generation
+    # parse_messages put the chat there.
+    messages = cast("list[dict[str, Any]]", generation.prompts[0])
+    tokens = await trio.to_thread.run_sync(
+        _continued,
+        state.engine.tokenizer,
+        messages,
+        generation.tools,
+        limiter=_RENDER_LIMITER,
+    )
+    return attrs.evolve(generation, prompts=(tokens,))
 
 
 def _stop_reason(ending: Ending) -> str:
@@ -378,13 +445,13 @@ async def respond(
     state: ServerState, body: Mapping[str, Any], access: Access
 ) -> Response | dict[str, Any]:
     """Answer one ``POST /v1/messages``."""
-    request = parse_messages(body, state.settings)
+    request = await _prompt(state, parse_messages(body, state.settings))
     return await run_turn(state, request, _Renderer, access)
 
 
-def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str, Any]:
+async def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str, Any]:
     """``POST /v1/messages/count_tokens``: the prompt's length, tools included."""
-    request = parse_messages(body, state.settings, counting=True)
+    request = await _prompt(state, parse_messages(body, state.settings, counting=True))
     _model, request = _resolve_model(state, request)
     _check_tools(state, request.tools)
     return {"input_tokens": len(state.engine.encode(request.prompts[0], tools=request.tools))}

@@ -177,7 +177,7 @@ def _install_generation(app: QuartTrio) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens() -> dict[str, Any]:
-        return _anthropic.count_tokens(_state(), await _body())
+        return await _anthropic.count_tokens(_state(), await _body())
 
 
 def _model_card(state: ServerState, model_id: str, parent: str | None = None) -> dict[str, Any]:
