@@ -256,6 +256,7 @@ def parse_messages(
         stream=bool(_get(body, "stream", bool, "a boolean")),
         include_usage=False,
         tools=_tools(body),
+        chat_template_kwargs=dict(settings.chat_template_args) or None,
     )
     return MessagesRequest(generation, _is_prefill(body, conversation))
 
@@ -264,9 +265,12 @@ def parse_messages(
 _RENDER_LIMITER = trio.CapacityLimiter(1)
 
 
-def _continued(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+def _continued(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: Any, template: dict[str, Any] | None
+) -> list[int]:
     """Token ids of ``messages`` with the last (assistant) one left open to continue."""
     kwargs: dict[str, Any] = {
+        **(template or {}),
         "add_generation_prompt": False,
         "continue_final_message": True,
         "tokenize": False,
@@ -299,6 +303,7 @@ async def _prompt(state: ServerState, request: MessagesRequest) -> GenerationReq
         state.engine.tokenizer,
         messages,
         generation.tools,
+        generation.chat_template_kwargs,
         limiter=_RENDER_LIMITER,
     )
     return attrs.evolve(generation, prompts=(tokens,))
@@ -454,4 +459,7 @@ async def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str,
     request = await _prompt(state, parse_messages(body, state.settings, counting=True))
     _model, request = _resolve_model(state, request)
     _check_tools(state, request.tools)
-    return {"input_tokens": len(state.engine.encode(request.prompts[0], tools=request.tools))}
+    tokens = state.engine.encode(
+        request.prompts[0], tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
+    )
+    return {"input_tokens": len(tokens)}

@@ -296,6 +296,7 @@ def parse_responses(
         stream=stream,
         include_usage=False,
         tools=chat_tools or None,
+        chat_template_kwargs=dict(settings.chat_template_args) or None,
     )
     return ResponsesRequest(
         generation=generation,

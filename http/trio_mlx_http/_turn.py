@@ -114,7 +114,7 @@ def _prepare(
 ) -> tuple[str, GenerationRequest, _Splitter]:
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
-    return model, request, _Splitter(_extractor(state, request.tools))
+    return model, request, _Splitter(_extractor(state, request))
 
 
 async def run_turn(
@@ -135,7 +135,10 @@ async def run_turn(
         access.by_body = True
         return Response(body, status=200, headers=_sse.SSE_HEADERS, content_type=_sse.CONTENT_TYPE)
     completion = await state.engine.complete(
-        request.prompts[0], request.params, tools=request.tools
+        request.prompts[0],
+        request.params,
+        tools=request.tools,
+        chat_template_kwargs=request.chat_template_kwargs,
     )
     result = completion.result
     access.tokens = result.completion_tokens
@@ -157,7 +160,10 @@ async def _stream(
     admitted = False
     try:
         async with state.engine.generate(
-            request.prompts[0], request.params, tools=request.tools
+            request.prompts[0],
+            request.params,
+            tools=request.tools,
+            chat_template_kwargs=request.chat_template_kwargs,
         ) as stream:
             admitted = True
             yield b""  # primed: admitted
