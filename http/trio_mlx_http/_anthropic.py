@@ -31,7 +31,7 @@ from trio_mlx_http._schema import GenerationRequest, _get, _messages, _sampling
 from trio_mlx_http._settings import Settings
 from trio_mlx_http._state import Access, ServerState
 from trio_mlx_http._tools import ToolCall
-from trio_mlx_http._turn import Ending, Event, Piece, run_turn
+from trio_mlx_http._turn import Ending, Event, Piece, Thought, run_turn
 
 __all__ = ["IGNORED", "REFUSED", "MessagesRequest", "count_tokens", "parse_messages", "respond"]
 
@@ -143,6 +143,9 @@ def _message(message: Any, where: str) -> list[dict[str, Any]]:
             results.append(_tool_result(block, at))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            # Anthropic leaves earlier turns' thinking out of the context; so do we.
+            continue
         else:
             texts.append(_block_text(block, at))
     out = results
@@ -256,9 +259,17 @@ def parse_messages(
         stream=bool(_get(body, "stream", bool, "a boolean")),
         include_usage=False,
         tools=_tools(body),
-        chat_template_kwargs=dict(settings.chat_template_args) or None,
+        chat_template_kwargs=_template_kwargs(body, settings),
     )
     return MessagesRequest(generation, _is_prefill(body, conversation))
+
+
+def _template_kwargs(body: Mapping[str, Any], settings: Settings) -> dict[str, Any] | None:
+    """The server's chat template arguments; ``thinking: disabled`` adds ``enable_thinking``."""
+    kwargs = dict(settings.chat_template_args)
+    if body.get("thinking") is not None:  # _check_fields let only {"type": "disabled"} through
+        kwargs["enable_thinking"] = False
+    return kwargs or None
 
 
 #: One prefill rendering at a time, off the event loop (as the engine tokenizes).
@@ -343,9 +354,9 @@ class _Renderer:
 
     model: str
     id: str = attrs.field(factory=lambda: f"msg_{uuid.uuid4().hex}")
-    #: Index of the next content block, and whether a text block is open.
+    #: Index of the next content block, and the kind of the open one ("text", "thinking").
     _blocks: int = attrs.field(default=0, init=False)
-    _text_open: bool = attrs.field(default=False, init=False)
+    _open: str | None = attrs.field(default=None, init=False)
 
     def _message(
         self, content: list[dict[str, Any]], ending: Ending | None, input_tokens: int
@@ -369,31 +380,35 @@ class _Renderer:
         message = self._message([], None, prompt_tokens)
         return [("message_start", {"type": "message_start", "message": message})]
 
-    def _close_text(self) -> list[Event]:
-        if not self._text_open:
+    def _close(self) -> list[Event]:
+        if self._open is None:
             return []
-        self._text_open = False
+        self._open = None
         self._blocks += 1
         return [("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
 
+    def _streamed(self, kind: str, text: str) -> list[Event]:
+        """A text or thinking delta, opening its block first if another kind is open."""
+        events: list[Event] = []
+        if self._open != kind:
+            events = self._close()
+            self._open = kind
+            block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+            start = {"type": "content_block_start", "index": self._blocks, "content_block": block}
+            events.append(("content_block_start", start))
+        delta = {
+            "type": "content_block_delta",
+            "index": self._blocks,
+            "delta": {"type": f"{kind}_delta", kind: text},
+        }
+        return [*events, ("content_block_delta", delta)]
+
     def piece(self, piece: Piece) -> list[Event]:
         if isinstance(piece, str):
-            events: list[Event] = []
-            if not self._text_open:
-                self._text_open = True
-                start = {
-                    "type": "content_block_start",
-                    "index": self._blocks,
-                    "content_block": {"type": "text", "text": ""},
-                }
-                events.append(("content_block_start", start))
-            delta = {
-                "type": "content_block_delta",
-                "index": self._blocks,
-                "delta": {"type": "text_delta", "text": piece},
-            }
-            return [*events, ("content_block_delta", delta)]
-        events = self._close_text()
+            return self._streamed("text", piece)
+        if isinstance(piece, Thought):
+            return self._streamed("thinking", piece.text)
+        events = self._close()
         index = self._blocks
         self._blocks += 1
         arguments = json.dumps(_tool_input(piece), ensure_ascii=False)
@@ -419,7 +434,7 @@ class _Renderer:
         ]
 
     def closed(self, ending: Ending) -> list[Event]:
-        events = self._close_text()
+        events = self._close()
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": _stop_reason(ending), "stop_sequence": ending.stop_sequence},
@@ -439,10 +454,13 @@ class _Renderer:
         for piece in pieces:
             if isinstance(piece, ToolCall):
                 content.append(_tool_block(piece))
-            elif content and content[-1]["type"] == "text":
-                content[-1]["text"] += piece
+                continue
+            kind, text = ("thinking", piece.text) if isinstance(piece, Thought) else ("text", piece)
+            if content and content[-1]["type"] == kind:
+                content[-1][kind] += text
             else:
-                content.append({"type": "text", "text": piece})
+                block = {"type": kind, kind: text}
+                content.append({**block, "signature": ""} if kind == "thinking" else block)
         return self._message(content, ending, ending.result.prompt_tokens)
 
 

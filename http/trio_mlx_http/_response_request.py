@@ -17,7 +17,7 @@ import attrs
 
 from trio_mlx import InvalidRequest
 from trio_mlx_http._response_store import ResponseStore
-from trio_mlx_http._schema import GenerationRequest, _get, _messages, _sampling
+from trio_mlx_http._schema import _EFFORTS, GenerationRequest, _get, _messages, _sampling
 from trio_mlx_http._settings import Settings
 
 __all__ = ["IGNORED", "REFUSED", "ResponsesRequest", "parse_responses"]
@@ -40,10 +40,6 @@ def _never(_value: Any) -> bool:
     return False
 
 
-def _reasoning_default(value: Any) -> bool:
-    return isinstance(value, dict) and all(v is None for v in value.values())
-
-
 #: Known fields the server does not support: each accepts only its default
 #: (or null); any other value is 400 ``unsupported_parameter``.
 REFUSED: dict[str, Callable[[Any], bool]] = {
@@ -55,7 +51,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "max_tool_calls": _never,
     "parallel_tool_calls": lambda v: v is True,
     "truncation": lambda v: v == "disabled",
-    "reasoning": _reasoning_default,
     "context_management": _never,
     "moderation": _never,
     "image": _never,
@@ -142,6 +137,10 @@ def _input_item(item: Any, where: str, out: list[dict[str, Any]]) -> None:
             last.setdefault("tool_calls", []).append(call)
         else:
             out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "reasoning":
+        # Earlier reasoning is not part of the prompt: chat templates drop it from
+        # past turns, and this server renders every turn with the chat template.
+        return
     elif kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise InvalidRequest(f"{where}.call_id must be a string", param=f"{where}.call_id")
@@ -149,8 +148,8 @@ def _input_item(item: Any, where: str, out: list[dict[str, Any]]) -> None:
         out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
     else:
         raise InvalidRequest(
-            f"{where}.type {kind!r} is not supported; send 'message', 'function_call' "
-            "or 'function_call_output' items",
+            f"{where}.type {kind!r} is not supported; send 'message', 'function_call', "
+            "'function_call_output' or 'reasoning' items",
             param=f"{where}.type",
         )
 
@@ -210,6 +209,22 @@ def _text_format(body: Mapping[str, Any]) -> None:
     raise InvalidRequest(
         "text.format.type must be 'text', 'json_schema' or 'json_object'", param="text.format"
     )
+
+
+def _reasoning(body: Mapping[str, Any]) -> str | None:
+    """``reasoning.effort`` (for a chat template that reads it); a summary is refused."""
+    reasoning = _get(body, "reasoning", dict, "an object")
+    if reasoning is None:
+        return None
+    for name in ("summary", "generate_summary"):
+        if reasoning.get(name) is not None:
+            raise _unsupported(f"reasoning.{name}", "the reasoning is returned whole")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidRequest(
+            f"reasoning.effort must be one of {', '.join(_EFFORTS)}", param="reasoning.effort"
+        )
+    return effort if isinstance(effort, str) else None
 
 
 def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
@@ -297,6 +312,7 @@ def parse_responses(
         include_usage=False,
         tools=chat_tools or None,
         chat_template_kwargs=dict(settings.chat_template_args) or None,
+        reasoning_effort=_reasoning(body),
     )
     return ResponsesRequest(
         generation=generation,

@@ -16,12 +16,12 @@ from typing import Any
 import attrs
 from quart import Response
 
-from trio_mlx import NotFound, TrioMLXError
+from trio_mlx import InvalidRequest, NotFound, TrioMLXError
 from trio_mlx_http._response_request import ResponsesRequest, parse_responses
 from trio_mlx_http._response_store import ResponseStore, StoredResponse
 from trio_mlx_http._state import Access, ServerState
 from trio_mlx_http._tools import ToolCall
-from trio_mlx_http._turn import Ending, Event, Piece, run_turn
+from trio_mlx_http._turn import Ending, Event, Piece, Thought, run_turn
 
 __all__ = ["delete", "respond", "stored"]
 
@@ -32,7 +32,7 @@ def _usage(ending: Ending) -> dict[str, Any]:
         "input_tokens": result.prompt_tokens,
         "input_tokens_details": {"cached_tokens": result.cached_tokens},
         "output_tokens": result.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": ending.reasoning_tokens},
         "total_tokens": result.prompt_tokens + result.completion_tokens,
     }
 
@@ -50,6 +50,11 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]
         "status": status,
         "content": content,
     }
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
 def _call_item(
@@ -82,6 +87,8 @@ class _Renderer:
     _output: list[dict[str, Any]] = attrs.field(factory=list, init=False)
     #: The message item being streamed: (output index, its text so far).
     _open: tuple[int, list[str]] | None = attrs.field(default=None, init=False)
+    #: The reasoning item being streamed: (output index, its text so far).
+    _thinking: tuple[int, list[str]] | None = attrs.field(default=None, init=False)
     _text: list[str] = attrs.field(factory=list, init=False)
     _calls: list[ToolCall] = attrs.field(factory=list, init=False)
 
@@ -183,7 +190,40 @@ class _Renderer:
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
+    def _think(self, text: str) -> list[Event]:
+        events = self._close_message("completed")
+        if self._thinking is None:
+            index = len(self._output)
+            item = _reasoning_item(_new_id("rs"), None, "in_progress")
+            self._output.append(item)
+            self._thinking = (index, [])
+            events.append(self._event("response.output_item.added", output_index=index, item=item))
+        index, pieces = self._thinking
+        pieces.append(text)
+        where = {"item_id": self._output[index]["id"], "output_index": index, "content_index": 0}
+        return [*events, self._event("response.reasoning_text.delta", **where, delta=text)]
+
+    def _close_thinking(self) -> list[Event]:
+        if self._thinking is None:
+            return []
+        index, pieces = self._thinking
+        self._thinking = None
+        text = "".join(pieces)
+        item = _reasoning_item(self._output[index]["id"], text, "completed")
+        self._output[index] = item
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", **where, text=text),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
     def piece(self, piece: Piece) -> list[Event]:
+        if isinstance(piece, Thought):
+            return self._think(piece.text)
+        closing = self._close_thinking()
+        return [*closing, *self._visible(piece)]
+
+    def _visible(self, piece: str | ToolCall) -> list[Event]:
         if isinstance(piece, str):
             events = self._open_message() if self._open is None else []
             assert self._open is not None
@@ -228,7 +268,9 @@ class _Renderer:
 
     def closed(self, ending: Ending) -> list[Event]:
         status = self._status(ending)
-        events = [] if self._output else self._open_message()
+        events = self._close_thinking()
+        if not self._output:
+            events += self._open_message()
         events += self._close_message(status)
         body = self._finish(ending)
         kind = "response.completed" if status == "completed" else "response.incomplete"
@@ -243,7 +285,11 @@ class _Renderer:
         status = self._status(ending)
         texts = [p for p in pieces if isinstance(p, str)]
         calls = [p for p in pieces if isinstance(p, ToolCall)]
-        if texts or not calls:
+        thoughts = [p.text for p in pieces if isinstance(p, Thought)]
+        if thoughts:
+            text = "".join(thoughts)
+            self._output.append(_reasoning_item(_new_id("rs"), text, "completed"))
+        if texts or not (calls or thoughts):
             self._output.append(_message_item(_new_id("msg"), "".join(texts), status))
         self._output.extend(_call_item(_new_id("fc"), c, "completed") for c in calls)
         self._text, self._calls = texts, calls
@@ -255,12 +301,19 @@ async def respond(
 ) -> Response | dict[str, Any]:
     """Answer one ``POST /v1/responses``."""
     request = parse_responses(body, state.settings, state.responses)
-    return await run_turn(
-        state,
-        request.generation,
-        lambda model: _Renderer(request, model, state.responses),
-        access,
-    )
+    try:
+        return await run_turn(
+            state,
+            request.generation,
+            lambda model: _Renderer(request, model, state.responses),
+            access,
+        )
+    except InvalidRequest as error:
+        if error.param != "reasoning_effort":
+            raise
+        # Chat's check of the effort names chat's field; this API calls it reasoning.effort.
+        message = error.message.replace("reasoning_effort", "reasoning.effort", 1)
+        raise InvalidRequest(message, param="reasoning.effort", code=error.code) from None
 
 
 def stored(state: ServerState, response_id: str) -> dict[str, Any]:

@@ -20,19 +20,37 @@ from quart import Response
 from trio_mlx import GenerationResult, TrioMLXError
 from trio_mlx_http import _sse
 from trio_mlx_http._errors import status_of
-from trio_mlx_http._generation import _check_tools, _clamp_max_tokens, _extractor, _resolve_model
+from trio_mlx_http._generation import (
+    _check_tools,
+    _clamp_max_tokens,
+    _extractor,
+    _opens_reasoning,
+    _reasoning_effort,
+    _resolve_model,
+    reasoning_markers,
+)
+from trio_mlx_http._reasoning import ReasoningSplitter
 from trio_mlx_http._schema import GenerationRequest
 from trio_mlx_http._state import Access, ServerState
 from trio_mlx_http._tools import ToolCall, ToolCallExtractor
 
-__all__ = ["Ending", "Event", "Piece", "Renderer", "run_turn"]
+__all__ = ["Ending", "Event", "Piece", "Renderer", "Thought", "run_turn"]
 
 logger = logging.getLogger("trio_mlx_http")
 
 #: A named server-sent event: (event name, JSON payload).
 Event = tuple[str, dict[str, Any]]
-#: What a turn is made of, in order: visible text and completed tool calls.
-Piece = str | ToolCall
+
+
+@attrs.frozen
+class Thought:
+    """Reasoning text: a thinking model's block (``<think>...</think>``), split out."""
+
+    text: str
+
+
+#: What a turn is made of, in order: reasoning, visible text and completed tool calls.
+Piece = str | ToolCall | Thought
 
 
 @attrs.frozen
@@ -44,6 +62,9 @@ class Ending:
     called: bool
     #: The client's stop sequence that ended the turn (None: EOS, length, or no match).
     stop_sequence: str | None
+    #: Tokens of the reasoning text (re-tokenized: the markers and the block's edges are
+    #: not counted), part of ``result.completion_tokens``.
+    reasoning_tokens: int = 0
 
 
 class Renderer(Protocol):
@@ -72,23 +93,39 @@ class Renderer(Protocol):
 
 @attrs.define
 class _Splitter:
-    """Generated text in, pieces out (text before the calls it precedes)."""
+    """Generated text in, pieces out: reasoning first, then text before the calls it precedes."""
 
     extractor: ToolCallExtractor | None
+    reasoning: ReasoningSplitter | None = None
+    #: All reasoning text split out so far.
+    thoughts: list[str] = attrs.field(factory=list)
 
     def feed(self, text: str, *, final: bool = False) -> list[Piece]:
+        pieces: list[Piece] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, final=final)
+            if thought:
+                self.thoughts.append(thought)
+                pieces.append(Thought(thought))
         if self.extractor is None:
-            return [text] if text else []
+            return pieces + ([text] if text else [])
         shown, calls = self.extractor.feed(text)
         if final:
             rest, more = self.extractor.finish()
             shown, calls = shown + rest, calls + more
-        pieces: list[Piece] = [shown] if shown else []
+        if shown:
+            pieces.append(shown)
         return pieces + list(calls)
 
     @property
     def called(self) -> bool:
         return self.extractor is not None and self.extractor.called
+
+    def ending(self, result: GenerationResult, stop: str | None, tokenizer: Any) -> Ending:
+        """How the turn ended, with its reasoning tokens counted."""
+        thought = "".join(self.thoughts)
+        counted = len(tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
+        return Ending(result, self.called, stop, counted)
 
 
 def _stop_sequence(
@@ -109,12 +146,18 @@ def _stop_sequence(
     return hits[0][2] if hits else None
 
 
-def _prepare(
+async def _prepare(
     state: ServerState, request: GenerationRequest
 ) -> tuple[str, GenerationRequest, _Splitter]:
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
-    return model, request, _Splitter(_extractor(state, request))
+    request = _reasoning_effort(state, request)
+    splitter = _Splitter(_extractor(state, request))
+    markers = reasoning_markers(state)
+    if markers is not None:
+        opened = await _opens_reasoning(state, request, markers)
+        splitter.reasoning = (ReasoningSplitter.opened if opened else ReasoningSplitter)(*markers)
+    return model, request, splitter
 
 
 async def run_turn(
@@ -127,7 +170,7 @@ async def run_turn(
 
     ``renderer_for`` gets the model id to answer with.
     """
-    model, request, splitter = _prepare(state, request)
+    model, request, splitter = await _prepare(state, request)
     renderer = renderer_for(model)
     if request.stream:
         body = _stream(state, request, renderer, splitter, access)
@@ -145,7 +188,7 @@ async def run_turn(
     state.metrics.finished(access.endpoint, result)
     pieces = splitter.feed(completion.text, final=True)
     stop = _stop_sequence(result, completion.token_ids, request.params.stop, state.engine.tokenizer)
-    return renderer.whole(pieces, Ending(result, splitter.called, stop))
+    return renderer.whole(pieces, splitter.ending(result, stop, state.engine.tokenizer))
 
 
 async def _stream(
@@ -188,7 +231,7 @@ async def _stream(
                 stop = _stop_sequence(
                     result, token_ids, request.params.stop, state.engine.tokenizer
                 )
-                events += renderer.closed(Ending(result, splitter.called, stop))
+                events += renderer.closed(splitter.ending(result, stop, state.engine.tokenizer))
             except TrioMLXError as error:
                 logger.warning("stream failed: %s", error.message)
                 state.metrics.failed(access.endpoint, "error")
