@@ -17,6 +17,7 @@ import pytest
 
 from http_helpers import LiveServer, live_server
 from scripted_model import call_text, make_scripted_model
+from trio_mlx.testing import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.model
 
@@ -130,3 +131,32 @@ async def test_messages_put_the_reasoning_in_a_thinking_block(server: LiveServer
     assert "thinking" in kinds
     # Earlier turns' thinking is accepted and left out of the context, as Anthropic does.
     assert with_thinking.input_tokens == without.input_tokens
+
+
+async def test_thinking_disabled_reaches_the_chat_template(tmp_path: Path) -> None:
+    # The vocabulary holds <think>, so mlx-lm turns thinking on unless told otherwise.
+    template = CHAT_TEMPLATE + "{% if enable_thinking %}<think>{% endif %}"
+    model = make_scripted_model(
+        tmp_path / "switch",
+        ["Hi"],
+        tokenizer_config={"chat_template": template},
+        extra_tokens=["<think>", "</think>"],
+    )
+    messages: list[Any] = [{"role": "user", "content": "Hi"}]
+    async with (
+        live_server(model) as server,
+        anthropic.AsyncAnthropic(base_url=server.url, api_key="-", max_retries=0) as client,
+    ):
+        plain = await client.messages.count_tokens(model="switch", messages=messages)
+        disabled = await client.messages.count_tokens(
+            model="switch", messages=messages, thinking={"type": "disabled"}
+        )
+        with pytest.raises(anthropic.BadRequestError):
+            await client.messages.create(
+                model="switch",
+                max_tokens=2048,
+                messages=messages,
+                thinking={"type": "enabled", "budget_tokens": 1024},
+            )
+    off = server.engine.encode(messages, chat_template_kwargs={"enable_thinking": False})
+    assert disabled.input_tokens == len(off) == plain.input_tokens - 1
