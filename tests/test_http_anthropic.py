@@ -214,64 +214,63 @@ async def test_streamed_tool_use_with_input_json_delta(tool_server: LiveServer) 
     assert call.input == CALL_ARGUMENTS
 
 
-@pytest.mark.parametrize(
-    ("body", "needle"),
-    [
-        ({"messages": [{"role": "user", "content": "Hi"}]}, "max_tokens is required"),
-        ({"max_tokens": 2, "messages": []}, "messages"),
-        (
-            {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
-            "messages[0].content[0]",
-        ),
-        ({"max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}, "role"),
-        (
-            {"max_tokens": 2, "temperature": 1.5, "messages": [{"role": "user", "content": "x"}]},
-            "temperature",
-        ),
-        (
-            {
-                "max_tokens": 2,
-                "tool_choice": {"type": "any"},
-                "messages": [{"role": "user", "content": "x"}],
-            },
-            "tool_choice",
-        ),
-        (
-            {
-                "max_tokens": 2,
-                "thinking": {"type": "enabled", "budget_tokens": 1024},
-                "messages": [{"role": "user", "content": "x"}],
-            },
-            "thinking",
-        ),
-        (
-            {
-                "max_tokens": 2,
-                "tools": [{"type": "web_search_20250305", "name": "s"}],
-                "messages": [{"role": "user", "content": "x"}],
-            },
-            "tools[0]",
-        ),
-        (
-            {
-                "max_tokens": 2,
-                "stop_sequences": [3],
-                "messages": [{"role": "user", "content": "x"}],
-            },
-            "stop_sequences",
-        ),
-    ],
-)
-async def test_bad_requests_are_anthropic_shaped_400s(
-    server: LiveServer, body: dict[str, Any], needle: str
-) -> None:
+#: (body, a fragment of the error message): requests every one of which is a 400.
+BAD: list[tuple[dict[str, Any], str]] = [
+    ({"messages": [{"role": "user", "content": "Hi"}]}, "max_tokens is required"),
+    ({"max_tokens": 2, "messages": []}, "messages"),
+    (
+        {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+        "messages[0].content[0]",
+    ),
+    ({"max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}, "role"),
+    (
+        {"max_tokens": 2, "temperature": 1.5, "messages": [{"role": "user", "content": "x"}]},
+        "temperature",
+    ),
+    (
+        {
+            "max_tokens": 2,
+            "tool_choice": {"type": "any"},
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        "tool_choice",
+    ),
+    (
+        {
+            "max_tokens": 2,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        "thinking",
+    ),
+    (
+        {
+            "max_tokens": 2,
+            "tools": [{"type": "web_search_20250305", "name": "s"}],
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        "tools[0]",
+    ),
+    (
+        {
+            "max_tokens": 2,
+            "stop_sequences": [3],
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        "stop_sequences",
+    ),
+]
+
+
+async def test_bad_requests_are_anthropic_shaped_400s(server: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=server.url) as http:
-        reply = await http.post("/v1/messages", json=body)
-    assert reply.status_code == 400
-    payload = reply.json()
-    assert payload["type"] == "error"
-    assert payload["error"]["type"] == "invalid_request_error"
-    assert needle in payload["error"]["message"]
+        for body, needle in BAD:
+            reply = await http.post("/v1/messages", json=body)
+            assert reply.status_code == 400, (body, reply.text)
+            payload = reply.json()
+            assert payload["type"] == "error", payload
+            assert payload["error"]["type"] == "invalid_request_error", payload
+            assert needle in payload["error"]["message"], payload
 
 
 async def test_client_raises_on_an_unknown_model_with_anthropics_error(server: LiveServer) -> None:

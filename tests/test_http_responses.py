@@ -277,60 +277,56 @@ def test_store_keeps_within_its_byte_budget() -> None:
     assert store.bytes == len(json.dumps([{}, ({"role": "user", "content": "short"},)]))
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "param"),
-    [
-        ("text", {"format": {"type": "json_schema", "name": "x", "schema": {}}}, "text.format"),
-        ("text", {"format": {"type": "json_object"}}, "text.format"),
-        ("tool_choice", "required", "tool_choice"),
-        ("background", True, "background"),
-        ("reasoning", {"effort": "high"}, "reasoning.effort"),
-        ("reasoning", {"summary": "auto"}, "reasoning.summary"),
-        ("parallel_tool_calls", False, "parallel_tool_calls"),
-        ("truncation", "auto", "truncation"),
-        ("include", ["message.output_text.logprobs"], "include"),
-        ("top_logprobs", 3, "top_logprobs"),
-        ("conversation", "conv_1", "conversation"),
-    ],
-)
-async def test_unsupported_fields_are_refused_by_name(
-    server: LiveServer, field: str, value: Any, param: str
-) -> None:
-    async with httpx.AsyncClient(base_url=server.url) as http:
-        reply = await http.post(
-            "/v1/responses", json={"input": "Hi", "max_output_tokens": 2, field: value}
-        )
-    assert reply.status_code == 400
-    error = reply.json()["error"]
-    assert (error["code"], error["param"]) == ("unsupported_parameter", param)
+#: (field, value, the param the 400 names): known fields this server does not support.
+UNSUPPORTED: list[tuple[str, Any, str]] = [
+    ("text", {"format": {"type": "json_schema", "name": "x", "schema": {}}}, "text.format"),
+    ("text", {"format": {"type": "json_object"}}, "text.format"),
+    ("tool_choice", "required", "tool_choice"),
+    ("background", True, "background"),
+    ("reasoning", {"effort": "high"}, "reasoning.effort"),
+    ("reasoning", {"summary": "auto"}, "reasoning.summary"),
+    ("parallel_tool_calls", False, "parallel_tool_calls"),
+    ("truncation", "auto", "truncation"),
+    ("include", ["message.output_text.logprobs"], "include"),
+    ("top_logprobs", 3, "top_logprobs"),
+    ("conversation", "conv_1", "conversation"),
+]
+
+#: (body, the param the 400 names): malformed or out-of-range input.
+BAD: list[tuple[dict[str, Any], str]] = [
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+        "input[0].content[0]",
+    ),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": "Hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"input": "Hi", "temperature": 2.5}, "temperature"),
+    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": "Hi", "metadata": {"k": 3}}, "metadata"),
+    ({"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": "Hi", "text": {"verbosity": "high"}}, "text.verbosity"),
+]
 
 
-@pytest.mark.parametrize(
-    ("body", "param"),
-    [
-        (
-            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
-            "input[0].content[0]",
-        ),
-        ({"input": []}, "input"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-        ({"input": "Hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
-        ({"input": "Hi", "temperature": 2.5}, "temperature"),
-        ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
-        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-        ({"input": "Hi", "metadata": {"k": 3}}, "metadata"),
-        ({"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
-        ({"input": "Hi", "text": {"verbosity": "high"}}, "text.verbosity"),
-    ],
-)
-async def test_bad_input_is_a_400_naming_the_field(
-    server: LiveServer, body: dict[str, Any], param: str
-) -> None:
+async def test_unsupported_fields_are_refused_by_name(server: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=server.url) as http:
-        reply = await http.post("/v1/responses", json=body)
-    assert reply.status_code == 400
-    assert reply.json()["error"]["param"] == param
+        for field, value, param in UNSUPPORTED:
+            body = {"input": "Hi", "max_output_tokens": 2, field: value}
+            reply = await http.post("/v1/responses", json=body)
+            assert reply.status_code == 400, (field, value, reply.text)
+            error = reply.json()["error"]
+            assert (error["code"], error["param"]) == ("unsupported_parameter", param), error
+
+
+async def test_bad_input_is_a_400_naming_the_field(server: LiveServer) -> None:
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        for body, param in BAD:
+            reply = await http.post("/v1/responses", json=body)
+            assert reply.status_code == 400, (body, reply.text)
+            assert reply.json()["error"]["param"] == param, (body, reply.text)
 
 
 async def test_harmless_fields_are_accepted_and_metadata_echoed(server: LiveServer) -> None:
