@@ -285,7 +285,6 @@ UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("background", True, "background"),
     ("reasoning", {"effort": "high"}, "reasoning.effort"),
     ("reasoning", {"summary": "auto"}, "reasoning.summary"),
-    ("parallel_tool_calls", False, "parallel_tool_calls"),
     ("truncation", "auto", "truncation"),
     ("include", ["message.output_text.logprobs"], "include"),
     ("top_logprobs", 3, "top_logprobs"),

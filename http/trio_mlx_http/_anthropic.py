@@ -177,8 +177,6 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     if kind not in ("auto", "none"):
         # "any" and a named tool force a call: that needs constrained decoding.
         raise _unsupported("tool_choice", "only {'type': 'auto'} and {'type': 'none'}")
-    if choice is not None and choice.get("disable_parallel_tool_use") is True:
-        raise _unsupported("tool_choice.disable_parallel_tool_use")
     chat = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -198,6 +196,18 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         function["parameters"] = tool.get("input_schema", {"type": "object"})
         chat.append({"type": "function", "function": function})
     return chat if chat and kind != "none" else None
+
+
+def _one_call(body: Mapping[str, Any]) -> bool:
+    """``tool_choice.disable_parallel_tool_use``: at most one tool call."""
+    choice = body.get("tool_choice")
+    flag = choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else None
+    if flag is not None and not isinstance(flag, bool):
+        raise InvalidRequest(
+            "tool_choice.disable_parallel_tool_use must be a boolean",
+            param="tool_choice.disable_parallel_tool_use",
+        )
+    return flag is True
 
 
 def _check_fields(body: Mapping[str, Any]) -> None:
@@ -260,6 +270,7 @@ def parse_messages(
         include_usage=False,
         tools=_tools(body),
         chat_template_kwargs=_template_kwargs(body, settings),
+        parallel_tool_calls=not _one_call(body),
     )
     return MessagesRequest(generation, _is_prefill(body, conversation))
 

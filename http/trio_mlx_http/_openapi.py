@@ -199,6 +199,7 @@ _RESPONSES_REQUEST = {
             },
         },
         "tool_choice": {"type": "string", "enum": ["auto", "none"], "nullable": True},
+        "parallel_tool_calls": {"type": "boolean", "nullable": True},
         "text": {"type": "object", "nullable": True},
         "stream": {"type": "boolean", "nullable": True},
         "store": {"type": "boolean", "nullable": True},

@@ -49,7 +49,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "include": lambda v: v == [],
     "top_logprobs": lambda v: v == 0,
     "max_tool_calls": _never,
-    "parallel_tool_calls": lambda v: v is True,
     "truncation": lambda v: v == "disabled",
     "context_management": _never,
     "moderation": _never,
@@ -313,6 +312,7 @@ def parse_responses(
         tools=chat_tools or None,
         chat_template_kwargs=dict(settings.chat_template_args) or None,
         reasoning_effort=_reasoning(body),
+        parallel_tool_calls=_get(body, "parallel_tool_calls", bool, "a boolean") is not False,
     )
     return ResponsesRequest(
         generation=generation,

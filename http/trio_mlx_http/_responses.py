@@ -115,7 +115,7 @@ class _Renderer:
             "max_output_tokens": request.max_output_tokens,
             "model": self.model,
             "output": list(self._output),
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": request.generation.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "store": request.store,
