@@ -2,8 +2,9 @@
 
 :mod:`._response_request` validates the body; the request runs as one turn
 through :mod:`._turn`, and the renderer below writes the ``response`` object,
-its output items (``message`` with ``output_text``, ``function_call``) and,
-when streaming, the typed events with their ``sequence_number``.
+its output items (``reasoning``, ``message`` with ``output_text``,
+``function_call``) and, when streaming, the typed events with their
+``sequence_number``.
 """
 
 from __future__ import annotations
