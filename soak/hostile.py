@@ -118,12 +118,15 @@ class Tally:
         elif isinstance(status, int) and status >= 500:
             problem = f"{status}: {body[:300]!r}"
         elif isinstance(status, int) and 400 <= status < 500 and status != 413:
+            # Anthropic's Messages route answers in Anthropic's error shape.
+            anthropic = name.endswith(("/v1/messages", "/v1/messages/count_tokens"))
+            shape = {"message", "type"} if anthropic else {"message", "type", "param", "code"}
             try:
                 error = json.loads(body)["error"]
-                if set(error) != {"message", "type", "param", "code"}:
+                if set(error) != shape:
                     problem = f"{status}: error shape {sorted(error)}"
             except (ValueError, KeyError, TypeError):
-                problem = f"{status}: not an OpenAI error: {body[:200]!r}"
+                problem = f"{status}: not an error of its API: {body[:200]!r}"
         if problem and len(self.problems) < 20:
             self.problems.append(f"{name}: {problem}")
 
@@ -247,8 +250,9 @@ def _fuzz_operation(operation: Any, url: str, examples: int, timeout: float, tal
               suppress_health_check=list(HealthCheck), phases=["generate"])  # fmt: skip
     @given(operation.as_strategy())
     def one(case: Any) -> None:
-        if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
-            case.body["max_tokens"] = min(case.body["max_tokens"], 4)
+        for field in ("max_tokens", "max_output_tokens"):
+            if isinstance(case.body, dict) and isinstance(case.body.get(field), int):
+                case.body[field] = min(case.body[field], 4)
         try:
             response = case.call(base_url=url, timeout=timeout)
         except Exception as error:  # requests' timeouts and resets

@@ -49,3 +49,29 @@ def tiny_model(tiny_model_path: Path) -> tuple[Any, Any]:
     import mlx_lm
 
     return mlx_lm.load(str(tiny_model_path))  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def tool_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model rewired to answer every chat with one json_tools call (tests/tool_model.py)."""
+    from tool_model import make_tool_model
+
+    return make_tool_model(tiny_model_path, tmp_path_factory.mktemp("models") / "tool-llama")
+
+
+@pytest.fixture(scope="session")
+def endless_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model rewired to answer "a" forever: a row that never ends on its own."""
+    from tool_model import make_tool_model
+
+    path = tmp_path_factory.mktemp("models") / "endless-llama"
+    return make_tool_model(tiny_model_path, path, answer="endless")
+
+
+@pytest.fixture(scope="session")
+def text_call_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model rewired to answer every chat with the text "a", then one json_tools call."""
+    from tool_model import make_tool_model
+
+    path = tmp_path_factory.mktemp("models") / "text-call-llama"
+    return make_tool_model(tiny_model_path, path, answer="text-call")

@@ -169,6 +169,39 @@ async def test_prompt_cache_holds_no_more_memory_than_it_counts(tiny_model_path:
         assert held <= 2 * cache.nbytes + 4 * 2**20, (held, cache.nbytes)
 
 
+async def test_extreme_top_k_and_top_p_sample_instead_of_failing(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        vocab = len(engine.tokenizer.get_vocab())
+        base = SamplingParams(max_tokens=8, logit_bias=NO_EOS, temperature=0.8, seed=5)
+        greedy = await engine.complete(PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS))
+        whole = await engine.complete(PROMPT, base)
+        past_vocab = await engine.complete(PROMPT, attrs.evolve(base, top_k=vocab + 1000))
+        tiny_p = await engine.complete(PROMPT, attrs.evolve(base, top_p=1e-300))
+    # top_k past the vocabulary keeps every token: the same draw as no top_k.
+    assert past_vocab.token_ids == whole.token_ids
+    # A vanishing top_p keeps only the most likely token: greedy decoding.
+    assert tiny_p.token_ids == greedy.token_ids
+
+
+async def test_a_vanishing_temperature_is_greedy_and_spoils_no_later_row(
+    tiny_model_path: Path,
+) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        greedy = await engine.complete(PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS))
+        tiny = [
+            await engine.complete(
+                PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS, temperature=t)
+            )
+            for t in (1e-300, 5e-324)
+        ]
+        # top_k=1 keeps only the most likely token: greedy, whatever the random state.
+        top_1 = await engine.complete(
+            PROMPT, SamplingParams(max_tokens=8, logit_bias=NO_EOS, temperature=1.0, top_k=1)
+        )
+    assert [c.token_ids for c in tiny] == [greedy.token_ids] * 2
+    assert top_1.token_ids == greedy.token_ids
+
+
 #: logit_bias that makes the tiny model end at once (its EOS id 2 always wins).
 _EOS_NOW = {2: 100.0}
 

@@ -258,6 +258,10 @@ async def test_openapi_document_lists_every_route(http: httpx.AsyncClient) -> No
     assert set(document["paths"]) == {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v1/models",
         "/v1/models/{model_id}",
         "/v1/adapters",

@@ -82,6 +82,10 @@ class StepResult:
     dead: int = 0
 
 
+#: The smallest top_p handed to mlx-lm (a normal float32, far below any token's mass).
+_TOP_P_FLOOR = 1e-30
+
+
 def make_row_sampler(params: SamplingParams, tokenizer: Any) -> Callable[[Any], Any] | None:
     """mlx-lm's sampler for ``params``, or None for greedy (the batch's shared fallback)."""
     if params.temperature == 0:
@@ -91,9 +95,13 @@ def make_row_sampler(params: SamplingParams, tokenizer: Any) -> Callable[[Any], 
     special = list(tokenizer.encode("\n", add_special_tokens=False)) + sorted(
         tokenizer.eos_token_ids
     )
+    # mlx-lm compares the mass above each token with top_p in float32: a top_p that
+    # underflows to 0 there drops every token and indexes past the vocabulary. Any
+    # p below the top token's mass keeps that token alone, so the floor changes nothing.
+    top_p = max(params.top_p, _TOP_P_FLOOR) if params.top_p < 1.0 else 0.0
     return make_sampler(
         params.temperature,
-        top_p=params.top_p if params.top_p < 1.0 else 0.0,
+        top_p=top_p,
         min_p=params.min_p,
         top_k=params.top_k,
         xtc_probability=params.xtc_probability,

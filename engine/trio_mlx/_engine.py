@@ -39,6 +39,8 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 DEFAULT_PARAMS = SamplingParams()
 #: Prompts (characters, or token ids) up to this size are tokenized on the event loop.
 _INLINE_PROMPT = 1024
+#: Temperatures below this are greedy decoding (1 / 1e-30 still fits float32).
+_TEMPERATURE_FLOOR = 1e-30
 #: Chat template arguments the engine sets itself; ``chat_template_kwargs`` may not.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
@@ -609,6 +611,7 @@ class Engine:
                 limiter=self._encode_limiter,
             )
         self._check_logit_bias(params)
+        params = self._sampler_safe(params)
         constraint = await self._constraint(params) if params.constrained else None
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
@@ -674,6 +677,22 @@ class Engine:
                     f"logit_bias names token {outside[0]}, outside the vocabulary ({vocab})",
                     param="logit_bias",
                 )
+
+    def _sampler_safe(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with two values mlx-lm's sampler cannot take replaced by their meaning.
+
+        A ``top_k`` of the whole vocabulary or more keeps every token: the same as
+        0 (off); mlx-lm's top-k raises for a k outside (0, vocabulary). A
+        temperature whose inverse overflows float32 is greedy decoding in the
+        limit; mlx-lm would scale the logits by inf, sample garbage and (measured
+        with 5e-324) leave later sampled rows of the process drawing garbage too.
+        """
+        vocab = self._loaded.config.get("vocab_size")
+        if isinstance(vocab, int) and params.top_k >= vocab:
+            params = attrs.evolve(params, top_k=0)
+        if 0 < params.temperature < _TEMPERATURE_FLOOR:
+            params = attrs.evolve(params, temperature=0.0)
+        return params
 
     def _check_kv_group(self, group: int) -> None:
         config = self._loaded.config

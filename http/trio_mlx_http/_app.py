@@ -18,7 +18,7 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from trio_mlx import Engine, EngineClosed, InvalidRequest, NotFound
-from trio_mlx_http import _generation, _schema
+from trio_mlx_http import _anthropic, _generation, _responses, _schema
 from trio_mlx_http._errors import Forbidden, Unauthorized, install_error_handlers
 from trio_mlx_http._metrics import Metrics
 from trio_mlx_http._openai import TokenTexts
@@ -106,6 +106,15 @@ def _has_body(req: Any) -> bool:
     return chunked or length.strip() not in ("", "0")
 
 
+def _key_matches(key: str) -> bool:
+    """Whether the request carries ``key``: as a bearer token (OpenAI) or ``x-api-key`` (Anthropic)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        return True
+    sent = request.headers.get("x-api-key")
+    return sent is not None and hmac.compare_digest(sent.strip().encode(), key.encode())
+
+
 def _install_hooks(app: QuartTrio, state: ServerState) -> None:
     @app.before_request
     async def start() -> None:
@@ -115,23 +124,20 @@ def _install_hooks(app: QuartTrio, state: ServerState) -> None:
         if request.method == "OPTIONS" or request.path in _PUBLIC:
             return
         key = state.settings.api_key
-        if key is not None:
-            sent = request.headers.get("Authorization", "")
-            scheme, _, token = sent.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), key.encode()
-            ):
-                raise Unauthorized(
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                )
+        if key is not None and not _key_matches(key):
+            raise Unauthorized(
+                "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="invalid_api_key",
+            )
 
     @app.after_request
     async def finish(response: Response) -> Response:
         origin = state.settings.cors_origin
         if origin is not None:
             response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Headers"] = (
+                "Authorization, Content-Type, x-api-key, anthropic-version"
+            )
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
         if state.draining or (response.status_code >= 400 and _has_body(request)):
             # An early answer (401, 404, ...) may leave the body unread on the
@@ -155,6 +161,26 @@ def _install_generation(app: QuartTrio) -> None:
         state = _state()
         parsed = _schema.parse_completion(await _body(), state.settings)
         return await _generation.respond(state, parsed, chat=False, access=g.access)
+
+    @app.post("/v1/responses")
+    async def responses() -> Response | dict[str, Any]:
+        return await _responses.respond(_state(), await _body(), g.access)
+
+    @app.get("/v1/responses/<response_id>")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return _responses.stored(_state(), response_id)
+
+    @app.delete("/v1/responses/<response_id>")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return _responses.delete(_state(), response_id)
+
+    @app.post("/v1/messages")
+    async def messages() -> Response | dict[str, Any]:
+        return await _anthropic.respond(_state(), await _body(), g.access)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens() -> dict[str, Any]:
+        return await _anthropic.count_tokens(_state(), await _body())
 
 
 def _model_card(state: ServerState, model_id: str, parent: str | None = None) -> dict[str, Any]:

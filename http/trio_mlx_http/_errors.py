@@ -1,4 +1,5 @@
-"""THE translation point: every failure becomes OpenAI's error JSON here.
+"""THE translation point: every failure becomes OpenAI's error JSON here
+(or Anthropic's, on the Anthropic Messages routes).
 
 Inside, the server raises only the engine's error family (``trio_mlx``'s
 :class:`~trio_mlx.TrioMLXError`, plus the two HTTP-only members below);
@@ -13,14 +14,16 @@ import json
 import logging
 from typing import Any
 
-from quart import Quart, Response
+from quart import Quart, Response, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from trio_mlx import EngineOverloaded, TrioMLXError
 
 __all__ = [
+    "ANTHROPIC_PATHS",
     "Forbidden",
     "Unauthorized",
+    "anthropic_error_body",
     "error_body",
     "error_response",
     "install_error_handlers",
@@ -38,6 +41,22 @@ _HTTP_TYPES = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+}
+
+#: Routes that speak Anthropic's Messages API: their errors use Anthropic's shape.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
+#: Anthropic's ``error.type`` by HTTP status (anything else is ``api_error``).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
 }
 
 
@@ -82,6 +101,13 @@ def error_body(error: BaseException) -> dict[str, Any]:
     return {"error": detail}
 
 
+def anthropic_error_body(error: BaseException) -> dict[str, Any]:
+    """Return Anthropic's ``{"type": "error", "error": {"type", "message"}}`` for any exception."""
+    detail = error_body(error)["error"]
+    kind = _ANTHROPIC_TYPES.get(status_of(error), "api_error")
+    return {"type": "error", "error": {"type": kind, "message": detail["message"]}}
+
+
 def status_of(error: BaseException) -> int:
     """The HTTP status an exception answers with."""
     if isinstance(error, TrioMLXError):
@@ -91,11 +117,10 @@ def status_of(error: BaseException) -> int:
     return 500
 
 
-def error_response(error: BaseException) -> Response:
+def error_response(error: BaseException, *, anthropic: bool = False) -> Response:
     """The JSON response for ``error``, with ``Retry-After`` on 429."""
-    response = Response(
-        json.dumps(error_body(error)), status=status_of(error), mimetype="application/json"
-    )
+    body = anthropic_error_body(error) if anthropic else error_body(error)
+    response = Response(json.dumps(body), status=status_of(error), mimetype="application/json")
     if isinstance(error, EngineOverloaded):
         response.headers["Retry-After"] = str(max(1, round(error.retry_after)))
     if response.status_code == 413:
@@ -115,7 +140,8 @@ def install_error_handlers(app: Quart) -> None:
     async def on_error(error: Exception) -> Response:
         if not isinstance(error, TrioMLXError | HTTPException):
             logger.exception("unexpected error", exc_info=error)
-        return error_response(error)
+        anthropic = has_request_context() and request.path in ANTHROPIC_PATHS
+        return error_response(error, anthropic=anthropic)
 
     app.register_error_handler(TrioMLXError, on_error)
     app.register_error_handler(HTTPException, on_error)

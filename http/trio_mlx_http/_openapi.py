@@ -163,7 +163,158 @@ _TOOL = {
     },
 }
 
+_TEXT_PARTS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {
+            "type": {"type": "string", "enum": ["input_text", "output_text", "text"]},
+            "text": {"type": "string"},
+        },
+    },
+}
+
+#: ``POST /v1/responses``: the fields the server honours (design/http.md lists the rest).
+_RESPONSES_REQUEST = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "model": {"type": "string", "nullable": True},
+        "input": {
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "type": {
+                                "type": "string",
+                                "enum": ["message", "function_call", "function_call_output"],
+                            },
+                            "role": {
+                                "type": "string",
+                                "enum": ["user", "assistant", "system", "developer"],
+                            },
+                            "content": {"oneOf": [{"type": "string"}, _TEXT_PARTS]},
+                            "call_id": {"type": "string"},
+                            "name": {"type": "string"},
+                            "arguments": {"type": "string"},
+                            "output": {"type": "string"},
+                        },
+                    },
+                },
+            ]
+        },
+        "instructions": {"type": "string", "nullable": True},
+        "max_output_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+        "top_p": _SAMPLING["top_p"],
+        "tools": {
+            "type": "array",
+            "nullable": True,
+            "items": {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "parameters": {"type": "object"},
+                },
+            },
+        },
+        "tool_choice": {"type": "string", "enum": ["auto", "none"], "nullable": True},
+        "parallel_tool_calls": {"type": "boolean", "nullable": True},
+        "text": {"type": "object", "nullable": True},
+        "stream": {"type": "boolean", "nullable": True},
+        "store": {"type": "boolean", "nullable": True},
+        "previous_response_id": {"type": "string", "nullable": True},
+        "metadata": {"type": "object", "nullable": True},
+    },
+}
+
+_ANTHROPIC_BLOCKS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "tool_use", "tool_result"]},
+            "text": {"type": "string"},
+            "id": {"type": "string"},
+            "name": {"type": "string"},
+            "input": {"type": "object"},
+            "tool_use_id": {"type": "string"},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+        },
+    },
+}
+
+#: ``POST /v1/messages``: the fields the server honours (design/http.md lists the rest).
+_MESSAGES_REQUEST = {
+    "type": "object",
+    "required": ["max_tokens", "messages"],
+    "properties": {
+        "model": {"type": "string", "nullable": True},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "system": {"nullable": True, "oneOf": [{"type": "string"}, _ANTHROPIC_BLOCKS]},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"type": "string", "enum": ["user", "assistant"]},
+                    "content": {"oneOf": [{"type": "string"}, _ANTHROPIC_BLOCKS]},
+                },
+            },
+        },
+        "stop_sequences": {"type": "array", "items": {"type": "string"}, "nullable": True},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
+        "top_p": _SAMPLING["top_p"],
+        "top_k": _SAMPLING["top_k"],
+        "stream": {"type": "boolean", "nullable": True},
+        "tools": {
+            "type": "array",
+            "nullable": True,
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "input_schema": {"type": "object"},
+                },
+            },
+        },
+        "tool_choice": {"type": "object", "nullable": True},
+        "metadata": {"type": "object", "nullable": True},
+    },
+}
+
 _SCHEMAS: dict[str, Any] = {
+    "ResponsesRequest": _RESPONSES_REQUEST,
+    "MessagesRequest": _MESSAGES_REQUEST,
+    "CountTokensRequest": {
+        **_MESSAGES_REQUEST,
+        "required": ["messages"],
+    },
+    "AnthropicError": {
+        "type": "object",
+        "required": ["type", "error"],
+        "properties": {
+            "type": {"type": "string", "enum": ["error"]},
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            },
+        },
+    },
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -373,10 +524,44 @@ _GENERATION_OK = {
 _GENERATION_ERRORS = (400, 401, 404, 413, 429, 503)
 
 
+def _generation_op(summary: str, body: str, ok: str) -> dict[str, Any]:
+    return _op(
+        summary,
+        {
+            "description": f"{ok}, or with stream=true a text/event-stream of named events.",
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        },
+        body=body,
+        errors=_GENERATION_ERRORS,
+    )
+
+
+def _anthropic_errors(operation: dict[str, Any]) -> dict[str, Any]:
+    """``operation`` with its error responses in Anthropic's shape."""
+    responses = {
+        status: (
+            answer
+            if status.startswith("2")
+            else _json(_ref("AnthropicError"), answer["description"])
+        )
+        for status, answer in operation["responses"].items()
+    }
+    return {**operation, "responses": responses}
+
+
 def openapi(model_id: str) -> dict[str, Any]:
     """The OpenAPI 3.0 document for this server."""
     name_param = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
     model_param = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    response_param = {
+        "name": "response_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+    }
     return {
         "openapi": "3.0.3",
         "info": {
@@ -404,6 +589,46 @@ def openapi(model_id: str) -> dict[str, Any]:
                     _GENERATION_OK,
                     body="CompletionRequest",
                     errors=_GENERATION_ERRORS,
+                )
+            },
+            "/v1/responses": {
+                "post": _generation_op(
+                    "OpenAI Responses API: one response", "ResponsesRequest", "The response"
+                )
+            },
+            "/v1/responses/{response_id}": {
+                "get": {
+                    **_op(
+                        "A stored response",
+                        _json({"type": "object"}, "The response"),
+                        errors=(401, 404),
+                    ),
+                    "parameters": [response_param],
+                },
+                "delete": {
+                    **_op(
+                        "Forget a stored response",
+                        _json({"type": "object"}, "Deleted"),
+                        errors=(401, 404),
+                    ),
+                    "parameters": [response_param],
+                },
+            },
+            "/v1/messages": {
+                "post": _anthropic_errors(
+                    _generation_op(
+                        "Anthropic Messages API: one message", "MessagesRequest", "The message"
+                    )
+                )
+            },
+            "/v1/messages/count_tokens": {
+                "post": _anthropic_errors(
+                    _op(
+                        "Anthropic Messages API: count a prompt's tokens",
+                        _json({"type": "object"}, "{input_tokens}"),
+                        body="CountTokensRequest",
+                        errors=(400, 401, 404, 413),
+                    )
                 )
             },
             "/v1/models": {

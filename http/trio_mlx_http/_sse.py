@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["CONTENT_TYPE", "DONE", "SSE_HEADERS", "event"]
+__all__ = ["CONTENT_TYPE", "DONE", "SSE_HEADERS", "event", "named_event"]
 
 #: The last event of every stream.
 DONE = b"data: [DONE]\n\n"
@@ -28,3 +28,8 @@ def event(payload: dict[str, Any]) -> bytes:
     """One ``data:`` event on exactly one line, whatever text the model produced."""
     body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
     return b"data: " + body.encode() + b"\n\n"
+
+
+def named_event(name: str, payload: dict[str, Any]) -> bytes:
+    """One ``event: <name>`` + ``data:`` event, as the Responses and Anthropic streams send them."""
+    return b"event: " + name.encode() + b"\n" + event(payload)

@@ -10,11 +10,17 @@ import attrs
 from trio_mlx import Engine
 from trio_mlx_http._metrics import Metrics
 from trio_mlx_http._openai import TokenTexts
+from trio_mlx_http._response_store import ResponseStore
 from trio_mlx_http._settings import Settings
 
 __all__ = ["Access", "ServerState"]
 
 access_logger = logging.getLogger("trio_mlx_http.access")
+
+#: The routes whose duration ``trio_mlx_request_duration_seconds`` observes.
+GENERATION_ENDPOINTS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
+)
 
 
 @attrs.define(eq=False)
@@ -37,6 +43,8 @@ class ServerState:
     #: Set at shutdown: responses then close their connection, so that no idle
     #: keep-alive connection holds the server open until the graceful deadline.
     draining: bool = False
+    #: Stored Responses API responses, for ``previous_response_id`` (bounded, LRU).
+    responses: ResponseStore = attrs.field(factory=ResponseStore)
 
 
 @attrs.define(eq=False)
@@ -57,7 +65,7 @@ class Access:
         """Log the request and count it."""
         elapsed = time.perf_counter() - self.started
         self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
-        if self.endpoint.endswith("completions"):
+        if self.endpoint in GENERATION_ENDPOINTS:
             self.state.metrics.duration.labels(self.endpoint).observe(elapsed)
         access_logger.info(
             "%s %s %d tokens=%d %.3fs", self.method, self.path, status, self.tokens, elapsed
