@@ -140,6 +140,21 @@ async def test_statistics_count_requests_and_tokens(tiny_model_path: Path) -> No
     assert stats.state == "ADMITTING"
 
 
+async def test_statistics_report_mlx_memory_and_the_prompt_cache(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        before = engine.statistics()
+        await engine.complete(PROMPTS[0], SamplingParams(max_tokens=5))
+        after = engine.statistics()
+    # The weights are live MLX arrays; the peak is a high-water mark of active memory.
+    assert before.mlx_active_memory > 0
+    assert after.mlx_peak_memory >= after.mlx_active_memory > 0
+    assert after.mlx_cache_memory >= 0
+    assert before.prompt_cache_bytes == 0 < after.prompt_cache_bytes
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        await engine.complete(PROMPTS[0], SamplingParams(max_tokens=5))
+        assert engine.statistics().prompt_cache_bytes == 0
+
+
 async def test_open_engine_reports_a_missing_model_as_not_found(tmp_path: Path) -> None:
     with pytest.raises(trio_mlx.NotFound, match="not found"):
         async with trio_mlx.open_engine(tmp_path / "nowhere"):

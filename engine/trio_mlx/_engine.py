@@ -118,6 +118,14 @@ def _load_error(path: str, error: Exception) -> NotFound | None:
     return found
 
 
+def _mlx_memory() -> tuple[int, int, int]:
+    """MLX's allocator counters (active, cache, peak bytes): plain reads, no MLX work,
+    so safe off the MLX thread."""
+    import mlx.core as mx
+
+    return int(mx.get_active_memory()), int(mx.get_cache_memory()), int(mx.get_peak_memory())
+
+
 def _fuse_lora(model: Any) -> None:
     from mlx.utils import tree_unflatten
 
@@ -421,8 +429,16 @@ class Engine:
         self._actor.close_nowait()
 
     def statistics(self) -> EngineStatistics:
-        """A frozen snapshot of the engine: arbiter state, queues, counters."""
-        return self._actor.statistics()
+        """A frozen snapshot of the engine: arbiter state, queues, counters, memory."""
+        cache = self._loaded.prompt_cache
+        active, cached, peak = _mlx_memory()
+        return attrs.evolve(
+            self._actor.statistics(),
+            mlx_active_memory=active,
+            mlx_cache_memory=cached,
+            mlx_peak_memory=peak,
+            prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+        )
 
     def encode(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> list[int]:
         """Tokenize a prompt exactly as :meth:`generate` does.
