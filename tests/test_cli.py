@@ -153,3 +153,16 @@ def test_debug_adds_the_traceback(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "Traceback (most recent call last)" in result.stderr
     assert result.stderr.strip().splitlines()[-2].startswith("trio-mlx: error: ")
+
+
+def test_the_readme_configuration_table_names_every_flag() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for command in ("serve", "generate"):
+        target: argparse.ArgumentParser = sub.choices[command]  # type: ignore[index]
+        for action in target._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert f"`{option}`" in section, f"README's Configuration lacks {option}"
