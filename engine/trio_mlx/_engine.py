@@ -79,6 +79,14 @@ def _resolve_model(model: str | os.PathLike[str] | None) -> str:
     raise NotFound(f"model {text!r} not found: no such folder", param="model")
 
 
+def _check_adapter(adapter_path: str | os.PathLike[str] | None) -> None:
+    """A missing adapter folder is named as the adapter, before the model loads."""
+    if adapter_path is not None and not Path(adapter_path).is_dir():
+        raise NotFound(
+            f"adapter {os.fspath(adapter_path)!r} not found: no such folder", param="adapter_path"
+        )
+
+
 def _is_repo_id(text: str) -> bool:
     """Whether ``text`` names a Hugging Face repository (``owner/name``), not a path."""
     return text.count("/") == 1 and not text.startswith(("/", ".", "~"))
@@ -281,10 +289,7 @@ async def open_engine(
     if prompt_cache_bytes < 0:
         raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
     path = _resolve_model(model)
-    if adapter_path is not None and not Path(adapter_path).is_dir():
-        raise NotFound(
-            f"adapter {os.fspath(adapter_path)!r} not found: no such folder", param="adapter_path"
-        )
+    _check_adapter(adapter_path)
     if prefill_step_size < 1 or prefill_batch_size < 1:
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
