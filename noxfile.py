@@ -166,7 +166,7 @@ def train_adapter(session: nox.Session) -> None:
 def soak(session: nox.Session) -> None:
     """Reliability soak: load, disconnect storm, faults, hostile input, security, SIGTERM.
 
-    Bounded (about 5-10 min on a 2-core CPU); ``-- --quick`` runs a tenth of every count.
+    Bounded (444 s measured on a loaded 2-core CPU); ``-- --quick`` runs a tenth of every count.
     Prints a summary table and writes ``.nox/soak-report.json``; exits 1 when a scenario fails.
     """
     _install(session, "test")
