@@ -89,19 +89,24 @@ _REMEDIES = {
     "there is network (`hf download ID` does it ahead); later runs read the local cache",
     "adapter_path": "--adapter-path takes a LoRA adapter folder (adapters.safetensors and "
     "adapter_config.json, as mlx_lm.lora writes them)",
+    "unsupported_in_distributed_mode": "leave that flag out under mlx.launch, "
+    "or serve in one process",
 }
 
 
 def explain(error: BaseException) -> list[str]:
     """At most three lines that say what went wrong and, where known, what to do."""
-    from trio_mlx import TrioMLXError  # the engine's errors; light, no MLX import
+    from trio_mlx import NotFound, TrioMLXError  # the engine's errors; light, no MLX import
 
     leaf = _single_leaf(error)
     if isinstance(leaf, StartupError):
         lines: list[str | None] = [leaf.problem, leaf.remedy]
     elif isinstance(leaf, TrioMLXError):
         param = leaf.param
-        remedy = _REMEDIES.get(leaf.code or "") or _REMEDIES.get(param or "")
+        # By code first; by the flag only for what was not found (the folder advice).
+        remedy = _REMEDIES.get(leaf.code or "")
+        if remedy is None and isinstance(leaf, NotFound):
+            remedy = _REMEDIES.get(param or "")
         if remedy is None and param:
             remedy = f"check --{param.replace('_', '-')}"
         lines = [_first_line(leaf.message), remedy]
