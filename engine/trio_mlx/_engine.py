@@ -38,6 +38,10 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 DEFAULT_PARAMS = SamplingParams()
 #: Prompts (characters, or token ids) up to this size are tokenized on the event loop.
 _INLINE_PROMPT = 1024
+#: Chat template arguments the engine sets itself; ``chat_template_kwargs`` may not.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
+)
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
@@ -445,12 +449,19 @@ class Engine:
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
         )
 
-    def encode(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> list[int]:
+    def encode(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Tokenize a prompt exactly as :meth:`generate` does.
 
         A string is raw text (no chat template); a sequence of ints is taken as
         token ids; a sequence of mappings is a chat, rendered with the model's
-        chat template (``add_generation_prompt=True``, ``tools`` passed on).
+        chat template (``add_generation_prompt=True``, ``tools`` and
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``, passed on).
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
@@ -474,7 +485,7 @@ class Engine:
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             if all(isinstance(m, Mapping) for m in prompt):
-                tokens = self._chat(prompt, tools)
+                tokens = self._chat(prompt, tools, chat_template_kwargs)
             else:
                 tokens = self._token_ids(prompt)
         else:
@@ -492,8 +503,20 @@ class Engine:
             )
         return tokens
 
-    def _chat(self, messages: Sequence[Any], tools: Sequence[Any] | None) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
+    def _chat(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
+            )
+        kwargs.update(add_generation_prompt=True, tokenize=True)
         if tools:
             kwargs["tools"] = list(tools)
         try:
@@ -525,6 +548,7 @@ class Engine:
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> GenerationStream:
         """Stream one completion: ``async with engine.generate(...) as stream: async for delta in stream``.
 
@@ -532,7 +556,7 @@ class Engine:
         NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
         Leaving the block early cancels the request.
         """
-        return GenerationStream(self, prompt, params, tools)
+        return GenerationStream(self, prompt, params, tools, chat_template_kwargs)
 
     async def complete(
         self,
@@ -540,12 +564,15 @@ class Engine:
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Completion:
         """Generate a whole completion and return it."""
         texts: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
-        async with self.generate(prompt, params, tools=tools) as stream:
+        async with self.generate(
+            prompt, params, tools=tools, chat_template_kwargs=chat_template_kwargs
+        ) as stream:
             async for delta in stream:
                 texts.append(delta.text)
                 ids.extend(delta.token_ids)
@@ -599,7 +626,13 @@ class Engine:
         value: T = request.result.unwrap()
         return value
 
-    async def _submit(self, prompt: Prompt, params: SamplingParams, tools: Any) -> Request:
+    async def _submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        tools: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Request:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         if self._actor.closed:
@@ -612,10 +645,11 @@ class Engine:
             and len(prompt) <= _INLINE_PROMPT
             and not (prompt and isinstance(prompt[0], Mapping))
         ):
-            tokens = self.encode(prompt, tools=tools)
+            tokens = self.encode(prompt, tools=tools, chat_template_kwargs=template_kwargs)
         else:
             tokens = await trio.to_thread.run_sync(
-                partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
+                partial(self.encode, prompt, tools=tools, chat_template_kwargs=template_kwargs),
+                limiter=self._encode_limiter,
             )
         self._check_logit_bias(params)
         if params.adapter is not None:
@@ -729,6 +763,7 @@ class GenerationStream:
     _prompt: Prompt
     _params: SamplingParams
     _tools: Any
+    _template_kwargs: Mapping[str, Any] | None = None
     _request: Request | None = attrs.field(init=False, default=None)
     _result: GenerationResult | None = attrs.field(init=False, default=None)
     _error: BaseException | None = attrs.field(init=False, default=None)
@@ -759,7 +794,9 @@ class GenerationStream:
         if self._request is not None:
             raise RuntimeError("a GenerationStream can be entered only once")
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._request = await self._engine._submit(self._prompt, self._params, self._tools)
+        self._request = await self._engine._submit(
+            self._prompt, self._params, self._tools, self._template_kwargs
+        )
         return self
 
     async def __aexit__(

@@ -68,6 +68,9 @@ def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
         metrics=metrics,
         texts=TokenTexts(engine.tokenizer),
         model_id=settings.model_name or engine.model_id,
+        model_names=frozenset(
+            {settings.model_name or engine.model_id, engine.model_id, *settings.model_aliases}
+        ),
         vocab_size=len(engine.tokenizer.get_vocab()),
     )
     app.extensions["trio_mlx"] = state
@@ -182,7 +185,10 @@ def _install_models(app: QuartTrio) -> None:
 
     @app.get("/v1/models/<path:model_id>")
     async def get_model(model_id: str) -> dict[str, Any]:
-        for card in _model_cards(_state()):
+        state = _state()
+        if model_id in state.model_names:
+            return _model_card(state, state.model_id)
+        for card in _model_cards(state):
             if card["id"] == model_id:
                 return card
         raise NotFound(
@@ -245,8 +251,10 @@ def _install_tokens(app: QuartTrio) -> None:
     @app.post("/tokenize")
     async def tokenize() -> dict[str, Any]:
         state = _state()
-        parsed = _schema.parse_tokenize(await _body())
-        tokens = state.engine.encode(parsed.prompt, tools=parsed.tools)
+        parsed = _schema.parse_tokenize(await _body(), state.settings)
+        tokens = state.engine.encode(
+            parsed.prompt, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs
+        )
         return {
             "tokens": list(tokens),
             "count": len(tokens),
