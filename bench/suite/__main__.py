@@ -8,7 +8,9 @@ Runs, side by side in one run, and writes ``bench/results/<machine>/``
 3. fairness: serial requests among batch rows, and the reverse;
 4. loop responsiveness: ``/health`` latency idle vs while rows decode;
 5. memory after many mixed requests;
-6. the prompt cache: TTFT with a shared long prefix vs a fresh one.
+6. the prompt cache: TTFT with a shared long prefix vs a fresh one;
+7. structured output: decode with every row constrained to a JSON schema vs
+   unconstrained, and schema compile times (``--only structured`` runs it alone).
 
 A part of trio-mlx that is not there yet (the engine API, ``trio-mlx serve``) is
 reported as "not run: ..." and never replaced by made-up numbers. MLX work runs
@@ -40,6 +42,10 @@ _COMMON: dict[str, Any] = {
     "prompt_words": 24,
     "server_rounds": 2,
     "prompt_cache": {"prefix_words": 400, "trials": 2},
+    "structured_batches": [8, 32],
+    # More rounds than the overhead part: the best of each side counts, and a
+    # shared machine's load swings the rounds widely.
+    "structured_rounds": 5,
 }
 PROFILES: dict[str, dict[str, Any]] = {
     "quick": {
@@ -149,7 +155,7 @@ def run_job(
         if line.startswith("RESULT "):
             record = json.loads(line[7:])
             results.append(record)
-            if "batch" in record:
+            if "batch" in record and "bare" in record:
                 eng = record["engine"]
                 tail = f", engine {eng['decode_tok_s'] or eng['e2e_tok_s']:,.0f}" if eng else ""
                 bare = record["bare"]["decode_tok_s"] or record["bare"]["e2e_tok_s"]
@@ -241,6 +247,8 @@ class Suite:
                 self.write()
         if wanted("memory") and self.engine:
             self.memory(models[0])
+        if wanted("structured") and self.engine:
+            self.structured(models[0])
         self.write()
         log(f"wrote {self.out}/results.md")
 
@@ -373,6 +381,28 @@ class Suite:
         (record,) = run_job(_job("memory", model, **m), self.env, self.log, self.results["notes"])
         self.results["memory"] = {**record, "model": model.name, **m}
 
+    def structured(self, model: Model) -> None:
+        p = self.profile
+        self.log(f"7. structured output on {model.name}: B = {p['structured_batches']}")
+        job = _job("structured", model, batches=p["structured_batches"],
+                   rounds=p["structured_rounds"],
+                   max_tokens=p["overhead_max_tokens"], prompt_len=p["prompt_len"])  # fmt: skip
+        rows, compiles = [], None
+        for record in run_job(job, self.env, self.log, self.results["notes"]):
+            if record["job"] == "structured_compile":
+                compiles = record
+                continue
+            free, con = record["unconstrained"], record["constrained"]
+            ratio = (
+                con["decode_tok_s"] / free["decode_tok_s"]
+                if con["decode_tok_s"] and free["decode_tok_s"]
+                else None
+            )
+            rows.append({**record, "ratio": ratio})
+            self.log(f"  B={record['batch']}: unconstrained {free['decode_tok_s'] or 0:,.0f}, "
+                     f"constrained {con['decode_tok_s'] or 0:,.0f} tok/s")  # fmt: skip
+        self.results["structured"] = {"model": model.name, "rows": rows, "compile": compiles}
+
     def bound(self, model: Model) -> None:
         if self.args.profile != "gpu":
             return
@@ -403,7 +433,7 @@ def main() -> None:
     parser.add_argument("--machine", default=None, help="results go to bench/results/MACHINE/")
     parser.add_argument("--models", help="comma-separated: default, random-25m, llama-1b, tiny")
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
-                        "responsiveness, prompt_cache, memory")  # fmt: skip
+                        "responsiveness, prompt_cache, memory, structured")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/MACHINE/")
     parser.set_defaults(profile="full")
     args = parser.parse_args()

@@ -6,7 +6,9 @@ JSON line per job result. Jobs:
 * ``bare``: a bare mlx-lm ``BatchGenerator`` loop, B rows of the same prompts and
   ``max_tokens`` as the engine gets, greedy, no stop tokens;
 * ``engine``: ``engine.generate`` with B concurrent consumers in one Trio task each;
-* ``memory``: N mixed requests through the engine; RSS and MLX active/cache/peak memory.
+* ``memory``: N mixed requests through the engine; RSS and MLX active/cache/peak memory;
+* ``structured``: ``engine.generate`` at each B with every row constrained to a JSON
+  schema vs unconstrained, alternating; and the compile time of 20 schemas.
 
 Bare and engine runs alternate per B for ``rounds`` rounds and the best round of
 each counts: load on a shared machine only ever slows a round down.
@@ -83,18 +85,33 @@ def bare_run(
 
 
 async def engine_run(
-    engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int, logit_bias: Any
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    logit_bias: Any,
+    schemas: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """B concurrent ``engine.generate`` consumers of ``prompts``; same rates as the bare loop."""
+    """B concurrent ``engine.generate`` consumers of ``prompts``; same rates as the bare loop.
+
+    With ``schemas``, row i is constrained to ``schemas[i % len(schemas)]``.
+    """
     import trio
 
     from trio_mlx import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=logit_bias)
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            logit_bias=logit_bias,
+            json_schema=schemas[i % len(schemas)] if schemas else None,
+        )
+        for i in range(len(prompts))
+    ]
     rows: list[list[tuple[float, int]]] = [[] for _ in prompts]
 
     async def consume(i: int) -> None:
-        async with engine.generate(list(prompts[i]), params) as stream:
+        async with engine.generate(list(prompts[i]), params[i]) as stream:
             async for delta in stream:
                 if delta.token_ids:
                     rows[i].append((time.perf_counter(), len(delta.token_ids)))
@@ -215,6 +232,54 @@ def memory(job: dict[str, Any]) -> None:
     emit({"job": "memory", "snapshots": snapshots, "seconds": time.perf_counter() - start})
 
 
+def structured(job: dict[str, Any]) -> None:
+    """Constrained vs unconstrained decode at each B (alternating, best of rounds), then compiles."""
+    from pathlib import Path
+
+    import trio
+    from bench.suite.schemas import SCHEMAS, endless
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    import trio_mlx
+    from trio_mlx._structured import GrammarCompiler
+
+    tokenizer = load_tokenizer(Path(job["model"]))
+    bias = {int(k): v for k, v in job["logit_bias"].items()} if job["logit_bias"] else None
+    max_tokens, rounds = job["max_tokens"], job["rounds"]
+    prompts_for = {b: prompt_ids(tokenizer, b, job["prompt_len"], seed=b) for b in job["batches"]}
+    # Endless: no row can finish its value within max_tokens, so every row runs them all.
+    schemas = [endless(s) for s in SCHEMAS]
+
+    async def main() -> None:
+        async with trio_mlx.open_engine(job["model"], max_batch=max(job["batches"])) as engine:
+            for b in job["batches"]:
+                await engine_run(engine, prompts_for[b], 4, bias)
+                await engine_run(engine, prompts_for[b], 4, bias, schemas)
+            for b in job["batches"]:
+                free, constrained = [], []
+                for _ in range(rounds):
+                    free.append(await engine_run(engine, prompts_for[b], max_tokens, bias))
+                    constrained.append(
+                        await engine_run(engine, prompts_for[b], max_tokens, bias, schemas)
+                    )
+                emit({"job": "structured", "batch": b, "unconstrained": _best(free),
+                      "constrained": _best(constrained)})  # fmt: skip
+
+    trio.run(main)
+    config = json.loads((Path(job["model"]) / "config.json").read_text())
+    compiler = GrammarCompiler(tokenizer, config.get("vocab_size"))
+    start = time.perf_counter()
+    compiler.llg_tokenizer()
+    setup = time.perf_counter() - start
+    times = []
+    for schema in SCHEMAS:
+        start = time.perf_counter()
+        compiler.compile(trio_mlx.SamplingParams(json_schema=schema))
+        times.append(time.perf_counter() - start)
+    emit({"job": "structured_compile", "tokenizer_s": setup, "compile_s": times,
+          "vocab": config.get("vocab_size")})  # fmt: skip
+
+
 def emit(record: dict[str, Any]) -> None:
     """Print one result line for the parent process."""
     print("RESULT " + json.dumps(record), flush=True)
@@ -223,7 +288,7 @@ def emit(record: dict[str, Any]) -> None:
 def main(argv: Sequence[str]) -> None:
     """Run the job given as a JSON argument."""
     job = json.loads(argv[0])
-    {"overhead": overhead, "memory": memory}[job["kind"]](job)
+    {"overhead": overhead, "memory": memory, "structured": structured}[job["kind"]](job)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ def _ratio(a: Any, b: Any) -> str:
 
 
 def _overhead_md(results: dict[str, Any]) -> list[str]:
+    if not results.get("overhead"):
+        return []  # not run (e.g. --only structured)
     lines = ["## 1. Engine overhead: `engine.generate` vs a bare `BatchGenerator` loop", ""]
     lines += [
         "Decode tokens/s in the steady state (every row decoding), best of the rounds; "
@@ -42,6 +44,8 @@ def _overhead_md(results: dict[str, Any]) -> list[str]:
 
 
 def _server_md(results: dict[str, Any]) -> list[str]:
+    if not results.get("server"):
+        return []
     lines = ["## 2. Servers vs bare: closed-loop streaming chat", ""]
     lines += [
         "Aggregate output tokens/s of C streaming clients (in separate processes), "
@@ -198,6 +202,44 @@ def _cache_md(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _structured_md(results: dict[str, Any]) -> list[str]:
+    data = results.get("structured")
+    if not data:
+        return []
+    lines = [f"## 7. Structured output on `{data['model']}`", ""]
+    lines += [
+        "Decode tokens/s with every row constrained to a JSON schema (one of 20, each "
+        "wrapped so no row can finish within max_tokens) vs the same rows unconstrained, "
+        "alternating, best of the rounds; goal: constrained/unconstrained >= 0.8.",
+        "",
+        "| B | unconstrained tok/s | constrained tok/s | constrained/unconstrained | rounds (free; constrained) |",
+        "| ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in data["rows"]:
+        free, con = row["unconstrained"], row["constrained"]
+        rounds = (
+            ", ".join(_num(r) for r in free["rounds"])
+            + "; "
+            + ", ".join(_num(r) for r in con["rounds"])
+        )
+        lines.append(
+            f"| {row['batch']} | {_num(free['decode_tok_s'])} | {_num(con['decode_tok_s'])} | "
+            f"{_ratio(con['decode_tok_s'], free['decode_tok_s'])} | {rounds} |"
+        )
+    compiles = data.get("compile")
+    if compiles:
+        times = sorted(compiles["compile_s"])
+        p50 = times[len(times) // 2]
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+        lines += [
+            "",
+            f"Schema compile (llguidance, vocab {compiles['vocab']}): p50 {p50 * 1e3:.1f} ms, "
+            f"p99 {p99 * 1e3:.1f} ms over {len(times)} schemas; the tokenizer view is built "
+            f"once per engine in {compiles['tokenizer_s'] * 1e3:.0f} ms.",
+        ]
+    return [*lines, ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown tables, one section per benchmark."""
     env = results["env"]
@@ -229,6 +271,7 @@ def markdown(results: dict[str, Any]) -> str:
         _responsiveness_md,
         _memory_md,
         _cache_md,
+        _structured_md,
     ):
         lines += section(results)
     if results.get("notes"):

@@ -37,6 +37,7 @@ __all__ = [
     "eos_processors",
     "make_processors",
     "make_row_sampler",
+    "row_processors",
 ]
 
 
@@ -47,6 +48,8 @@ class RowSpec:
     id: int
     prompt: tuple[int, ...]
     params: SamplingParams
+    #: The compiled :class:`~trio_mlx._structured.Constraint` of a constrained request.
+    constraint: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -130,6 +133,17 @@ def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
             size,
         )
     )
+
+
+def row_processors(spec: RowSpec, eos_ids: Sequence[int]) -> list[Callable[[Any, Any], Any]]:
+    """Every logits processor of a row: ``eos_processors``, ``make_processors`` and,
+    last, its grammar mask.
+
+    The grammar (structured output) comes last so no bias or penalty can bring
+    back a token it forbids.
+    """
+    grammar = [spec.constraint.processor()] if spec.constraint is not None else []
+    return [*eos_processors(spec.params, eos_ids), *make_processors(spec.params), *grammar]
 
 
 @attrs.define(eq=False)
@@ -321,9 +335,7 @@ class BatchLane:
             make_row_sampler(spec.params, self.tokenizer),
             [],
         )
-        processors = eos_processors(spec.params, sorted(self._eos_ids))
-        processors += make_processors(spec.params)
-        row.processors = [_guard(row, p) for p in processors]
+        row.processors = [_guard(row, p) for p in row_processors(spec, sorted(self._eos_ids))]
         self._rows[spec.id] = row
         return self._start(row)
 

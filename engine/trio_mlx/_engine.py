@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -20,12 +21,13 @@ from trio_mlx._actor import Actor, EngineStatistics, Phase, Request, failure
 from trio_mlx._adapters import AdapterRegistry
 from trio_mlx._arbiter import ArbiterPolicy
 from trio_mlx._batch import BatchLane, RowSpec
-from trio_mlx._errors import EngineClosed, InvalidRequest, NotFound
+from trio_mlx._errors import EngineClosed, InvalidGrammar, InvalidRequest, NotFound
 from trio_mlx._gate import choose_lane
 from trio_mlx._output import RowEvent
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
 from trio_mlx._prompt_cache import PromptCache
 from trio_mlx._serial import run_serial
+from trio_mlx._structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
 from trio_mlx._worker import Worker
 
 __all__ = ["Engine", "GenerationStream", "open_engine"]
@@ -256,6 +258,7 @@ async def open_engine(
     prefill_batch_size: int = 8,
     parallel: str = "auto",
     chat_template: str | None = None,
+    grammar_timeout: float = COMPILE_TIMEOUT,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -274,6 +277,9 @@ async def open_engine(
     the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
     architecture supports it). ``chat_template`` (Jinja text) replaces the
     model's chat template, as ``mlx_lm.server --chat-template`` does.
+    ``grammar_timeout`` bounds how many seconds a request's JSON schema, regex
+    or grammar may take to compile (in a worker thread) before the request is
+    refused with :class:`~trio_mlx.InvalidGrammar`.
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -298,6 +304,8 @@ async def open_engine(
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
         raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
+    if not (isinstance(grammar_timeout, int | float) and grammar_timeout > 0):
+        raise InvalidRequest("grammar_timeout must be > 0", param="grammar_timeout")
     if parallel not in _distributed.PARALLEL:
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
@@ -323,6 +331,7 @@ async def open_engine(
     async with trio.open_nursery() as nursery:
         try:
             engine: Engine = await nursery.start(_serve, policy, Path(path).name, load)
+            engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:
             error = _load_error(path, exc) or exc
         else:
@@ -405,6 +414,12 @@ class Engine:
     _actor: Actor = attrs.field(init=False)
     _encode_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(1)
+    )
+    #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
+    grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
+    _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
+    _grammar_limiter: trio.CapacityLimiter = attrs.field(
+        init=False, factory=lambda: trio.CapacityLimiter(2)
     )
 
     @property
@@ -652,6 +667,7 @@ class Engine:
                 limiter=self._encode_limiter,
             )
         self._check_logit_bias(params)
+        constraint = await self._constraint(params) if params.constrained else None
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
             if params.adapter not in self._registry:
@@ -665,10 +681,39 @@ class Engine:
         request = Request(
             request_id,
             "batch" if lane.batch else "serial",
-            spec=RowSpec(request_id, tuple(tokens), params),
+            spec=RowSpec(request_id, tuple(tokens), params, constraint),
         )
         await self._actor.submit(request)
         return request
+
+    async def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """Compile the request's schema, regex or grammar in a worker thread, bounded in time."""
+        param = next(
+            n for n in ("json_schema", "regex", "grammar") if getattr(params, n) is not None
+        )
+        # Followers would need the same matcher next to each step: not mirrored yet.
+        self._refuse_distributed("structured output (json_schema, regex, grammar)", param)
+        if self._grammar is None:
+            vocab = self._loaded.config.get("vocab_size")
+            self._grammar = GrammarCompiler(
+                self._loaded.tokenizer, vocab if isinstance(vocab, int) else None
+            )
+        compiler = self._grammar
+        if importlib.util.find_spec("llguidance") is None:
+            raise InvalidRequest(
+                "structured output needs the llguidance package, which is not installed",
+                param=param,
+                code="structured_output_unavailable",
+            )
+        with trio.move_on_after(self.grammar_timeout):
+            return await trio.to_thread.run_sync(
+                compiler.compile, params, abandon_on_cancel=True, limiter=self._grammar_limiter
+            )
+        raise InvalidGrammar(
+            f"{param} did not compile within {self.grammar_timeout:g} s; simplify it",
+            param=param,
+            code="grammar_too_complex",
+        )
 
     def _refuse_distributed(self, what: str, param: str | None = None) -> None:
         if self._loaded.group is not None:

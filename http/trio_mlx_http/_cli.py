@@ -111,6 +111,12 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a serial or exclusive job waits before the batch drains for it",
     )
     parser.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=None,
+        help="seconds a response_format schema may take to compile before a 400 (default 10)",
+    )
+    parser.add_argument(
         "--adapter-dir", default=None, help="POST /v1/adapters mounts only adapters in here"
     )
     parser.add_argument(
