@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import nox
 
+# session.run's interrupt_timeout (serve's graceful Ctrl-C) and lazy uv detection.
+nox.needs_version = ">=2024.3.2"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "lint", "typing"]
 
@@ -16,6 +20,26 @@ PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 # Pinned: a new ruff or mypy release must not turn CI red on unchanged code.
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
+
+
+def _quiet_uv_probe() -> None:
+    """Without uv, tell nox so up front: its own probe logs "uv binary not found." per session.
+
+    The values nox's probe would find (no uv); nox reads them from its module
+    attributes, so setting them skips the probe. Anything unexpected: let nox probe.
+    """
+    if shutil.which(os.environ.get("UV", "uv")) or importlib.util.find_spec("uv"):
+        return
+    try:
+        from nox import virtualenv
+        from packaging.version import Version
+
+        virtualenv.HAS_UV, virtualenv.UV, virtualenv.UV_VERSION = False, "uv", Version("0")
+    except Exception:  # pragma: no cover - a nox without these names probes as before
+        return
+
+
+_quiet_uv_probe()
 
 
 def _extras(*extra: str) -> str:
@@ -34,8 +58,8 @@ def _model_env() -> dict[str, str]:
     return preload_env(dict(os.environ))
 
 
-def _install(session: nox.Session, *extra: str) -> None:
-    session.install("-e", f".[{_extras(*extra)}]")
+def _install(session: nox.Session, *extra: str, silent: bool = True) -> None:
+    session.install("-e", f".[{_extras(*extra)}]", silent=silent)
 
 
 def tests_impl(session: nox.Session, profile: str, *default_args: str) -> None:
@@ -77,9 +101,45 @@ def typing(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def serve(session: nox.Session) -> None:
-    """Install trio-mlx and start the OpenAI-compatible server on the bundled model."""
-    _install(session)
-    session.run("trio-mlx", "serve", *session.posargs, env=_model_env())
+    """Install trio-mlx and start the OpenAI-compatible server on the bundled model.
+
+    Options after ``--`` go to ``trio-mlx serve`` (``nox -s serve -- --help``).
+    """
+    location = Path(session.virtualenv.location)
+    first = not (location / "bin" / "trio-mlx").exists()
+    if first:
+        session.log(
+            f"First run: installing trio-mlx[{_extras()}] with MLX and mlx-lm into "
+            f"{location.relative_to(ROOT)} (a few minutes; later runs reuse it)"
+        )
+    _install(session, silent=not first)
+    session.log(
+        f"The trio-mlx command is in {location / 'bin'}: "
+        f"`source {location.relative_to(ROOT) / 'bin' / 'activate'}` puts it on PATH"
+    )
+    # Ctrl-C reaches the server and nox alike; nox then sends SIGTERM after
+    # interrupt_timeout, and a second signal makes the server cancel at once.
+    # Give the server its whole graceful period (plus the engine's shutdown) first.
+    grace = _serve_option(session.posargs, "graceful_timeout")
+    session.run(
+        "trio-mlx",
+        "serve",
+        *session.posargs,
+        env=_model_env(),
+        interrupt_timeout=float(grace) + 5.0,
+        terminate_timeout=5.0,
+    )
+
+
+def _serve_option(posargs: list[str], name: str) -> object:
+    """The value ``trio-mlx serve POSARGS`` gets for ``name`` (the CLI's parser, no MLX import)."""
+    sys.path.insert(0, str(ROOT / "http"))
+    try:
+        from trio_mlx_http._cli import build_parser
+    finally:
+        sys.path.pop(0)
+    args, _ = build_parser().parse_known_args(["serve", *posargs])
+    return getattr(args, name)
 
 
 @nox.session(python=PYTHON, name="train-default-model")
@@ -106,7 +166,7 @@ def train_adapter(session: nox.Session) -> None:
 def soak(session: nox.Session) -> None:
     """Reliability soak: load, disconnect storm, faults, hostile input, security, SIGTERM.
 
-    Bounded (about 5-10 min on a laptop CPU); ``-- --quick`` runs a tenth of every count.
+    Bounded (444 s measured on a loaded 2-core CPU); ``-- --quick`` runs a tenth of every count.
     Prints a summary table and writes ``.nox/soak-report.json``; exits 1 when a scenario fails.
     """
     _install(session, "test")

@@ -40,11 +40,8 @@ async def _one(http: httpx.AsyncClient, spec: Spec, deadline: float) -> str:
     return f"bad:{answer.status}:{answer.detail[:80]}"
 
 
-async def run_shutdown(
-    server: ServerProcess, *, short: int, long: int, grace: float
-) -> dict[str, Any]:
-    """``short`` requests that fit in the grace period, ``long`` ones that do not; then SIGTERM."""
-    specs = {
+def _specs(short: int, long: int) -> dict[str, list[Spec]]:
+    return {
         "short": [
             Spec(chat=i % 2 == 0, stream=i % 3 == 0, max_tokens=48, no_eos=True)
             for i in range(short)
@@ -54,6 +51,43 @@ async def run_shutdown(
             for i in range(long)
         ],
     }
+
+
+async def short_requests_seconds(server: ServerProcess, *, short: int, long: int) -> float:
+    """Seconds ``short`` requests take beside ``long`` ones on this server, now.
+
+    The machine's pace: a grace period that must fit the short requests is a
+    multiple of this, so the shutdown check holds on a busy machine too.
+    """
+    specs = _specs(short, long)
+    limits = httpx.Limits(max_connections=short + long + 8)
+    async with (
+        httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None) as http,
+        trio.open_nursery() as nursery,
+    ):
+        for spec in specs["long"]:  # cancelled below: the client goes away
+            nursery.start_soon(_one, http, spec, 600.0)
+        start = time.perf_counter()
+        async with trio.open_nursery() as shorts:
+            for spec in specs["short"]:
+                shorts.start_soon(_one, http, spec, 600.0)
+        took = time.perf_counter() - start
+        nursery.cancel_scope.cancel()
+    return took
+
+
+async def _signal_seen(server: ServerProcess, limit: float) -> None:
+    """Wait until the server logs that it took the signal (it stops accepting then)."""
+    with trio.move_on_after(limit):
+        while "no new requests" not in server.log:  # noqa: ASYNC110 - another thread fills the log
+            await trio.sleep(0.02)
+
+
+async def run_shutdown(
+    server: ServerProcess, *, short: int, long: int, grace: float
+) -> dict[str, Any]:
+    """``short`` requests that fit in the grace period, ``long`` ones that do not; then SIGTERM."""
+    specs = _specs(short, long)
     outcomes: dict[str, Counter[str]] = {"short": Counter(), "long": Counter(), "late": Counter()}
     limits = httpx.Limits(max_connections=short + long + 8)
     async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None) as http:
@@ -73,6 +107,8 @@ async def run_shutdown(
                     await trio.sleep(0.02)
             server.process.send_signal(signal.SIGTERM)
             signalled = time.perf_counter()
+            # After the server has taken the signal (a busy machine may take a while).
+            await _signal_seen(server, grace)
             await trio.sleep(0.3)
             async with httpx.AsyncClient(base_url=server.url, timeout=5) as late:
                 outcomes["late"][await _one(late, Spec(chat=False, stream=False, max_tokens=2),

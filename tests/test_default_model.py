@@ -149,3 +149,23 @@ def test_wheel_carries_the_model_and_the_adapter(tmp_path: Path) -> None:
         package_dir = directory.relative_to(default_model_path().parents[1])
         for file in directory.iterdir():
             assert f"trio_mlx/{package_dir.as_posix()}/{file.name}" in names
+
+
+def test_held_out_questions_are_phrased_unlike_any_training_question() -> None:
+    from trio_mlx.default_model.instruct import (
+        HELD_OUT_TEMPLATES,
+        TRAIN_TEMPLATES,
+        VAL_TEMPLATE,
+        held_out_questions,
+        topics,
+    )
+
+    all_topics = topics()
+    training = {
+        t.format(s=s) for topic in all_topics for s in topic.subjects for t in TRAIN_TEMPLATES
+    }
+    held = held_out_questions(all_topics, 30, seed=0)
+    assert len(held) == 30
+    assert len({topic.key for _, topic in held}) == 30
+    assert not training & {question for question, _ in held}
+    assert not set(HELD_OUT_TEMPLATES) & {*TRAIN_TEMPLATES, VAL_TEMPLATE}

@@ -283,7 +283,7 @@ def test_adapter_path_is_refused_on_every_rank_at_start(tiny_model_path: Path) -
     )
     # Rank 0's settings reach the follower first, so both refuse and nobody waits out
     # the start timeout (600 s); whichever rank fails first, mlx.launch ends the other.
-    refusal = "InvalidRequest: distributed mode does not support LoRA adapters"
+    refusal = "trio-mlx: error: distributed mode does not support LoRA adapters"
     assert run.stdout.count(refusal) == 2, run.stdout[-4000:]  # rank 0's and the follower's
     assert "exited with code 1" in run.stdout, run.stdout[-4000:]
     assert time.monotonic() - begin < 30

@@ -140,13 +140,56 @@ async def test_statistics_count_requests_and_tokens(tiny_model_path: Path) -> No
     assert stats.state == "ADMITTING"
 
 
+async def test_statistics_report_mlx_memory_and_the_prompt_cache(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        before = engine.statistics()
+        await engine.complete(PROMPTS[0], SamplingParams(max_tokens=5))
+        after = engine.statistics()
+    # The weights are live MLX arrays; the peak is a high-water mark of active memory.
+    assert before.mlx_active_memory > 0
+    assert after.mlx_peak_memory >= after.mlx_active_memory > 0
+    assert after.mlx_cache_memory >= 0
+    assert before.prompt_cache_bytes == 0 < after.prompt_cache_bytes
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        await engine.complete(PROMPTS[0], SamplingParams(max_tokens=5))
+        assert engine.statistics().prompt_cache_bytes == 0
+
+
 async def test_open_engine_reports_a_missing_model_as_not_found(tmp_path: Path) -> None:
     with pytest.raises(trio_mlx.NotFound, match="not found"):
         async with trio_mlx.open_engine(tmp_path / "nowhere"):
             pass  # pragma: no cover
-    with pytest.raises(trio_mlx.NotFound, match="cannot load the model"):
+    with pytest.raises(trio_mlx.NotFound, match=r"has no config\.json") as empty:
         async with trio_mlx.open_engine(tmp_path):
             pass  # pragma: no cover
+    assert empty.value.param == "model"
+
+
+async def test_open_engine_refuses_a_bad_policy_value_as_invalid_request() -> None:
+    with pytest.raises(InvalidRequest, match="max_batch") as bad:
+        async with trio_mlx.open_engine(max_batch=0):
+            pass  # pragma: no cover
+    assert bad.value.param == "max_batch"
+
+
+async def test_open_engine_names_a_missing_adapter(tmp_path: Path) -> None:
+    with pytest.raises(trio_mlx.NotFound, match=r"adapter .*nowhere.* not found") as missing:
+        async with trio_mlx.open_engine(adapter_path=tmp_path / "nowhere"):
+            pass  # pragma: no cover
+    assert missing.value.param == "adapter_path"
+
+
+async def test_open_engine_reports_an_unreachable_hub_model_as_not_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Offline mode: huggingface_hub answers from the cache only, so nothing leaves the host.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(trio_mlx.NotFound, match="cannot fetch model trio-mlx-tests/absent") as hub:
+        async with trio_mlx.open_engine("trio-mlx-tests/absent"):
+            pass  # pragma: no cover
+    assert hub.value.code == "model_not_downloadable"
 
 
 async def test_an_error_in_the_engine_block_propagates_unwrapped(tiny_model_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,21 @@ async def test_metrics_are_prometheus_text(http: httpx.AsyncClient) -> None:
         'trio_mlx_http_generations_total{endpoint="/v1/completions",lane="batch",outcome="length"} 1.0',
     ):
         assert name in text, name
+    memory = {
+        name: float(re.findall(rf"^trio_mlx_{name} (\S+)$", text, re.MULTILINE)[0])
+        for name in (
+            "mlx_active_memory_bytes",
+            "mlx_cache_memory_bytes",
+            "mlx_peak_memory_bytes",
+            "prompt_cache_bytes",
+        )
+    }
+    # The model's weights are live arrays; the peak is at least what is active.
+    assert memory["mlx_active_memory_bytes"] > 1_000_000
+    assert memory["mlx_peak_memory_bytes"] >= memory["mlx_active_memory_bytes"]
+    assert memory["mlx_cache_memory_bytes"] >= 0
+    # The completion's prompt was stored in the prompt cache.
+    assert memory["prompt_cache_bytes"] > 0
 
 
 async def test_openapi_document_lists_every_route(http: httpx.AsyncClient) -> None:

@@ -174,6 +174,14 @@ class EngineStatistics:
     ranks: int = 1
     #: Step calls that inserted new rows (grouped admission: fewer than rows admitted).
     admissions: int = 0
+    #: MLX's allocator, in bytes: memory held by live arrays (weights, KV caches,
+    #: the prompt cache), freed buffers kept for reuse, and the high-water mark
+    #: of active memory (this process, rank 0 under distributed mode). 0 where unread.
+    mlx_active_memory: int = 0
+    mlx_cache_memory: int = 0
+    mlx_peak_memory: int = 0
+    #: Bytes the prompt cache counts for its entries (0 when it is off).
+    prompt_cache_bytes: int = 0
 
 
 @attrs.define(eq=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -82,9 +83,68 @@ def _resolve_model(model: str | os.PathLike[str] | None) -> str:
             raise NotFound(f"no model given and the bundled default model is missing ({path})")
         return str(path)
     text = os.fspath(model)
-    if Path(text).exists() or (text.count("/") == 1 and not text.startswith(("/", "."))):
+    if Path(text).exists():
+        if not (Path(text) / "config.json").is_file():
+            raise NotFound(f"{text} is not a model folder: it has no config.json", param="model")
         return text
-    raise NotFound(f"model {text!r} not found", param="model")
+    if _is_repo_id(text):
+        return text
+    raise NotFound(f"model {text!r} not found: no such folder", param="model")
+
+
+def _check_adapter(adapter_path: str | os.PathLike[str] | None) -> None:
+    """A missing adapter folder is named as the adapter, before the model loads."""
+    if adapter_path is not None and not Path(adapter_path).is_dir():
+        raise NotFound(
+            f"adapter {os.fspath(adapter_path)!r} not found: no such folder", param="adapter_path"
+        )
+
+
+def _is_repo_id(text: str) -> bool:
+    """Whether ``text`` names a Hugging Face repository (``owner/name``), not a path."""
+    return text.count("/") == 1 and not text.startswith(("/", ".", "~"))
+
+
+def _hub_reason(error: Exception) -> str:
+    """Why huggingface_hub could not fetch a model, in a few words."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - mlx-lm depends on it
+        offline = False
+    else:
+        offline = bool(constants.HF_HUB_OFFLINE)
+    if offline:
+        return "HF_HUB_OFFLINE is set"
+    lines = str(error).strip().splitlines()
+    first = lines[0].removeprefix("Got: ").split(". ")[0] if lines else type(error).__name__
+    return first if len(first) <= 120 else first[:117] + "..."
+
+
+def _load_error(path: str, error: Exception) -> NotFound | None:
+    """The typed error for a model that could not be found or fetched (None: not one)."""
+    hub = type(error).__module__.split(".")[0] == "huggingface_hub"
+    if _is_repo_id(path) and not Path(path).exists() and (hub or isinstance(error, OSError)):
+        reason = _hub_reason(error)
+        found = NotFound(
+            f"cannot fetch model {path} from Hugging Face, and it is not in the local cache "
+            f"({reason})",
+            param="model",
+            code="model_not_downloadable",
+        )
+    elif isinstance(error, FileNotFoundError):
+        found = NotFound(f"cannot load the model at {path}: {error}", param="model")
+    else:
+        return None
+    found.__cause__ = error
+    return found
+
+
+def _mlx_memory() -> tuple[int, int, int]:
+    """MLX's allocator counters (active, cache, peak bytes): plain reads, no MLX work,
+    so safe off the MLX thread."""
+    import mlx.core as mx
+
+    return int(mx.get_active_memory()), int(mx.get_cache_memory()), int(mx.get_peak_memory())
 
 
 def _fuse_lora(model: Any) -> None:
@@ -238,15 +298,21 @@ async def open_engine(
     ``grace_period`` seconds, ends the rest with
     :class:`~trio_mlx.EngineClosed` and joins the MLX thread.
     """
-    policy = ArbiterPolicy(
-        max_batch=max_batch,
-        max_queue=max_queue,
-        drain_timeout=drain_timeout,
-        min_batch_steps=min_batch_steps,
-    )
+    try:
+        policy = ArbiterPolicy(
+            max_batch=max_batch,
+            max_queue=max_queue,
+            drain_timeout=drain_timeout,
+            min_batch_steps=min_batch_steps,
+        )
+    except (TypeError, ValueError) as invalid:  # attrs' validators: name the argument
+        message = str(invalid.args[0]) if invalid.args else str(invalid)
+        named = re.match(r"'(\w+)'", message)
+        raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
     if prompt_cache_bytes < 0:
         raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
     path = _resolve_model(model)
+    _check_adapter(adapter_path)
     if prefill_step_size < 1 or prefill_batch_size < 1:
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
@@ -279,11 +345,8 @@ async def open_engine(
         try:
             engine: Engine = await nursery.start(_serve, policy, Path(path).name, load)
             engine.grammar_timeout = float(grammar_timeout)
-        except FileNotFoundError as exc:
-            error = NotFound(f"cannot load the model at {path}: {exc}", param="model")
-            error.__cause__ = exc
         except Exception as exc:
-            error = exc
+            error = _load_error(path, exc) or exc
         else:
             try:
                 yield engine
@@ -405,8 +468,16 @@ class Engine:
         self._actor.close_nowait()
 
     def statistics(self) -> EngineStatistics:
-        """A frozen snapshot of the engine: arbiter state, queues, counters."""
-        return self._actor.statistics()
+        """A frozen snapshot of the engine: arbiter state, queues, counters, memory."""
+        cache = self._loaded.prompt_cache
+        active, cached, peak = _mlx_memory()
+        return attrs.evolve(
+            self._actor.statistics(),
+            mlx_active_memory=active,
+            mlx_cache_memory=cached,
+            mlx_peak_memory=peak,
+            prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+        )
 
     def encode(
         self,

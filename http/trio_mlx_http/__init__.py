@@ -8,10 +8,40 @@ own Trio program::
         stop = trio.Event()
         await nursery.start(partial(hypercorn.trio.serve, app, config,
                                     shutdown_trigger=shutdown_trigger(app, stop)))
+
+The public names are imported on first use, so the ``trio-mlx`` command's
+``--help`` (``trio_mlx_http._cli``) loads neither the web stack nor the engine.
 """
 
-from trio_mlx import __version__
-from trio_mlx_http._app import create_app, shutdown_trigger
-from trio_mlx_http._settings import Settings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trio_mlx import __version__
+    from trio_mlx_http._app import create_app, shutdown_trigger
+    from trio_mlx_http._settings import Settings
 
 __all__ = ["Settings", "__version__", "create_app", "shutdown_trigger"]
+
+#: Where each public name lives.
+_HOMES = {
+    "Settings": "trio_mlx_http._settings",
+    "__version__": "trio_mlx._version",
+    "create_app": "trio_mlx_http._app",
+    "shutdown_trigger": "trio_mlx_http._app",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

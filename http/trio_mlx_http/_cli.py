@@ -1,4 +1,10 @@
-"""The ``trio-mlx`` command line: ``serve`` and ``generate``."""
+"""The ``trio-mlx`` command line: ``serve`` and ``generate``.
+
+Only argparse is imported until the arguments are parsed: ``--help`` answers
+at once and never imports MLX, Trio or the web stack. A start-up failure is
+told in a line or two (:mod:`trio_mlx_http._startup`); ``--debug`` adds the
+traceback.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,38 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from trio_mlx import __version__, maybe_reexec_with_fast_blas
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with every option's default (unless the help states it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default:" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: imports the package only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("help", "show the version and exit")
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from trio_mlx._version import __version__
+
+        print(f"trio-mlx {__version__}")
+        parser.exit()
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +101,7 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--prompt-concurrency",
         type=int,
         default=None,
-        help="prompts prefilled together (default: the engine's)",
+        help="prompts prefilled together (default: the engine's, 8)",
     )
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait")
     parser.add_argument(
@@ -185,18 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trio-mlx",
         description="An LLM generation engine for MLX with an OpenAI-compatible server.",
+        epilog="`trio-mlx serve --help` lists the server's flags and their defaults.",
+        formatter_class=_HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"trio-mlx {__version__}")
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument(
         "--no-fast-blas",
         action="store_true",
         help="on Linux, do not re-run with an optimized BLAS preloaded (also TRIO_MLX_FAST_BLAS=0)",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve = commands.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server", formatter_class=_HelpFormatter
+    )
     _add_model_flags(serve)
     _add_serve_flags(serve)
-    generate = commands.add_parser("generate", help="generate once, streaming to the terminal")
+    _add_debug_flag(serve)
+    generate = commands.add_parser(
+        "generate", help="generate once, streaming to the terminal", formatter_class=_HelpFormatter
+    )
+    _add_debug_flag(generate)
     generate.add_argument("prompt", help="the prompt (a user message when the model chats)")
     generate.add_argument(
         "--raw", action="store_true", help="send the prompt as text, without the chat template"
@@ -210,27 +254,36 @@ def build_parser() -> argparse.ArgumentParser:
 SWITCH_INTERVAL = 0.001
 
 
+def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--debug",
+        "-v",
+        action="store_true",
+        help="on a start-up failure, print the traceback too (not only what is wrong)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit status."""
-    _fast_blas(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and --version end here, before any import
     if args.command is None:
         parser.print_help()
         return 0
+    _fast_blas(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import trio
 
     from trio_mlx import _distributed
-    from trio_mlx_http import _run
+    from trio_mlx_http import _run, _startup
 
     runner = _run.serve if args.command == "serve" else _run.generate
     # The MLX worker thread and the Trio thread (HTTP, streaming) share the GIL.
     # At Python's default 5 ms switch interval the worker waited for it behind
-    # the HTTP work: at 64 streams on the H200 a 1 ms interval served 1.77x the
-    # tokens (4,116 vs 2,322 tok/s) with a third of the TTFT (design/engine.md).
+    # the HTTP work. At 64 streams on the H200 one A/B read 4,116 vs 2,322 tok/s
+    # for 1 ms, a later run 3,152: within those runs' noise (design/engine.md).
     sys.setswitchinterval(SWITCH_INTERVAL)
     try:
         if args.command == "serve" and _distributed.follower_rank() is not None:
@@ -239,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = trio.run(runner, args)
     except KeyboardInterrupt:
         status = 130
+    except Exception as error:
+        status = _startup.report(error, debug=args.debug)
     if argv is None:
         _exit_now(status)
     return status
@@ -264,7 +319,9 @@ def _fast_blas(argv: Sequence[str] | None) -> None:
 
     Only for a real command line (``argv`` None): called in-process with explicit
     arguments, re-executing would re-run the host program instead. This runs
-    before argparse and before MLX is imported, so the scan for the flag is by hand.
+    before MLX is imported; the flag may sit before or after the command, so the scan is by hand.
     """
     if argv is None:
+        from trio_mlx import maybe_reexec_with_fast_blas
+
         maybe_reexec_with_fast_blas(opt_out="--no-fast-blas" in sys.argv[1:])

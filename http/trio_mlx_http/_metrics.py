@@ -4,7 +4,8 @@ Two sources: the HTTP layer counts what it sees (requests by endpoint and
 status, generations by endpoint, lane and outcome, latency histograms), and
 a collector reads :meth:`Engine.statistics` at scrape time for the engine's
 own gauges and counters (rows, queues, arbiter state, tokens, drains,
-preemptions), so the numbers never drift from the engine's.
+preemptions, MLX memory and the prompt cache's bytes), so the numbers never
+drift from the engine's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ _GAUGES = {
     "queued_rows": "Requests waiting for a batch row.",
     "parked_rows": "Rows parked (preempted) with their cache, waiting to resume.",
     "waiting_jobs": "Serial or exclusive jobs waiting for the model.",
+    "mlx_active_memory": "Bytes MLX holds in live arrays (weights, KV caches, prompt cache).",
+    "mlx_cache_memory": "Bytes MLX keeps in freed buffers for reuse.",
+    "mlx_peak_memory": "Highest active MLX memory since the process started, in bytes.",
+    "prompt_cache_bytes": "Bytes the prompt cache counts for its entries.",
+}
+#: Gauges whose exported name differs from the statistics field (Prometheus' unit suffix).
+_GAUGE_NAMES = {
+    "mlx_active_memory": "mlx_active_memory_bytes",
+    "mlx_cache_memory": "mlx_cache_memory_bytes",
+    "mlx_peak_memory": "mlx_peak_memory_bytes",
 }
 #: Engine statistics exported as counters (name in statistics -> help).
 _COUNTERS = {
@@ -48,7 +59,8 @@ class _EngineCollector:
     def collect(self) -> Iterable[Metric]:
         stats = self.statistics()
         for name, doc in _GAUGES.items():
-            yield GaugeMetricFamily(f"trio_mlx_{name}", doc, value=getattr(stats, name))
+            exported = _GAUGE_NAMES.get(name, name)
+            yield GaugeMetricFamily(f"trio_mlx_{exported}", doc, value=getattr(stats, name))
         yield GaugeMetricFamily(
             "trio_mlx_worker_alive",
             "1 while the MLX worker thread runs.",

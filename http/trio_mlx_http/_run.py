@@ -17,6 +17,7 @@ from quart_trio import QuartTrio
 import trio_mlx
 from trio_mlx_http._app import create_app, shutdown_trigger
 from trio_mlx_http._settings import Settings
+from trio_mlx_http._startup import bound_socket
 
 __all__ = ["generate", "serve"]
 
@@ -169,7 +170,12 @@ async def serve(args: argparse.Namespace) -> int:
     backend = trio_mlx.backend_info()
     level = logging.WARNING if backend.blas == "reference" else logging.INFO
     logger.log(level, "%s", backend.describe())
-    async with trio_mlx.open_engine(**_engine_options(args)) as engine:
+    # The port first: a busy one fails in a moment, not after minutes of model loading.
+    async with (
+        bound_socket(args.host, args.port) as listener,
+        trio_mlx.open_engine(**_engine_options(args)) as engine,
+    ):
+        config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns the socket from here
         app = create_app(engine, settings)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
