@@ -529,7 +529,9 @@ def main() -> None:
     )
     parser.add_argument("--profile", choices=sorted(PROFILES), help="default: full")
     parser.add_argument("--machine", default=None, help="results go to bench/results/MACHINE/")
-    parser.add_argument("--models", help="comma-separated: default, random-25m, llama-1b, tiny")
+    parser.add_argument(
+        "--models", help="comma-separated: default, random-25m, llama-1b, tiny, tiny-128k"
+    )
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory, structured, "
                         "traffic")  # fmt: skip

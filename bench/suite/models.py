@@ -51,6 +51,9 @@ class ModelSpec:
 SPECS = {
     "random-25m": ModelSpec("random-25m", 512, 8, 8, 4, 1408, 8192, 8192, "float32", 2.0),
     "llama-1b": ModelSpec("llama-1b", 2048, 16, 32, 8, 8192, 128256, 4096, "bfloat16", 1.0),
+    # llama-1b's vocabulary (a 4k BPE padded to 128256) on a tiny body: structured
+    # output's per-token mask cost at that width, measurable on a CPU.
+    "tiny-128k": ModelSpec("tiny-128k", 64, 2, 4, 2, 128, 128256, 4096, "float32", 4.0),
     # Only for developing the harness: seconds per run on a busy CPU.
     "tiny": ModelSpec("tiny", 128, 2, 4, 2, 256, 1024, 1024, "float32", 4.0),
 }

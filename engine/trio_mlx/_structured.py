@@ -8,7 +8,11 @@ processor, so rows with different constraints and rows with none share one
 batch. The processor runs where mlx-lm calls processors, on the MLX thread:
 it feeds the row's newly sampled tokens to the matcher, asks for the bitmask
 of allowed next tokens (a few microseconds to a few hundred in llguidance's
-Rust code), unpacks it with numpy and applies it with one ``mx.where``.
+Rust code), unpacks it and applies it with one ``mx.where``. In the batch
+lane a :class:`GrammarBatch` does that for every constrained row of a decode
+step at once: one read-back of the step's tokens, the masks filled by
+llguidance's thread pool into one array, unpacked in one go (by MLX on a
+GPU, by numpy on a CPU: :func:`unpack_bitmask`).
 
 Compiling runs in a worker thread, never on the Trio thread; the engine bounds
 how long it may take (:data:`COMPILE_TIMEOUT`).
@@ -33,9 +37,11 @@ __all__ = [
     "COMPACT_JSON",
     "COMPILE_TIMEOUT",
     "Constraint",
+    "GrammarBatch",
     "GrammarCompiler",
     "GrammarProcessor",
     "grammar_source",
+    "unpack_bitmask",
 ]
 
 #: Seconds a constraint may take to compile before the request is refused.
@@ -111,13 +117,14 @@ class GrammarCompiler:
         if source is None:
             return None
         grammar, param = source
+        words = (int(self.llg_tokenizer().vocab_size) + 31) // 32
         with self._lock:
             cached = self._cache.get(grammar)
             if cached is not None:
                 self._cache.move_to_end(grammar)
                 self.hits += 1
                 # A copy: the cached matcher itself never consumes a token.
-                return Constraint(cached.deep_copy())
+                return Constraint(cached.deep_copy(), words)
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.llg_tokenizer(), grammar, log_level=0)
@@ -127,7 +134,45 @@ class GrammarCompiler:
             self._cache[grammar] = matcher
             while len(self._cache) > CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-            return Constraint(matcher.deep_copy())
+            return Constraint(matcher.deep_copy(), words)
+
+
+def _on_gpu() -> bool:
+    import mlx.core as mx
+
+    return bool(mx.default_device() == mx.gpu)
+
+
+def unpack_bitmask(words: Any, width: int, *, device: bool | None = None) -> Any:
+    """llguidance's bitmasks as an MLX bool array: ``(rows, W)`` int32 -> ``(rows, width)``.
+
+    Bit ``j`` of word ``i`` (least significant first) allows token ``32 * i + j``;
+    tokens past the mask's end (a model wider than its tokenizer) are forbidden.
+    ``device=True`` unpacks with MLX ops (the words travel, 4 KB per 32k tokens,
+    and one small kernel expands them), ``False`` with ``np.unpackbits`` on the
+    host; None picks MLX on a GPU and numpy on a CPU, where numpy measured faster
+    (design/structured-output.md).
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    words = np.ascontiguousarray(words, dtype=np.int32)
+    rows, count = words.shape
+    if device is None:
+        device = _on_gpu()
+    if device:
+        shifts = mx.arange(32, dtype=mx.int32)
+        bits = ((mx.array(words)[:, :, None] >> shifts) & 1).reshape(rows, count * 32)
+        allowed = bits != 0
+        if count * 32 < width:
+            return mx.concatenate(
+                [allowed, mx.zeros((rows, width - count * 32), dtype=mx.bool_)], axis=1
+            )
+        return allowed[:, :width]
+    unpacked = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    if unpacked.shape[1] < width:
+        unpacked = np.pad(unpacked, ((0, 0), (0, width - unpacked.shape[1])))
+    return mx.array(unpacked[:, :width].view(np.bool_))
 
 
 @attrs.define(eq=False)
@@ -135,10 +180,12 @@ class Constraint:
     """One request's compiled constraint; it makes that row's processor once."""
 
     matcher: Any
+    #: 32-bit words in one bitmask (the tokenizer's size / 32, rounded up).
+    words: int
 
     def processor(self) -> GrammarProcessor:
         """The logits processor for the row (call once per row)."""
-        return GrammarProcessor(self.matcher)
+        return GrammarProcessor(self.matcher, self.words)
 
 
 class GrammarProcessor:
@@ -148,41 +195,155 @@ class GrammarProcessor:
     the logits for the next token. The first call marks where generation
     starts; each later call feeds the matcher the tokens it has not seen, so a
     row parked and resumed (called again with the same tokens) is not fed
-    twice.
+    twice. Inside a step prepared by a :class:`GrammarBatch` the matcher was
+    already fed and its mask computed with the other rows'; the call only
+    checks that the row moved on by exactly that one token and applies it.
     """
 
-    def __init__(self, matcher: Any) -> None:
-        self._matcher = matcher
+    def __init__(self, matcher: Any, words: int) -> None:
+        self.matcher = matcher
+        self.words = words
         self._start: int | None = None
         self._fed = 0
-        self._neg: Any = None
+        #: (batch, index) while a GrammarBatch step holds this row's mask.
+        self._slot: tuple[GrammarBatch, int] | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the processor has been called once (it knows where generation starts)."""
+        return self._start is not None
+
+    def _feed(self, ids: list[int]) -> None:
+        # A stopped matcher allowed only EOS, which ends the row: nothing to feed.
+        if ids and not self.matcher.is_stopped() and not self.matcher.consume_tokens(ids):
+            raise GenerationFailed(
+                f"the constrained row left its grammar: {self.matcher.get_error()}"
+            )
+        self._fed += len(ids)
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GenerationFailed(f"the grammar matcher failed: {self.matcher.get_error()}")
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
         import numpy as np
 
         length = int(tokens.shape[-1])
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            return slot[0].apply(self, slot[1], length, logits)
         if self._start is None:
             self._start = length
         new = length - self._start - self._fed
-        # A stopped matcher allowed only EOS, which ends the row: nothing to feed.
-        if new > 0 and not self._matcher.is_stopped():
-            ids = tokens[length - new :].tolist()
-            if not self._matcher.consume_tokens(ids):
-                raise GenerationFailed(
-                    f"the constrained row left its grammar: {self._matcher.get_error()}"
-                )
-        self._fed += max(new, 0)
-        if self._matcher.is_error():
-            raise GenerationFailed(f"the grammar matcher failed: {self._matcher.get_error()}")
-        if self._neg is None:
-            self._neg = mx.array(-mx.inf, dtype=logits.dtype)
-        # One bit per token, little-endian: unpacked here (tens of microseconds at
-        # 150k tokens) so the device sees one bool array and one where().
-        bits = np.unpackbits(
-            np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
-        )
-        width = int(logits.shape[-1])
-        if bits.shape[0] < width:
-            bits = np.pad(bits, (0, width - bits.shape[0]))
-        return mx.where(mx.array(bits[:width].view(np.bool_)), logits, self._neg)
+        if new > 0:
+            self._feed(tokens[length - new :].tolist())
+        self._check()
+        mask = np.empty((1, self.words), dtype=np.int32)
+        self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        allowed = unpack_bitmask(mask, int(logits.shape[-1]))
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+#: Whether a GrammarBatch queues the forward pass before reading the tokens back:
+#: on a GPU the device then runs the layers while the host computes the masks; on a
+#: CPU both compete for the same cores (measured no better: design/structured-output.md).
+def _overlap() -> bool:
+    return _on_gpu()
+
+
+class GrammarBatch:
+    """Every constrained row's mask of one decode step, computed together.
+
+    The batch lane calls :meth:`begin` before a decode step with the step's
+    input tokens (the tokens sampled last step, one per row, still on the
+    device) and the rows' grammar processors. The first of those processors
+    that mlx-lm calls does the work for all of them (:meth:`prepare`): one
+    read-back of the tokens, each matcher fed its row's token, all masks
+    filled into one ``(rows, W)`` array by llguidance's thread pool, unpacked
+    at once; each processor then applies its row of it. A row that fails
+    (its token leaves the grammar) fails alone. :meth:`end` forgets the step.
+    """
+
+    def __init__(self) -> None:
+        self._executor: Any = None
+        self._tokens: Any = None
+        self._rows: list[tuple[int, GrammarProcessor]] = []
+        self._mask: Any = None
+        self._errors: dict[int, BaseException] = {}
+        self._buffer: Any = None
+        #: Steps whose masks were computed together, and the row-masks in them.
+        self.steps = 0
+        self.rows = 0
+
+    def begin(self, tokens: Any, rows: list[tuple[int, GrammarProcessor]]) -> None:
+        """Prepare a step: ``tokens`` (the step's inputs), ``rows`` (index in it, processor)."""
+        import mlx.core as mx
+
+        self._rows = [(e, p) for e, p in rows if p.started]
+        if not self._rows:
+            return
+        self._tokens = tokens
+        self._mask = None
+        self._errors = {}
+        # Scheduled now, ahead of the forward pass, so reading it back never waits for that.
+        mx.async_eval(tokens)  # type: ignore[no-untyped-call]
+        for k, (_e, processor) in enumerate(self._rows):
+            processor._slot = (self, k)
+
+    def end(self) -> None:
+        """Forget the step (every slot it handed out, used or not)."""
+        for _e, processor in self._rows:
+            processor._slot = None
+        self._rows, self._tokens, self._mask = [], None, None
+
+    def prepare(self, logits: Any) -> None:
+        """Feed every row its token and compute all masks (the step's first grammar call)."""
+        import mlx.core as mx
+        import numpy as np
+
+        if _overlap():
+            mx.async_eval(logits)  # type: ignore[no-untyped-call]
+        ids = self._tokens.tolist()
+        live = []
+        for k, (e, processor) in enumerate(self._rows):
+            try:
+                processor._feed([int(ids[e])])
+                processor._check()
+            except GenerationFailed as exc:
+                self._errors[k] = exc
+                continue
+            live.append((processor.matcher, k))
+        words = max(p.words for _e, p in self._rows)
+        shape = (len(self._rows), words)
+        if self._buffer is None or self._buffer.shape != shape:
+            self._buffer = np.empty(shape, dtype=np.int32)
+        buffer = self._buffer
+        buffer.fill(-1)
+        if live:
+            if self._executor is None:
+                from llguidance import LLExecutor
+
+                self._executor = LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(
+                live, buffer.ctypes.data, words * 4, len(self._rows)
+            )
+        self._mask = unpack_bitmask(buffer, int(logits.shape[-1]))
+        self.steps += 1
+        self.rows += len(self._rows)
+
+    def apply(self, processor: GrammarProcessor, k: int, length: int, logits: Any) -> Any:
+        """Row ``k``'s mask applied to its logits (``length``: its tokens so far, checked)."""
+        import mlx.core as mx
+
+        if self._mask is None:
+            self.prepare(logits)
+        error = self._errors.get(k)
+        if error is not None:
+            raise error
+        expected = (processor._start or 0) + processor._fed
+        if length != expected:
+            raise GenerationFailed(
+                f"the constrained row's tokens ({length}) and its matcher ({expected}) disagree"
+            )
+        return mx.where(self._mask[k : k + 1], logits, mx.array(-mx.inf, dtype=logits.dtype))
