@@ -14,7 +14,10 @@ logits of the model's width, greedy through the masked logits, three ways:
   parallel fill into one array, one unpack, a ``where`` per row).
 
 Each step: the rows' processors called as mlx-lm calls them, the masked logits
-concatenated and evaluated. The model itself is not run (``bench.suite``'s
+concatenated and evaluated. ``*_host_ms`` is the part before that evaluation:
+the Python and llguidance work (read-backs, feeding, filling, unpacking on the
+host) that, on a GPU, the device waits for; the rest is MLX running the masks,
+the concatenation and the argmax on the device. The model itself is not run (``bench.suite``'s
 part 7 measures decoding end to end). ``python -m bench.suite --models tiny-128k``
 builds a model with llama-1b's vocabulary (128,256) on a tiny body.
 """
@@ -61,7 +64,10 @@ class MainProcessor:
         return mx.where(mx.array(bits[:width].view(np.bool_)), logits, neg)
 
 
-def run(compiler: Any, width: int, batch: int, steps: int, mode: str) -> list[float]:
+def run(
+    compiler: Any, width: int, batch: int, steps: int, mode: str
+) -> tuple[list[float], list[float]]:
+    """(host seconds, total seconds) per step after the first."""
     import mlx.core as mx
     import numpy as np
     from bench.suite.schemas import SCHEMAS, endless
@@ -83,16 +89,20 @@ def run(compiler: Any, width: int, batch: int, steps: int, mode: str) -> list[fl
     mx.eval(logits)
     history = [[1, 2, 3] for _ in range(batch)]
     last = mx.array([h[-1] for h in history])
-    times = []
+    times, host = [], []
     for step in range(steps):
-        contexts = [mx.array(h) for h in history]
-        mx.eval(contexts, last)
+        # As mlx-lm's: each row's context ends with the step's input token, not yet
+        # read back (so a processor that reads it waits for the device).
+        prefixes = [mx.array(h[:-1]) for h in history]
+        mx.eval(prefixes, last)
         start = time.perf_counter()
+        contexts = [mx.concatenate([prefixes[e], last[e : e + 1]]) for e in range(batch)]
         if grammar is not None and step > 0:
             grammar.begin(last, list(enumerate(procs)))
         out = [procs[e](contexts[e], logits[e : e + 1]) for e in range(batch)]
         masked = mx.concatenate(out, axis=0)
         chosen = mx.argmax(masked, axis=-1)
+        host.append(time.perf_counter() - start)
         mx.eval(chosen)
         if grammar is not None:
             grammar.end()
@@ -104,7 +114,7 @@ def run(compiler: Any, width: int, batch: int, steps: int, mode: str) -> list[fl
         # Different logits each step, so the walk visits varied grammar states.
         logits = mx.roll(logits, 7919, axis=-1)
         mx.eval(logits)
-    return times[1:]
+    return host[1:], times[1:]
 
 
 def main() -> None:
@@ -130,8 +140,10 @@ def main() -> None:
         best: dict[str, float] = {}
         for _ in range(args.rounds):  # alternating rounds, best median per mode
             for mode in ("per_row_main", "per_row", "batch"):
-                median = statistics.median(run(compiler, width, batch, args.steps, mode))
-                best[mode] = min(best.get(mode, median), median)
+                host, total = run(compiler, width, batch, args.steps, mode)
+                for key, values in ((f"{mode}_host", host), (mode, total)):
+                    median = statistics.median(values)
+                    best[key] = min(best.get(key, median), median)
         row = {"batch": batch, **{f"{m}_ms": v * 1e3 for m, v in best.items()}}
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
