@@ -113,3 +113,75 @@ def test_batched_grammar_masks_give_each_rows_own_tokens(tiny_model: Any) -> Non
     assert lane.grammar.steps > 5
     assert lane.grammar.rows > 2 * lane.grammar.steps
     assert reference.grammar.steps == 0
+
+
+def _mixed_lane(tiny_model: Any) -> tuple[BatchLane, list[RowSpec]]:
+    model, tokenizer = tiny_model
+    compiler = GrammarCompiler(tokenizer)
+    lane = BatchLane(model, tokenizer, max_batch=4)
+    specs = []
+    for i in range(3):
+        schema = {"type": "array", "items": {"type": "integer"}} if i < 2 else None
+        params = SamplingParams(max_tokens=30, json_schema=schema, logit_bias=NO_EOS)
+        prompt = tuple(tokenizer.encode(f"Row {i} says"))
+        specs.append(RowSpec(i, prompt, params, compiler.compile(params)))
+    return lane, specs
+
+
+def _drive(lane: BatchLane, specs: list[RowSpec], fault: Any) -> dict[int, Any]:
+    """Step until every row ended; ``fault(step)`` runs before each step. Row -> error or text."""
+    ended: dict[int, Any] = {}
+    tokens: dict[int, int] = {spec.id: 0 for spec in specs}
+    events = lane.step(specs).events
+    for step in range(200):
+        for event in events:
+            tokens[event.id] += len(event.token_ids)
+            if event.error is not None:
+                ended[event.id] = event.error
+            elif event.finish_reason is not None:
+                ended[event.id] = event.finish_reason
+        if not lane.rows:
+            break
+        fault(step)
+        events = lane.step().events
+    assert not lane.rows
+    return ended
+
+
+def test_a_row_that_leaves_its_grammar_fails_alone_in_a_batched_step(tiny_model: Any) -> None:
+    from trio_mlx import GenerationFailed
+
+    lane, specs = _mixed_lane(tiny_model)
+    bad = specs[0].constraint.matcher
+
+    def fault(step: int) -> None:
+        if step == 1:
+            # Knock row 0's matcher out of its grammar between two steps.
+            bad.consume_token(specs[0].prompt[0])
+
+    ended = _drive(lane, specs, fault)
+    assert isinstance(ended[0], GenerationFailed)
+    assert "left its grammar" in str(ended[0]) or "matcher failed" in str(ended[0])
+    assert ended[1] in ("stop", "length")  # its value may complete
+    assert ended[2] == "length"
+    assert lane.grammar.steps > 3
+
+
+def test_a_failing_mask_fill_fails_the_steps_constrained_rows_only(tiny_model: Any) -> None:
+    from trio_mlx import GenerationFailed
+
+    class BrokenExecutor:
+        def unsafe_compute_mask_ptr(self, *args: Any) -> None:
+            raise RuntimeError("injected fill failure")
+
+    lane, specs = _mixed_lane(tiny_model)
+
+    def fault(step: int) -> None:
+        if step == 0:  # before the first batched step
+            lane.grammar._executor = BrokenExecutor()
+
+    ended = _drive(lane, specs, fault)
+    assert isinstance(ended[0], GenerationFailed)
+    assert "injected fill failure" in str(ended[0])
+    assert isinstance(ended[1], GenerationFailed)
+    assert ended[2] == "length"  # the unconstrained row decodes on

@@ -271,6 +271,7 @@ class GrammarBatch:
         self._rows: list[tuple[int, GrammarProcessor]] = []
         self._mask: Any = None
         self._errors: dict[int, BaseException] = {}
+        self._failure: BaseException | None = None
         self._buffer: Any = None
         #: Steps whose masks were computed together, and the row-masks in them.
         self.steps = 0
@@ -285,6 +286,7 @@ class GrammarBatch:
             return
         self._tokens = tokens
         self._mask = None
+        self._failure = None
         self._errors = {}
         # Scheduled now, ahead of the forward pass, so reading it back never waits for that.
         mx.async_eval(tokens)  # type: ignore[no-untyped-call]
@@ -336,8 +338,14 @@ class GrammarBatch:
         """Row ``k``'s mask applied to its logits (``length``: its tokens so far, checked)."""
         import mlx.core as mx
 
-        if self._mask is None:
-            self.prepare(logits)
+        if self._mask is None and self._failure is None:
+            try:
+                self.prepare(logits)
+            except Exception as exc:
+                # Not one row's fault (an llguidance or MLX error): every row of the step fails.
+                self._failure = exc
+        if self._failure is not None:
+            raise GenerationFailed(f"the grammar masks failed: {self._failure}")
         error = self._errors.get(k)
         if error is not None:
             raise error
