@@ -104,9 +104,17 @@ def _run(tiny_model: Any, *, grammar_batch: bool) -> tuple[dict[int, list[int]],
     return tokens, lane
 
 
-def test_batched_grammar_masks_give_each_rows_own_tokens(tiny_model: Any) -> None:
-    batched, lane = _run(tiny_model, grammar_batch=True)
+@pytest.mark.parametrize("gpu_path", [False, True])
+def test_batched_grammar_masks_give_each_rows_own_tokens(
+    tiny_model: Any, gpu_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     alone, reference = _run(tiny_model, grammar_batch=False)
+    if gpu_path:
+        # The GPU's choices on this CPU: MLX unpack, forward pass queued before the read-back.
+        from trio_mlx import _structured
+
+        monkeypatch.setattr(_structured, "_on_gpu", lambda: True)
+    batched, lane = _run(tiny_model, grammar_batch=True)
     assert batched == alone
     assert all(batched.values())
     # The batch path ran: several steps, with several rows each.
