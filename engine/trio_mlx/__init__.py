@@ -14,6 +14,7 @@ from trio_mlx._errors import (
     GenerationFailed,
     InvalidRequest,
     NotFound,
+    ReaderStalled,
     TrioMLXError,
 )
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
@@ -35,6 +36,7 @@ __all__ = [
     "GenerationStream",
     "InvalidRequest",
     "NotFound",
+    "ReaderStalled",
     "SamplingParams",
     "TokenLogprob",
     "TrioMLXError",

@@ -192,6 +192,7 @@ async def open_engine(
     prefill_batch_size: int = 8,
     parallel: str = "auto",
     chat_template: str | None = None,
+    max_unread_tokens: int | None = 4096,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -210,6 +211,10 @@ async def open_engine(
     the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
     architecture supports it). ``chat_template`` (Jinja text) replaces the
     model's chat template, as ``mlx_lm.server --chat-template`` does.
+    ``max_unread_tokens`` bounds what one request buffers for a reader that
+    does not read: past that many unread tokens (each top log-probability
+    alternative counting as one more) the request is cancelled and its stream
+    raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -223,6 +228,8 @@ async def open_engine(
     )
     if prompt_cache_bytes < 0:
         raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
+    if max_unread_tokens is not None and max_unread_tokens < 1:
+        raise InvalidRequest("max_unread_tokens must be >= 1", param="max_unread_tokens")
     path = _resolve_model(model)
     if prefill_step_size < 1 or prefill_batch_size < 1:
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
@@ -252,7 +259,9 @@ async def open_engine(
     error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         try:
-            engine: Engine = await nursery.start(_serve, policy, Path(path).name, load)
+            engine: Engine = await nursery.start(
+                _serve, policy, Path(path).name, load, max_unread_tokens
+            )
         except FileNotFoundError as exc:
             error = NotFound(f"cannot load the model at {path}: {exc}", param="model")
             error.__cause__ = exc
@@ -276,6 +285,7 @@ async def _serve(
     policy: ArbiterPolicy,
     model_id: str,
     load: Callable[[], _Loaded],
+    max_unread: int | None,
     *,
     task_status: trio.TaskStatus[Engine],
 ) -> None:
@@ -292,6 +302,7 @@ async def _serve(
             loaded.lane,
             serial_work=engine._serial_work,
             adapters=lambda: registry.names,
+            max_unread=max_unread,
         )
         engine._actor = actor
         if loaded.group is not None:
@@ -676,6 +687,18 @@ class GenerationStream:
         if self._request is None:
             raise RuntimeError("enter the stream with 'async with' first")
         return self._request.lane
+
+    @property
+    def ready(self) -> bool:
+        """Whether the next delta (or the end) can be taken without waiting."""
+        return self._request is not None and (
+            self._request.outbox.ready or self._error is not None or self._ended
+        )
+
+    @property
+    def running(self) -> bool:
+        """Whether the request is generating now (not waiting for a row, nor done)."""
+        return self._request is not None and self._request.phase is Phase.RUNNING
 
     @property
     def result(self) -> GenerationResult:

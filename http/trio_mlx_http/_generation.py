@@ -19,7 +19,15 @@ import attrs
 import trio
 from quart import Response
 
-from trio_mlx import Completion, Delta, GenerationResult, InvalidRequest, NotFound, TrioMLXError
+from trio_mlx import (
+    Completion,
+    Delta,
+    GenerationResult,
+    GenerationStream,
+    InvalidRequest,
+    NotFound,
+    TrioMLXError,
+)
 from trio_mlx_http import _openai, _sse
 from trio_mlx_http._errors import error_body, status_of
 from trio_mlx_http._schema import GenerationRequest, Prompt
@@ -271,6 +279,20 @@ async def _complete_all(
     return [c for c in out if c is not None]
 
 
+def _next_readers(streams: Sequence[GenerationStream], active: list[int]) -> list[int]:
+    """The choices to read this round: those with output ready, else one that is running.
+
+    Waiting on a choice still queued for a batch row while the others generate
+    would leave their output unread, and the engine cancels a request whose
+    unread output passes its bound.
+    """
+    ready = [index for index in active if streams[index].ready]
+    if ready:
+        return ready
+    running = [index for index in active if streams[index].running]
+    return running[:1] or active[:1]
+
+
 async def _stream(
     state: ServerState,
     request: GenerationRequest,
@@ -299,7 +321,7 @@ async def _stream(
                         yield _sse.event(chunk)
                 active = list(range(len(streams)))
                 while active:
-                    for index in list(active):
+                    for index in _next_readers(streams, active):
                         try:
                             delta = await anext(streams[index])
                         except StopAsyncIteration:
