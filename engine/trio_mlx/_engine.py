@@ -37,9 +37,36 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 DEFAULT_PARAMS = SamplingParams()
 #: Prompts (characters, or token ids) up to this size are tokenized on the event loop.
 _INLINE_PROMPT = 1024
+#: Prompts tokenized at once in threads (fast tokenizers release the GIL).
+_TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def _too_long(what: str, limit: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what}, more than the model's context of {limit}",
+        param="prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
+    """Whether tokenizing ``prompt`` costs less than a thread hop."""
+    if not isinstance(prompt, str | list | tuple) or len(prompt) > _INLINE_PROMPT:
+        return False
+    if not prompt or not isinstance(prompt[0], Mapping):
+        return True
+    if tools or len(prompt) > 32:
+        return False
+    chars = 0
+    for message in prompt:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, str | None):
+            return False
+        chars += len(content or "")
+    return chars <= _INLINE_PROMPT
 
 
 @attrs.define(eq=False)
@@ -348,8 +375,10 @@ class Engine:
     _registry: AdapterRegistry
     _actor: Actor = attrs.field(init=False)
     _encode_limiter: trio.CapacityLimiter = attrs.field(
-        init=False, factory=lambda: trio.CapacityLimiter(1)
+        init=False, factory=lambda: trio.CapacityLimiter(_TOKENIZE_THREADS)
     )
+    #: The longest vocabulary entry, in characters: no token covers more text.
+    _max_token_chars: int = attrs.field(init=False, default=0)
 
     @property
     def tokenizer(self) -> Any:
@@ -395,6 +424,8 @@ class Engine:
         tokenizes to nothing, or one longer than the model's context.
         """
         tokenizer = self._loaded.tokenizer
+        if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
+            self._refuse_oversized(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
@@ -425,12 +456,50 @@ class Engine:
             raise InvalidRequest("the prompt tokenizes to nothing", param="prompt")
         limit = self.context_length
         if limit is not None and len(tokens) > limit:
-            raise InvalidRequest(
-                f"the prompt has {len(tokens)} tokens, more than the model's context of {limit}",
-                param="prompt",
-                code="context_length_exceeded",
-            )
+            raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
         return tokens
+
+    async def tokenize(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> list[int]:
+        """:meth:`encode`, off the event loop unless the prompt is small.
+
+        At most a few prompts are tokenized at once, each in a thread; a small
+        prompt (a short string or id list, a short chat without tools) costs
+        less than the thread hop and is tokenized inline, so it never queues
+        behind large ones.
+        """
+        if _small(prompt, tools):
+            return self.encode(prompt, tools=tools)
+        return await trio.to_thread.run_sync(
+            partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
+        )
+
+    def _refuse_oversized(self, prompt: Prompt) -> None:
+        """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens.
+
+        No token covers more characters than the longest vocabulary entry, so a
+        text longer than that times the context has too many tokens: the body
+        size cap then bounds the text really tokenized by ``context x longest``.
+        """
+        limit = self.context_length
+        if limit is None:
+            return
+        if not self._max_token_chars:
+            vocab = self._loaded.tokenizer.get_vocab()
+            self._max_token_chars = max((len(entry) for entry in vocab), default=1) or 1
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
+            chars = sum(
+                len(m["content"])
+                for m in prompt
+                if isinstance(m, Mapping) and isinstance(m.get("content"), str)
+            )
+        else:
+            if len(prompt) > limit:
+                raise _too_long(f"the prompt has {len(prompt)} tokens", limit)
+            return
+        if chars > limit * self._max_token_chars:
+            raise _too_long(f"the prompt's {chars} characters are more tokens", limit)
 
     def _chat(self, messages: Sequence[Any], tools: Sequence[Any] | None) -> list[int]:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
@@ -523,7 +592,8 @@ class Engine:
         """Unmount the adapter ``name`` (waits for requests using it to finish first)."""
         if name not in self._registry:
             raise NotFound(f"no adapter named {name!r} is mounted", param="adapter")
-        await self._job(lambda: self._registry.unmount(name))
+        model = self._loaded.model
+        await self._job(lambda: self._registry.unmount(model, name))
 
     async def _job(self, work: Callable[[], T]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -545,18 +615,8 @@ class Engine:
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
-        # the prompt: keep it off the event loop, one prompt at a time. A short
-        # string or id list costs less than the thread hop: encode it here.
-        if (
-            isinstance(prompt, str | list | tuple)
-            and len(prompt) <= _INLINE_PROMPT
-            and not (prompt and isinstance(prompt[0], Mapping))
-        ):
-            tokens = self.encode(prompt, tools=tools)
-        else:
-            tokens = await trio.to_thread.run_sync(
-                partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
-            )
+        # the prompt: off the event loop, a few prompts at a time.
+        tokens = await self.tokenize(prompt, tools=tools)
         self._check_logit_bias(params)
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,23 @@ def _json(payload: Any, status: int = 200) -> Response:
     )
 
 
+#: Bodies above this many bytes are parsed in a thread, not on the event loop.
+_LARGE_BODY = 64 * 1024
+
+
 async def _body() -> dict[str, Any]:
     # Quart raises 413 here, from Content-Length or while the body streams in,
     # before holding more than max_body_bytes.
     data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+    if len(data) > _LARGE_BODY:
+        return await trio.to_thread.run_sync(_schema.parse_json, data)
     return _schema.parse_json(data)
+
+
+async def _off_loop_json(payload: Any) -> Response:
+    """A JSON response serialized in a thread (a token list can be megabytes)."""
+    text = await trio.to_thread.run_sync(partial(json.dumps, payload, ensure_ascii=False))
+    return Response(text, mimetype="application/json")
 
 
 def _state() -> ServerState:
@@ -243,21 +256,20 @@ def _install_adapters(app: QuartTrio) -> None:
 
 def _install_tokens(app: QuartTrio) -> None:
     @app.post("/tokenize")
-    async def tokenize() -> dict[str, Any]:
+    async def tokenize() -> Response:
         state = _state()
         parsed = _schema.parse_tokenize(await _body())
-        tokens = state.engine.encode(parsed.prompt, tools=parsed.tools)
-        return {
-            "tokens": list(tokens),
-            "count": len(tokens),
-            "max_model_len": state.engine.context_length,
-        }
+        tokens = await state.engine.tokenize(parsed.prompt, tools=parsed.tools)
+        return await _off_loop_json(
+            {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.context_length}
+        )
 
     @app.post("/detokenize")
     async def detokenize() -> dict[str, Any]:
         state = _state()
         ids = _schema.parse_detokenize(await _body(), state.vocab_size)
-        return {"prompt": str(state.engine.tokenizer.decode(ids))}
+        text = await trio.to_thread.run_sync(state.engine.tokenizer.decode, ids)
+        return {"prompt": str(text)}
 
 
 def _install_service(app: QuartTrio) -> None:
