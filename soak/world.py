@@ -426,7 +426,8 @@ def run_world(root: Path, *, quick: bool, new_flags: bool = True) -> dict[str, A
         report["early_404"] = trio.run(early_404_silent, server, 50 if quick else 500)
         report["idle_flood"] = trio.run(idle_flood, server, flood)
     with serve() as server:
-        readers, n = (4, 2) if quick else (8, 4)
+        # Enough output (top 20 logprobs, ~1.4 kB a token) to fill the socket buffers.
+        readers, n = (2, 8) if quick else (4, 16)
         report["stalled_readers"] = stalled_readers(
             server, readers, n=n, max_tokens=512, watch_s=10 if quick else 20
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -50,6 +51,10 @@ def _too_long(what: str, limit: int) -> InvalidRequest:
         param="prompt",
         code="context_length_exceeded",
     )
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
@@ -377,8 +382,8 @@ class Engine:
     _encode_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(_TOKENIZE_THREADS)
     )
-    #: The longest vocabulary entry, in characters: no token covers more text.
-    _max_token_chars: int = attrs.field(init=False, default=0)
+    #: The longest vocabulary entry, in UTF-8 bytes: no token covers more input.
+    _max_token_bytes: int = attrs.field(init=False, default=0)
 
     @property
     def tokenizer(self) -> Any:
@@ -425,7 +430,7 @@ class Engine:
         """
         tokenizer = self._loaded.tokenizer
         if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
-            self._refuse_oversized(prompt)
+            self._refuse_oversized(prompt, tools)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
@@ -473,24 +478,33 @@ class Engine:
             partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
         )
 
-    def _refuse_oversized(self, prompt: Prompt) -> None:
+    def _refuse_oversized(self, prompt: Prompt, tools: Sequence[Any] | None) -> None:
         """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens.
 
-        No token covers more characters than the longest vocabulary entry, so a
-        text longer than that times the context has too many tokens: the body
-        size cap then bounds the text really tokenized by ``context x longest``.
+        No token covers more UTF-8 bytes than its vocabulary entry has, so a
+        text (message contents and tools, for a chat) of more bytes than the
+        longest entry times the context has too many tokens; and chat templates
+        mark every message with at least one token, so a chat has at least as
+        many tokens as messages. What is really tokenized is thus at most
+        ``context x longest entry`` bytes, whatever the body size.
         """
         limit = self.context_length
         if limit is None:
             return
-        if not self._max_token_chars:
+        if not self._max_token_bytes:
             vocab = self._loaded.tokenizer.get_vocab()
-            self._max_token_chars = max((len(entry) for entry in vocab), default=1) or 1
+            longest = max(
+                (len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=1
+            )
+            self._max_token_bytes = max(1, longest)
         if isinstance(prompt, str):
-            chars = len(prompt)
+            size = _utf8_size(prompt)
         elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
-            chars = sum(
-                len(m["content"])
+            if len(prompt) > limit:
+                raise _too_long(f"the chat has {len(prompt)} messages", limit)
+            size = _utf8_size(json.dumps(list(tools), default=str)) if tools else 0
+            size += sum(
+                _utf8_size(m["content"])
                 for m in prompt
                 if isinstance(m, Mapping) and isinstance(m.get("content"), str)
             )
@@ -498,8 +512,8 @@ class Engine:
             if len(prompt) > limit:
                 raise _too_long(f"the prompt has {len(prompt)} tokens", limit)
             return
-        if chars > limit * self._max_token_chars:
-            raise _too_long(f"the prompt's {chars} characters are more tokens", limit)
+        if size > limit * self._max_token_bytes:
+            raise _too_long(f"the prompt's {size} bytes are more tokens", limit)
 
     def _chat(self, messages: Sequence[Any], tools: Sequence[Any] | None) -> list[int]:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
@@ -617,6 +631,7 @@ class Engine:
         # Tokenizing (and rendering a chat template) is CPU work that grows with
         # the prompt: off the event loop, a few prompts at a time.
         tokens = await self.tokenize(prompt, tools=tools)
+        params = self._fit_context(len(tokens), params)
         self._check_logit_bias(params)
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
@@ -635,6 +650,23 @@ class Engine:
         )
         await self._actor.submit(request)
         return request
+
+    def _fit_context(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with max_tokens cut to the room the prompt leaves in the context.
+
+        No row runs past the model's context: a request asking for more ends
+        with finish_reason "length" there, and its result's ``max_tokens`` says
+        what it ran with (as OpenAI clamps, and mlx-lm does not).
+        """
+        limit = self.context_length
+        if limit is None or prompt_tokens + params.max_tokens <= limit:
+            return params
+        room = limit - prompt_tokens
+        if room < 1:
+            raise _too_long(
+                f"the prompt has {prompt_tokens} tokens, leaving no room to generate", limit
+            )
+        return attrs.evolve(params, max_tokens=room)
 
     def _refuse_distributed(self, what: str, param: str | None = None) -> None:
         if self._loaded.group is not None:
@@ -749,6 +781,13 @@ class GenerationStream:
         return self._request.lane
 
     @property
+    def max_tokens(self) -> int:
+        """The max_tokens the request runs with (cut to the room left in the context)."""
+        if self._request is None or self._request.spec is None:
+            raise RuntimeError("enter the stream with 'async with' first")
+        return self._request.spec.params.max_tokens
+
+    @property
     def ready(self) -> bool:
         """Whether the next delta (or the end) can be taken without waiting."""
         return self._request is not None and (
@@ -851,4 +890,5 @@ class GenerationStream:
             lane=request.lane,
             time_to_first_token=None if first is None else first - request.submitted,
             duration=end - request.submitted,
+            max_tokens=request.spec.params.max_tokens,
         )

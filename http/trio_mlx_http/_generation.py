@@ -11,6 +11,7 @@ status; a failure after that is an error event that ends the stream.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
@@ -239,19 +240,40 @@ async def respond(
         fmt = _TextFormat(_openai.Envelope.text(model), state.texts, choices)
     jobs = [prompt for prompt in request.prompts for _ in range(request.n)]
     if request.stream:
-        body = _stream(state, request, jobs, fmt, access)
+        ran_with: list[int] = []
+        body = _stream(state, request, jobs, fmt, access, ran_with)
         await anext(body)  # enters every engine request: admission errors become statuses
         access.by_body = True
-        return Response(body, status=200, headers=_sse.SSE_HEADERS, content_type=_sse.CONTENT_TYPE)
+        headers = {**_sse.SSE_HEADERS, **_clamped(request, ran_with)}
+        return Response(body, status=200, headers=headers, content_type=_sse.CONTENT_TYPE)
     completions = await _complete_all(state, request, jobs)
     access.tokens = sum(c.result.completion_tokens for c in completions)
     for completion in completions:
         state.metrics.finished(access.endpoint, completion.result)
     results = [c.result for c in completions]
-    return fmt.envelope.body(
+    payload = fmt.envelope.body(
         [fmt.whole(i, c) for i, c in enumerate(completions)],
         usage=_openai.usage(results, request.n),
     )
+    headers = _clamped(request, [r.max_tokens for r in results if r.max_tokens is not None])
+    if not headers:
+        return payload
+    return Response(
+        json.dumps(payload, ensure_ascii=False),
+        mimetype="application/json",
+        headers=headers,
+    )
+
+
+#: Set when the prompt left less room in the context than max_tokens asked for.
+CLAMPED_HEADER = "X-Max-Tokens-Clamped"
+
+
+def _clamped(request: GenerationRequest, ran_with: list[int]) -> dict[str, str]:
+    """The header saying max_tokens was cut to fit the context (the smallest, over choices)."""
+    if ran_with and min(ran_with) < request.params.max_tokens:
+        return {CLAMPED_HEADER: str(min(ran_with))}
+    return {}
 
 
 async def _complete_all(
@@ -299,6 +321,7 @@ async def _stream(
     jobs: Sequence[Prompt],
     fmt: _Format,
     access: Access,
+    ran_with: list[int],
 ) -> AsyncIterator[bytes]:
     """The SSE body: every choice's chunks, round-robin, then usage and ``[DONE]``."""
     status = 499  # nginx's "client closed request", logged if the client leaves
@@ -313,6 +336,7 @@ async def _stream(
                 for prompt in jobs
             ]
             admitted = True
+            ran_with.extend(stream.max_tokens for stream in streams)
             yield b""  # primed: all admitted
             results: list[GenerationResult | None] = [None] * len(streams)
             try:
