@@ -429,7 +429,7 @@ def run_world(root: Path, *, quick: bool, new_flags: bool = True) -> dict[str, A
         # Enough output (top 20 logprobs, ~1.4 kB a token) to fill the socket buffers.
         readers, n = (2, 8) if quick else (4, 16)
         report["stalled_readers"] = stalled_readers(
-            server, readers, n=n, max_tokens=512, watch_s=10 if quick else 20
+            server, readers, n=n, max_tokens=512, watch_s=20 if quick else 45
         )
     return report
 

@@ -86,9 +86,10 @@ def checksum(model: Any) -> tuple[float, float]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    values = [value for _, value in tree_flatten(model.parameters())]
-    total = mx.array(0.0)
-    absolute = mx.array(0.0)
+    flat: list[Any] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    values = [pair[1] for pair in flat]
+    total: Any = mx.array(0.0)
+    absolute: Any = mx.array(0.0)
     for value in values:
         as_float = value.astype(mx.float32)
         total = total + mx.sum(as_float)
@@ -163,7 +164,7 @@ class AdapterRegistry:
 
         config = _read_config(path)
         try:
-            weights = mx.load(str(path / "adapters.safetensors"))
+            weights: dict[str, Any] = dict(mx.load(str(path / "adapters.safetensors")))  # type: ignore[arg-type]
             mx.eval(list(weights.values()))  # in memory now, not read from disk later
             num_layers = int(config["num_layers"])
             lora_parameters = dict(config["lora_parameters"])

@@ -224,7 +224,7 @@ async def open_engine(
     prefill_batch_size: int = 8,
     parallel: str = "auto",
     chat_template: str | None = None,
-    max_unread_tokens: int | None = 4096,
+    max_unread_tokens: int | None = 1024,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 

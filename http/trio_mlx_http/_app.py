@@ -11,7 +11,7 @@ import json
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -29,6 +29,8 @@ from trio_mlx_http._state import Access, ServerState
 
 __all__ = ["create_app", "shutdown_trigger"]
 
+T = TypeVar("T")
+
 #: Paths served without the API key.
 _PUBLIC = frozenset({"/health"})
 
@@ -44,12 +46,21 @@ _LARGE_BODY = 64 * 1024
 
 
 async def _body() -> dict[str, Any]:
+    return await _parsed(lambda body: body)
+
+
+async def _parsed(parse: Callable[[dict[str, Any]], T]) -> T:
+    """The request body, as JSON, through ``parse`` (in a thread when the body is large).
+
+    Parsing and checking a few megabytes (a long message list, a million token
+    ids) takes a fair fraction of a second: never on the event loop.
+    """
     # Quart raises 413 here, from Content-Length or while the body streams in,
     # before holding more than max_body_bytes.
     data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
     if len(data) > _LARGE_BODY:
-        return await trio.to_thread.run_sync(_schema.parse_json, data)
-    return _schema.parse_json(data)
+        return await trio.to_thread.run_sync(lambda: parse(_schema.parse_json(data)))
+    return parse(_schema.parse_json(data))
 
 
 async def _off_loop_json(payload: Any) -> Response:
@@ -157,13 +168,13 @@ def _install_generation(app: QuartTrio) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response | dict[str, Any]:
         state = _state()
-        parsed = _schema.parse_chat(await _body(), state.settings)
+        parsed = await _parsed(partial(_schema.parse_chat, settings=state.settings))
         return await _generation.respond(state, parsed, chat=True, access=g.access)
 
     @app.post("/v1/completions")
     async def completions() -> Response | dict[str, Any]:
         state = _state()
-        parsed = _schema.parse_completion(await _body(), state.settings)
+        parsed = await _parsed(partial(_schema.parse_completion, settings=state.settings))
         return await _generation.respond(state, parsed, chat=False, access=g.access)
 
 
@@ -258,7 +269,7 @@ def _install_tokens(app: QuartTrio) -> None:
     @app.post("/tokenize")
     async def tokenize() -> Response:
         state = _state()
-        parsed = _schema.parse_tokenize(await _body())
+        parsed = await _parsed(_schema.parse_tokenize)
         tokens = await state.engine.tokenize(parsed.prompt, tools=parsed.tools)
         return await _off_loop_json(
             {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.context_length}
@@ -267,7 +278,7 @@ def _install_tokens(app: QuartTrio) -> None:
     @app.post("/detokenize")
     async def detokenize() -> dict[str, Any]:
         state = _state()
-        ids = _schema.parse_detokenize(await _body(), state.vocab_size)
+        ids = await _parsed(partial(_schema.parse_detokenize, vocab_size=state.vocab_size))
         text = await trio.to_thread.run_sync(state.engine.tokenizer.decode, ids)
         return {"prompt": str(text)}
 

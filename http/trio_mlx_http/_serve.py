@@ -40,7 +40,14 @@ from hypercorn.config import Config
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
+from hypercorn.typing import (
+    ASGIFramework,
+    ASGIReceiveCallable,
+    ASGISendCallable,
+    ASGISendEvent,
+    ConnectionState,
+    Scope,
+)
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 __all__ = ["ConnectionGuard", "ConnectionLimits", "ConnectionStatistics", "raise_fd_limit", "serve"]
@@ -53,8 +60,6 @@ _WRITE_SLICE = 64 * 1024
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 #: Fds kept free for everything but connections (model files, logs, threads' pipes).
 FD_RESERVE = 128
-
-ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
 def _refusal() -> bytes:
@@ -269,7 +274,7 @@ class _Listener(trio.abc.Listener[trio.SocketStream]):
         await self._inner.aclose()
 
 
-def _close_shim(app: ASGIApp) -> ASGIApp:
+def _close_shim(app: ASGIFramework) -> ASGIFramework:
     """The app, with the last ``send`` of each HTTP response shielded from cancellation.
 
     Hypercorn closes the connection or re-arms its keep-alive timer inside that
@@ -277,13 +282,14 @@ def _close_shim(app: ASGIApp) -> ASGIApp:
     module's docstring). The write itself is still bounded by the write timeout.
     """
 
-    async def shimmed(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def shimmed(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
 
-        async def last_send_shielded(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
+        async def last_send_shielded(message: ASGISendEvent) -> None:
+            fields: dict[str, Any] = dict(message)
+            if fields["type"] == "http.response.body" and not fields.get("more_body", False):
                 with trio.CancelScope(shield=True):
                     await send(message)
             else:
@@ -295,7 +301,7 @@ def _close_shim(app: ASGIApp) -> ASGIApp:
 
 
 async def serve(
-    app: ASGIApp,
+    app: ASGIFramework,
     config: Config,
     guard: ConnectionGuard,
     *,
