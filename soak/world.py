@@ -414,7 +414,7 @@ def run_world(root: Path, *, quick: bool, new_flags: bool = True) -> dict[str, A
     raise_own_fd_limit()
     shout = _default_adapter()
     adapters = root / "adapters"
-    adapters.mkdir()
+    adapters.mkdir(parents=True)
     _hostile_adapters(adapters, shout)
     report: dict[str, Any] = {}
     # Quick runs flood a lower cap than the default 1,024, to reach it with fewer clients.
