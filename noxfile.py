@@ -13,6 +13,9 @@ nox.options.sessions = ["tests", "lint", "typing"]
 
 ROOT = Path(__file__).parent
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+# Pinned: a new ruff or mypy release must not turn CI red on unchanged code.
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
 
 
 def _extras(*extra: str) -> str:
@@ -59,7 +62,7 @@ def props(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
-    session.install("ruff>=0.8")
+    session.install(RUFF)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -68,7 +71,7 @@ def lint(session: nox.Session) -> None:
 def typing(session: nox.Session) -> None:
     """mypy --strict on the engine and the HTTP packages."""
     _install(session, "test")
-    session.install("mypy>=1.13")
+    session.install(MYPY)
     session.run("mypy")
 
 

@@ -35,7 +35,8 @@ async def main(cache_bytes: int, requests: int, concurrency: int) -> None:
     import mlx.core as mx
 
     rng = random.Random(0)
-    words = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text().split()
+    readme = Path(__file__).parent.parent / "README.md"
+    words = (await trio.Path(readme).read_text()).split()
     mib = 2**20
     async with trio_mlx.open_engine(None, max_batch=32, prompt_cache_bytes=cache_bytes) as engine:
         done = 0

@@ -594,7 +594,7 @@ class Engine:
             raise InvalidRequest("an adapter name must be a non-empty string", param="name")
         self._refuse_distributed("LoRA adapters")
         folder = Path(path)
-        if not folder.exists():
+        if not await trio.Path(folder).exists():
             raise NotFound(f"no adapter at {folder}", param="path")
         folder = AdapterRegistry.check_path(folder)
         if name in self._registry:

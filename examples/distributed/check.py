@@ -164,9 +164,9 @@ async def lose_follower(model: str, out: str) -> None:
         state = engine.statistics().state
         # Written before leaving the engine: its MLX thread is stuck in a
         # collective, and the watchdog ends the process (status 1) shortly.
-        with open(out, "w") as f:
-            seconds = time.perf_counter() - start
-            json.dump({"errors": errors, "state": state, "seconds": seconds}, f)
+        seconds = time.perf_counter() - start
+        report = {"errors": errors, "state": state, "seconds": seconds}
+        await trio.Path(out).write_text(json.dumps(report))
 
 
 async def main(model: str, out: str, do_bench: bool, parallel: str, idle: float) -> None:
@@ -185,8 +185,7 @@ async def main(model: str, out: str, do_bench: bool, parallel: str, idle: float)
         }
         if do_bench:
             result["tok_s"] = {str(b): await bench(engine, b) for b in (1, 8)}
-    with open(out, "w") as f:
-        json.dump(result, f)
+    await trio.Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
