@@ -83,13 +83,15 @@ async def test_response_saying_connection_close_closes_the_connection(
 async def test_connections_past_the_cap_are_refused_and_idle_ones_released(
     tiny_model_path: Path,
 ) -> None:
-    """2,500 clients each send one request and stay: 1,000 are served, the rest refused."""
+    """2,500 clients each send one request and stay: 1,000 are served, the rest get 503."""
     clients, cap = 2500, 1000
     # The clients and the server share this process's fds (mlx-lm lowered the limit).
     fds = raise_fd_limit()
     if fds < clients + cap + 300:
         pytest.skip(f"needs {clients + cap + 300} fds, the hard limit allows {fds}")
-    limits = ConnectionLimits(max_connections=cap, keep_alive_timeout=3.0)
+    # Held until the clients close (the keep-alive close has its own test): on a loaded
+    # machine the flood may outlast a short keep-alive, and the cap would not be reached.
+    limits = ConnectionLimits(max_connections=cap, keep_alive_timeout=600.0)
     statuses: dict[bytes, int] = {}
     held: list[trio.SocketStream] = []
     async with live_server(tiny_model_path, limits=limits) as server:
@@ -120,10 +122,11 @@ async def test_connections_past_the_cap_are_refused_and_idle_ones_released(
         assert sum(statuses.values()) == clients
         assert statuses.get(b"503", 0) == stats.refused > 0
         assert stats.peak <= cap
-        # The held connections close at their keep-alive timeout; then the server serves again.
+        assert stats.open == len(held) == statuses[b"200"]
+        # When the clients leave, the server lets their connections go and serves again.
+        for stream in held:
+            await stream.aclose()
         with trio.fail_after(60):
-            for stream in held:
-                assert await _closed_by_server(stream)
             await _until_no_connection(server.guard)
         stream, head = await _request(port, _HEALTH)
         assert head.startswith(b"HTTP/1.1 200")

@@ -58,6 +58,8 @@ logger = logging.getLogger("trio_mlx_http")
 _WRITE_SLICE = 64 * 1024
 #: ``accept`` errors that mean "out of fds or memory for now": wait, do not log a traceback.
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: Seconds a connection whose client has gone gets to wind down.
+_WIND_DOWN = 1.0
 #: Fds kept free for everything but connections (model files, logs, threads' pipes).
 FD_RESERVE = 128
 
@@ -184,8 +186,12 @@ class ConnectionGuard:
             self._refused += 1
             await _refuse(stream)
             return
-        with self._held():
-            await handler(_GuardedStream(stream, self))
+        with self._held(), trio.CancelScope() as scope:
+            try:
+                await handler(_GuardedStream(stream, self, scope))
+            finally:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
 
     async def write(self, stream: trio.SocketStream, data: bytes) -> None:
         """``stream.send_all(data)``, each slice within the write timeout, or abort."""
@@ -229,9 +235,12 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
     ``do_handshake`` (Hypercorn takes that to mean plain TCP).
     """
 
-    def __init__(self, inner: trio.SocketStream, guard: ConnectionGuard) -> None:
+    def __init__(
+        self, inner: trio.SocketStream, guard: ConnectionGuard, scope: trio.CancelScope
+    ) -> None:
         self._inner = inner
         self._guard = guard
+        self._scope = scope
         self.socket = inner.socket
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -244,7 +253,20 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         await self._inner.send_eof()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self._inner.receive_some(max_bytes)
+        try:
+            data = await self._inner.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._gone()
+            raise
+        if not data:
+            self._gone()
+        return data
+
+    def _gone(self) -> None:
+        # Hypercorn treats the client's EOF as a disconnect, but its keep-alive
+        # timer task then holds the connection (and its fd) until the timeout:
+        # the connection gets one second to wind down, then it is cancelled.
+        self._scope.deadline = min(self._scope.deadline, trio.current_time() + _WIND_DOWN)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
