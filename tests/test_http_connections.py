@@ -132,3 +132,29 @@ async def test_connections_past_the_cap_are_refused_and_idle_ones_released(
         assert head.startswith(b"HTTP/1.1 200")
         await stream.aclose()
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == fds
+
+
+async def test_accept_waits_out_fd_exhaustion_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fault injection: ``accept`` fails with EMFILE three times, then succeeds."""
+    import errno
+
+    from trio_mlx_http._serve import _Listener
+
+    class Exhausted:
+        failures = 3
+
+        async def accept(self) -> str:
+            await trio.lowlevel.checkpoint()
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return "a connection"
+
+    listener = _Listener(Exhausted())  # type: ignore[arg-type]
+    with trio.fail_after(30):
+        assert await listener.accept() == "a connection"  # type: ignore[comparison-overlap]
+    warnings = [r for r in caplog.records if "waiting for connections to close" in r.message]
+    assert len(warnings) == 1
+    assert all(r.exc_info is None for r in caplog.records)
