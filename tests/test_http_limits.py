@@ -132,6 +132,10 @@ async def test_tokenize_and_detokenize_answer_large_bodies_exactly(tiny_model_pa
         text = "word " * 400
         tokens = (await http.post("/tokenize", json={"prompt": text})).json()["tokens"]
         assert tokens == server.engine.encode(text)
-        ids = [5] * 300_000  # a large body, parsed and decoded off the loop
+        ids = [5] * 2048  # the context's worth: decoded off the loop
         reply = await http.post("/detokenize", json={"tokens": ids})
         assert reply.json()["prompt"] == server.engine.tokenizer.decode(ids)
+        for too_many in ([5] * 2049, [5] * 1_300_000):  # refused counted, or from the size
+            reply = await http.post("/detokenize", json={"tokens": too_many})
+            assert reply.status_code == 400
+            assert reply.json()["error"]["code"] == "context_length_exceeded"

@@ -43,21 +43,31 @@ def _json(payload: Any, status: int = 200) -> Response:
 
 #: Bodies above this many bytes are parsed in a thread, not on the event loop.
 _LARGE_BODY = 64 * 1024
+#: Bytes one token id may take in a JSON list, spaces included, generously.
+_ID_BYTES = 16
 
 
 async def _body() -> dict[str, Any]:
     return await _parsed(lambda body: body)
 
 
-async def _parsed(parse: Callable[[dict[str, Any]], T]) -> T:
+async def _parsed(parse: Callable[[dict[str, Any]], T], *, refuse_above: int | None = None) -> T:
     """The request body, as JSON, through ``parse`` (in a thread when the body is large).
 
     Parsing and checking a few megabytes (a long message list, a million token
-    ids) takes a fair fraction of a second: never on the event loop.
+    ids) takes a fair fraction of a second: never on the event loop. A body
+    larger than ``refuse_above`` bytes is refused unparsed (``json.loads`` holds
+    the GIL, and so the event loop, for the whole of a large id list).
     """
     # Quart raises 413 here, from Content-Length or while the body streams in,
     # before holding more than max_body_bytes.
     data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+    if refuse_above is not None and len(data) > refuse_above:
+        raise InvalidRequest(
+            f"the body's {len(data)} bytes hold more token ids than the model's context",
+            param="tokens",
+            code="context_length_exceeded",
+        )
     if len(data) > _LARGE_BODY:
         return await trio.to_thread.run_sync(lambda: parse(_schema.parse_json(data)))
     return parse(_schema.parse_json(data))
@@ -278,7 +288,19 @@ def _install_tokens(app: QuartTrio) -> None:
     @app.post("/detokenize")
     async def detokenize() -> dict[str, Any]:
         state = _state()
-        ids = await _parsed(partial(_schema.parse_detokenize, vocab_size=state.vocab_size))
+        # At most the context's worth of ids, as /tokenize gives: decoding holds
+        # the GIL throughout (620 ms for 1.3M ids), so its size must be bounded.
+        context = state.engine.context_length
+        ids = await _parsed(
+            partial(_schema.parse_detokenize, vocab_size=state.vocab_size),
+            refuse_above=None if context is None else _ID_BYTES * context + 1024,
+        )
+        if context is not None and len(ids) > context:
+            raise InvalidRequest(
+                f"{len(ids)} token ids, more than the model's context of {context}",
+                param="tokens",
+                code="context_length_exceeded",
+            )
         text = await trio.to_thread.run_sync(state.engine.tokenizer.decode, ids)
         return {"prompt": str(text)}
 
