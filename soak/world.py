@@ -270,6 +270,12 @@ def _worst_bodies() -> dict[str, tuple[str, bytes]]:
     chat = [{"role": "user", "content": ""} for _ in range(120_000)]
     return {
         "tokenize_3.9MB_text": ("/tokenize", json.dumps({"prompt": text}).encode()),
+        # The most tokens still tokenized on the bundled model: ~216 KB of 4-byte
+        # characters, a token per byte (more is refused from its size).
+        "tokenize_216k_tokens": (
+            "/tokenize",
+            json.dumps({"prompt": "\U0001f600" * 54_000}).encode(),
+        ),
         "tokenize_120k_empty_messages": ("/tokenize", json.dumps({"messages": chat}).encode()),
         "detokenize_1.3M_ids": ("/detokenize", json.dumps({"tokens": [5] * 1_300_000}).encode()),
         "completion_3.9MB_text": (
