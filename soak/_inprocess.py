@@ -7,7 +7,7 @@ object itself; everything else in the harness talks to a subprocess.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -42,11 +42,17 @@ async def live_server(
     *,
     graceful_timeout: float = 5.0,
     limits: ConnectionLimits | None = None,
+    wrap_asgi: Callable[[Any], Any] | None = None,
     **engine_options: Any,
 ) -> AsyncIterator[LiveServer]:
-    """Serve ``model`` on 127.0.0.1 at a free port for the block's duration."""
+    """Serve ``model`` on 127.0.0.1 at a free port for the block's duration.
+
+    ``wrap_asgi`` (the tests' response checker) wraps the app's ASGI callable.
+    """
     async with trio_mlx.open_engine(model, **engine_options) as engine:
         app = create_app(engine, settings or Settings())
+        if wrap_asgi is not None:
+            app.asgi_app = wrap_asgi(app.asgi_app)  # type: ignore[method-assign]
         config = hypercorn_config("127.0.0.1", 0, graceful_timeout)
         shutdown, stopped = trio.Event(), trio.Event()
         guard = ConnectionGuard(limits or ConnectionLimits())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -147,3 +148,90 @@ async def test_prompt_cache_holds_no_more_memory_than_it_counts(tiny_model_path:
         assert cache.nbytes > 0
         # What the cache counts, plus slack for MLX's own small allocations.
         assert held <= 2 * cache.nbytes + 4 * 2**20, (held, cache.nbytes)
+
+
+#: logit_bias that makes the tiny model end at once (its EOS id 2 always wins).
+_EOS_NOW = {2: 100.0}
+
+
+@pytest.mark.parametrize("lane", ["batch", "serial"])
+async def test_ignore_eos_and_min_tokens_keep_a_row_going(tiny_model_path: Path, lane: str) -> None:
+    # A seed sends a request to the serial lane; greedy decoding ignores it.
+    seed = {"seed": 1} if lane == "serial" else {}
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        ends = await engine.complete(PROMPT, SamplingParams(logit_bias=_EOS_NOW, **seed))
+        ignored = await engine.complete(
+            PROMPT, SamplingParams(max_tokens=5, logit_bias=_EOS_NOW, ignore_eos=True, **seed)
+        )
+        held = await engine.complete(
+            PROMPT, SamplingParams(max_tokens=9, logit_bias=_EOS_NOW, min_tokens=4, **seed)
+        )
+    assert (ends.result.finish_reason, ends.result.completion_tokens, ends.result.lane) == (
+        "stop",
+        1,
+        lane,
+    )
+    # ignore_eos: the EOS ids are ordinary tokens; only max_tokens ends the row.
+    assert ignored.result.finish_reason == "length"
+    assert ignored.token_ids == (2, 2, 2, 2, 2)
+    # min_tokens: EOS is banned for 4 tokens, then wins at once.
+    assert held.result.finish_reason == "stop"
+    assert held.result.completion_tokens == 5
+    assert len(held.token_ids) == 4
+    assert 2 not in held.token_ids
+
+
+@pytest.mark.parametrize("include", [False, True])
+async def test_include_stop_str_in_output_keeps_the_stop_string(
+    tiny_model_path: Path, include: bool
+) -> None:
+    plain = SamplingParams(max_tokens=30, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
+        whole = (await engine.complete(PROMPT, plain)).text
+        stop = whole[10:13]
+        cut = await engine.complete(
+            PROMPT, attrs.evolve(plain, stop=[stop], include_stop_str_in_output=include)
+        )
+    at = whole.index(stop)
+    assert cut.result.finish_reason == "stop"
+    assert cut.text == (whole[: at + len(stop)] if include else whole[:at])
+
+
+def test_min_tokens_above_max_tokens_is_refused() -> None:
+    with pytest.raises(trio_mlx.InvalidRequest) as caught:
+        SamplingParams(max_tokens=3, min_tokens=4)
+    assert caught.value.param == "min_tokens"
+    with pytest.raises(trio_mlx.InvalidRequest) as caught:
+        SamplingParams(ignore_eos=1)  # type: ignore[arg-type]
+    assert caught.value.param == "ignore_eos"
+
+
+async def test_min_tokens_counts_on_across_a_park(tiny_model_path: Path) -> None:
+    # EOS always wins, so each row ends the moment min_tokens lets it: a park halfway
+    # (an exclusive job preempts the batch) must not restart or skip the count.
+    params = SamplingParams(max_tokens=60, logit_bias=_EOS_NOW, min_tokens=30)
+    async with trio_mlx.open_engine(
+        tiny_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_cache_bytes=0
+    ) as engine:
+        results: list[trio_mlx.GenerationResult | None] = [None, None]
+        lengths = [0, 0]
+        started = trio.Event()
+
+        async def row(i: int) -> None:
+            async with engine.generate(PROMPT, params) as stream:
+                async for delta in stream:
+                    lengths[i] += len(delta.token_ids)
+                    if lengths[i] >= 10:
+                        started.set()
+                results[i] = stream.result
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(row, i)
+            await started.wait()
+            await engine.run_exclusive(lambda model, tokenizer: None)
+        assert engine.statistics().preemptions >= 1
+    assert lengths == [30, 30]
+    for result in results:
+        assert result is not None
+        assert (result.finish_reason, result.completion_tokens) == ("stop", 31)

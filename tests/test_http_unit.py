@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -39,11 +40,22 @@ def _expect_rejection(param: str, body: dict[str, object], *, chat: bool = True)
     return caught.value
 
 
-def test_unknown_fields_are_ignored_and_defaults_apply() -> None:
-    request = _chat(frobnicate=True, response_format={"type": "text"}, user="u1")
+def test_harmless_fields_are_ignored_and_defaults_apply() -> None:
+    request = _chat(metadata={"k": "v"}, store=False, user="u1", service_tier="auto")
     assert request.params.max_tokens == SETTINGS.max_tokens
     assert request.params.temperature == 0.0
     assert (request.n, request.stream, request.include_usage) == (1, False, False)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_unknown_and_unsupported_fields_are_refused_by_name(chat: bool) -> None:
+    body: dict[str, object] = {"messages": USER} if chat else {"prompt": "hi"}
+    for name, value in [("frobnicate", True), ("use_beam_search", True)]:
+        error = _expect_rejection(name, {**body, name: value}, chat=chat)
+        assert error.code == "unsupported_parameter"
+    # null means absent, for every field.
+    parse = _schema.parse_chat if chat else _schema.parse_completion
+    parse({**body, "frobnicate": None}, SETTINGS)
 
 
 def test_null_fields_mean_absent() -> None:
@@ -295,7 +307,10 @@ def test_streamed_tool_calls_become_indexed_deltas_and_finish_with_tool_calls() 
     from trio_mlx_http._generation import _ChatFormat
 
     fmt = _ChatFormat(
-        _openai.Envelope.chat("m", chunk=True), _openai.TokenTexts(_Tokens()), [_extractor()]
+        _openai.Envelope.chat("m", chunk=True),
+        _openai.TokenTexts(_Tokens()),
+        [_extractor()],
+        [None],
     )
     pieces = ["Let me check. <tool_", 'call>{"name": "now", "arguments": {}}</tool_call>']
     chunks = [c for p in pieces for c in fmt.delta(0, Delta(p, (1,)))]
@@ -414,3 +429,45 @@ def test_engine_errors_carry_a_machine_readable_code() -> None:
     assert error_body(NotFound("gone", code="model_not_found"))["error"]["code"] == (
         "model_not_found"
     )
+
+
+def test_reasoning_is_split_even_when_markers_arrive_in_pieces() -> None:
+    from trio_mlx_http._reasoning import ReasoningSplitter
+
+    text = "<think>\nPlan it.</think>\n\nThe answer. <thi"
+    splitter = ReasoningSplitter("<think>", "</think>")
+    reasoning, content = "", ""
+    for char in text:
+        r, c = splitter.feed(char)
+        assert "<" not in r
+        reasoning, content = reasoning + r, content + c
+    r, c = splitter.feed("", final=True)
+    # Leading whitespace of each part is dropped; a marker's prefix at the end is text.
+    assert (reasoning + r, content + c) == ("Plan it.", "The answer. <thi")
+    opened = ReasoningSplitter.opened("<think>", "</think>")
+    assert opened.feed("more thought</think>done", final=True) == ("more thought", "done")
+    plain = ReasoningSplitter("<think>", "</think>")
+    assert plain.feed("no reasoning at all", final=True) == ("", "no reasoning at all")
+
+
+def test_best_of_returns_the_most_likely_candidates() -> None:
+    from trio_mlx import Completion
+    from trio_mlx_http._generation import _best
+
+    def candidate(*logprobs: float) -> Completion:
+        result = GenerationResult("length", 3, len(logprobs), 0, "batch", 0.0, 0.0)
+        lps = tuple(TokenLogprob(7, lp) for lp in logprobs)
+        return Completion("x" * len(logprobs), (7,) * len(logprobs), lps, result)
+
+    # Two prompts, three candidates each, two returned per prompt, best first.
+    first = [candidate(-3.0, -1.0), candidate(-0.5), candidate(-1.0, -1.0)]
+    second = [candidate(-9.0), candidate(-0.1, -0.1), candidate(-4.0)]
+    request = _schema.parse_completion({"prompt": ["a", "b"], "n": 2, "best_of": 3}, SETTINGS)
+    expected = [first[1], first[2], second[1], second[2]]
+    # Not asked for, the logprobs used for ranking are not sent.
+    chosen = _best(first + second, 3, request)
+    assert chosen == [attrs.evolve(c, logprobs=None) for c in expected]
+    asked = _schema.parse_completion(
+        {"prompt": ["a", "b"], "n": 2, "best_of": 3, "logprobs": 0}, SETTINGS
+    )
+    assert _best(first + second, 3, asked) == expected

@@ -30,7 +30,14 @@ from trio_mlx._output import RowEvent, RowOutput, merge_events
 from trio_mlx._params import SamplingParams
 from trio_mlx._prompt_cache import PromptCache
 
-__all__ = ["BatchLane", "RowSpec", "StepResult", "make_processors", "make_row_sampler"]
+__all__ = [
+    "BatchLane",
+    "RowSpec",
+    "StepResult",
+    "eos_processors",
+    "make_processors",
+    "make_row_sampler",
+]
 
 
 @attrs.frozen
@@ -73,6 +80,38 @@ def make_row_sampler(params: SamplingParams, tokenizer: Any) -> Callable[[Any], 
         xtc_threshold=params.xtc_threshold,
         xtc_special_tokens=special,
     )
+
+
+def _min_tokens_processor(minimum: int, eos_ids: Sequence[int]) -> Callable[[Any, Any], Any]:
+    """Bans the end-of-sequence tokens until ``minimum`` tokens were generated.
+
+    The count is the growth of ``tokens`` since the first call (the tokens a
+    processor sees start with however much of the prompt the lane fed), so a
+    row parked and re-inserted with its history keeps counting where it was.
+    """
+    import mlx.core as mx
+
+    banned = mx.array(sorted(eos_ids), dtype=mx.int32)
+    base: list[int] = []
+
+    def processor(tokens: Any, logits: Any) -> Any:
+        if not base:
+            base.append(len(tokens))
+        if len(tokens) - base[0] >= minimum:
+            return logits
+        logits[..., banned] = -float("inf")
+        return logits
+
+    return processor
+
+
+def eos_processors(
+    params: SamplingParams, eos_ids: Sequence[int]
+) -> list[Callable[[Any, Any], Any]]:
+    """The processor that holds ``eos_ids`` back for ``min_tokens`` (empty when none applies)."""
+    if params.min_tokens > 0 and eos_ids and not params.ignore_eos:
+        return [_min_tokens_processor(params.min_tokens, eos_ids)]
+    return []
 
 
 def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
@@ -138,6 +177,8 @@ class BatchLane:
     _rows: dict[int, _Row] = attrs.field(init=False, factory=dict)
     _by_uid: dict[int, int] = attrs.field(init=False, factory=dict)
     _eos: Any = attrs.field(init=False, default=None)
+    #: For rows that ignore EOS (``ignore_eos``): nothing ends them but max_tokens.
+    _no_stop: Any = attrs.field(init=False, default=None)
     _eos_ids: frozenset[int] = attrs.field(init=False, factory=frozenset)
 
     def __attrs_post_init__(self) -> None:
@@ -145,6 +186,7 @@ class BatchLane:
 
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._eos = StopSequences([(t,) for t in sorted(self._eos_ids)])
+        self._no_stop = StopSequences([])
         self._generator = self._new_generator()
 
     def _new_generator(self) -> Any:
@@ -279,7 +321,9 @@ class BatchLane:
             make_row_sampler(spec.params, self.tokenizer),
             [],
         )
-        row.processors = [_guard(row, p) for p in make_processors(spec.params)]
+        processors = eos_processors(spec.params, sorted(self._eos_ids))
+        processors += make_processors(spec.params)
+        row.processors = [_guard(row, p) for p in processors]
         self._rows[spec.id] = row
         return self._start(row)
 
@@ -297,7 +341,7 @@ class BatchLane:
             all_tokens=[prompt[:done]],
             samplers=[row.sampler],
             logits_processors=[row.processors],
-            stop_sequences=[self._eos],
+            stop_sequences=[self._no_stop if row.spec.params.ignore_eos else self._eos],
         )
         row.uid = uid
         self._by_uid[uid] = row.spec.id
@@ -317,7 +361,7 @@ class BatchLane:
             all_tokens=[tokens[:-1]],
             samplers=[row.sampler],
             logits_processors=[row.processors],
-            stop_sequences=[self._eos],
+            stop_sequences=[self._no_stop if row.spec.params.ignore_eos else self._eos],
         )
         row.uid = uid
         self._by_uid[uid] = row_id

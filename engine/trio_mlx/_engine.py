@@ -40,6 +40,10 @@ DEFAULT_PARAMS = SamplingParams()
 _INLINE_PROMPT = 1024
 #: Prompts tokenized at once in threads (fast tokenizers release the GIL).
 _TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: Chat template arguments the engine sets itself; ``chat_template_kwargs`` may not.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
+)
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
@@ -419,12 +423,19 @@ class Engine:
         """A frozen snapshot of the engine: arbiter state, queues, counters."""
         return self._actor.statistics()
 
-    def encode(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> list[int]:
+    def encode(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Tokenize a prompt exactly as :meth:`generate` does.
 
         A string is raw text (no chat template); a sequence of ints is taken as
         token ids; a sequence of mappings is a chat, rendered with the model's
-        chat template (``add_generation_prompt=True``, ``tools`` passed on).
+        chat template (``add_generation_prompt=True``, ``tools`` and
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``, passed on).
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
@@ -450,7 +461,7 @@ class Engine:
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             if all(isinstance(m, Mapping) for m in prompt):
-                tokens = self._chat(prompt, tools)
+                tokens = self._chat(prompt, tools, chat_template_kwargs)
             else:
                 tokens = self._token_ids(prompt)
         else:
@@ -464,7 +475,13 @@ class Engine:
             raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
         return tokens
 
-    async def tokenize(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> list[int]:
+    async def tokenize(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """:meth:`encode`, off the event loop unless the prompt is small.
 
         At most a few prompts are tokenized at once, each in a thread; a small
@@ -472,11 +489,12 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
-        if _small(prompt, tools):
-            return self.encode(prompt, tools=tools)
-        return await trio.to_thread.run_sync(
-            partial(self.encode, prompt, tools=tools), limiter=self._encode_limiter
+        encode = partial(
+            self.encode, prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
         )
+        if _small(prompt, tools):
+            return encode()
+        return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
 
     def _refuse_oversized(self, prompt: Prompt, tools: Sequence[Any] | None) -> None:
         """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens.
@@ -515,8 +533,20 @@ class Engine:
         if size > limit * self._max_token_bytes:
             raise _too_long(f"the prompt's {size} bytes are more tokens", limit)
 
-    def _chat(self, messages: Sequence[Any], tools: Sequence[Any] | None) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
+    def _chat(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
+            )
+        kwargs.update(add_generation_prompt=True, tokenize=True)
         if tools:
             kwargs["tools"] = list(tools)
         try:
@@ -548,6 +578,7 @@ class Engine:
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> GenerationStream:
         """Stream one completion: ``async with engine.generate(...) as stream: async for delta in stream``.
 
@@ -555,7 +586,7 @@ class Engine:
         NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
         Leaving the block early cancels the request.
         """
-        return GenerationStream(self, prompt, params, tools)
+        return GenerationStream(self, prompt, params, tools, chat_template_kwargs)
 
     async def complete(
         self,
@@ -563,12 +594,15 @@ class Engine:
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Completion:
         """Generate a whole completion and return it."""
         texts: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
-        async with self.generate(prompt, params, tools=tools) as stream:
+        async with self.generate(
+            prompt, params, tools=tools, chat_template_kwargs=chat_template_kwargs
+        ) as stream:
             async for delta in stream:
                 texts.append(delta.text)
                 ids.extend(delta.token_ids)
@@ -623,14 +657,20 @@ class Engine:
         value: T = request.result.unwrap()
         return value
 
-    async def _submit(self, prompt: Prompt, params: SamplingParams, tools: Any) -> Request:
+    async def _submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        tools: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Request:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
         # the prompt: off the event loop, a few prompts at a time.
-        tokens = await self.tokenize(prompt, tools=tools)
+        tokens = await self.tokenize(prompt, tools=tools, chat_template_kwargs=template_kwargs)
         params = self._fit_context(len(tokens), params)
         self._check_logit_bias(params)
         if params.adapter is not None:
@@ -761,6 +801,7 @@ class GenerationStream:
     _prompt: Prompt
     _params: SamplingParams
     _tools: Any
+    _template_kwargs: Mapping[str, Any] | None = None
     _request: Request | None = attrs.field(init=False, default=None)
     _result: GenerationResult | None = attrs.field(init=False, default=None)
     _error: BaseException | None = attrs.field(init=False, default=None)
@@ -810,7 +851,9 @@ class GenerationStream:
         if self._request is not None:
             raise RuntimeError("a GenerationStream can be entered only once")
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._request = await self._engine._submit(self._prompt, self._params, self._tools)
+        self._request = await self._engine._submit(
+            self._prompt, self._params, self._tools, self._template_kwargs
+        )
         return self
 
     async def __aexit__(

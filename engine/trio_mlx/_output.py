@@ -66,19 +66,27 @@ class StopScanner:
     """Finds the first stop string in streamed text, holding back possible starts."""
 
     stops: tuple[str, ...]
+    #: Keep the matched stop string at the end of the text (``include_stop_str_in_output``).
+    include: bool = False
     _held: str = ""
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, bool]:
-        """Return (text safe to emit, whether a stop string was found)."""
+    def feed(self, text: str, *, final: bool = False, active: bool = True) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was found).
+
+        While not ``active`` (before ``min_tokens``) no stop string ends the
+        text; held-back text is released.
+        """
         buf = self._held + text
         self._held = ""
-        best = -1
+        if not active:
+            return buf, False
+        best, length = -1, 0
         for stop in self.stops:
             index = buf.find(stop)
             if index >= 0 and (best < 0 or index < best):
-                best = index
+                best, length = index, len(stop)
         if best >= 0:
-            return buf[:best], True
+            return buf[: best + length if self.include else best], True
         if final or not self.stops:
             return buf, False
         keep = 0
@@ -105,23 +113,24 @@ class RowOutput:
     generated: int = 0
 
     def __attrs_post_init__(self) -> None:
-        self.scanner = StopScanner(self.params.stop)
+        self.scanner = StopScanner(self.params.stop, self.params.include_stop_str_in_output)
 
     def push(self, token: int, logprobs: Any, finish: str | None) -> RowEvent:
         """Take one generated token (and its log-probability vector) from a lane."""
         self.generated += 1
         if finish is None and self.generated >= self.params.max_tokens:
             finish = "length"
-        if token in self.eos_ids:
+        active = self.generated >= self.params.min_tokens
+        if token in self.eos_ids and not self.params.ignore_eos:
             self.detokenizer.finalize()
-            text, _ = self.scanner.feed(self.detokenizer.last_segment, final=True)
+            text, _ = self.scanner.feed(self.detokenizer.last_segment, final=True, active=active)
             return RowEvent(self.id, text, (), self._empty_lps(), "stop", None, self.generated)
         self.detokenizer.add_token(token)
         segment = self.detokenizer.last_segment
         if finish is not None:
             self.detokenizer.finalize()
             segment += self.detokenizer.last_segment
-        text, stopped = self.scanner.feed(segment, final=finish is not None)
+        text, stopped = self.scanner.feed(segment, final=finish is not None, active=active)
         if stopped:
             finish = "stop"
         lps = self._logprobs(token, logprobs)

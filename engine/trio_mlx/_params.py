@@ -64,6 +64,13 @@ def _number(
     return check
 
 
+def _boolean(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidRequest(
+            f"{attribute.name} must be a boolean, not {value!r:.80}", param=attribute.name
+        )
+
+
 def _to_stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -176,7 +183,7 @@ class SamplingParams:
         default=None, converter=_to_logit_bias, validator=_check_logit_bias
     )
     #: Report the chosen token's log-probability, and this many alternatives (0-20).
-    logprobs: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    logprobs: bool = attrs.field(default=False, validator=_boolean)
     top_logprobs: int = attrs.field(
         default=0, validator=_number(low=0, high=MAX_TOP_LOGPROBS, integer=True)
     )
@@ -191,6 +198,19 @@ class SamplingParams:
     #: Quantize the KV cache to this many bits (serial lane); None keeps full precision.
     kv_bits: int | None = attrs.field(default=None, validator=_check_kv_bits)
     kv_group_size: int = attrs.field(default=64, validator=_check_kv_group_size)
+    #: Keep generating past an end-of-sequence token (until max_tokens or a stop string).
+    ignore_eos: bool = attrs.field(default=False, validator=_boolean)
+    #: End-of-sequence tokens are banned, and stop strings not matched, before this many tokens.
+    min_tokens: int = attrs.field(default=0, validator=_number(low=0, integer=True))
+    #: A matched stop string stays at the end of the output (it is cut by default).
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=_boolean)
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
 
 
 @attrs.frozen

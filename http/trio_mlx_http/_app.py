@@ -123,6 +123,9 @@ def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
         metrics=metrics,
         texts=TokenTexts(engine.tokenizer),
         model_id=settings.model_name or engine.model_id,
+        model_names=frozenset(
+            {settings.model_name or engine.model_id, engine.model_id, *settings.model_aliases}
+        ),
         vocab_size=len(engine.tokenizer.get_vocab()),
     )
     app.extensions["trio_mlx"] = state
@@ -237,7 +240,10 @@ def _install_models(app: QuartTrio) -> None:
 
     @app.get("/v1/models/<path:model_id>")
     async def get_model(model_id: str) -> dict[str, Any]:
-        for card in _model_cards(_state()):
+        state = _state()
+        if model_id in state.model_names:
+            return _model_card(state, state.model_id)
+        for card in _model_cards(state):
             if card["id"] == model_id:
                 return card
         raise NotFound(
@@ -300,8 +306,10 @@ def _install_tokens(app: QuartTrio) -> None:
     @app.post("/tokenize")
     async def tokenize() -> Response:
         state = _state()
-        parsed = await _parsed(_schema.parse_tokenize)
-        tokens = await state.engine.tokenize(parsed.prompt, tools=parsed.tools)
+        parsed = await _parsed(partial(_schema.parse_tokenize, settings=state.settings))
+        tokens = await state.engine.tokenize(
+            parsed.prompt, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs
+        )
         return await _off_loop_json(
             {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.context_length}
         )

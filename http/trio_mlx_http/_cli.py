@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -98,11 +99,91 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a client may stop reading before its connection is closed",
     )
     parser.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a name the model answers to (repeatable; the first is listed in /v1/models). "
+        "The --model id and its last path component are always accepted",
+    )
+    parser.add_argument(
+        "--chat-template-args",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="default chat template arguments, e.g. '{\"enable_thinking\": false}'; "
+        "a request's chat_template_kwargs override them",
+    )
+    parser.add_argument(
+        "--reasoning-markers",
+        type=_markers,
+        default=None,
+        metavar="START,END",
+        help="the markers around a model's reasoning, split out into reasoning_content "
+        "(default: the tokenizer's, e.g. <think>,</think>; 'off' keeps reasoning in content)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        choices=[2, 3, 4, 6, 8],
+        help="quantize every request's KV cache to this many bits "
+        "(requests then run one at a time, in the serial lane)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=64,
+        choices=[32, 64, 128],
+        help="group size of the KV-cache quantization",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="cap of the prompt (KV) cache, e.g. 512M or 2G; 0 disables it "
+        "(default: the engine's, 256M)",
+    )
+    parser.add_argument(
         "--graceful-timeout",
         type=float,
         default=10.0,
         help="on SIGINT/SIGTERM, seconds in-flight requests get to finish",
     )
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _markers(text: str) -> str:
+    start, sep, end = text.partition(",")
+    if text.strip().lower() != "off" and not (sep and start and end):
+        raise argparse.ArgumentTypeError("must be START,END (e.g. '<think>,</think>') or off")
+    return text
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """``1234``, ``512M``, ``2GB``, ``1.5G`` -> bytes."""
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS and raw[-1:] else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)] if unit else raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return int(value * _SIZE_UNITS[unit])
 
 
 def build_parser() -> argparse.ArgumentParser:

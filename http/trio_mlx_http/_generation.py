@@ -31,6 +31,8 @@ from trio_mlx import (
 )
 from trio_mlx_http import _openai, _sse
 from trio_mlx_http._errors import error_body, status_of
+from trio_mlx_http._prompt_logprobs import prompt_logprobs
+from trio_mlx_http._reasoning import ReasoningSplitter, prompt_opens_reasoning
 from trio_mlx_http._schema import GenerationRequest, Prompt
 from trio_mlx_http._state import Access, ServerState
 from trio_mlx_http._tools import ToolCallExtractor
@@ -57,11 +59,24 @@ def _finish_reason(result: GenerationResult, extractor: ToolCallExtractor | None
     return result.finish_reason
 
 
+def _reasoning_fields(reasoning: str) -> dict[str, str]:
+    # vLLM's name, and mlx_lm.server's (clients read one or the other).
+    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+
+
 @attrs.define(eq=False)
 class _ChatFormat:
     envelope: _openai.Envelope
     texts: _openai.TokenTexts
     extractors: list[ToolCallExtractor | None]
+    splitters: list[ReasoningSplitter | None]
+
+    def _think(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of a piece of text."""
+        splitter = self.splitters[index]
+        if splitter is None:
+            return "", text
+        return splitter.feed(text, final=final)
 
     def _chunk(
         self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
@@ -87,9 +102,10 @@ class _ChatFormat:
         return [self._chunk(index, {"role": "assistant", "content": ""})]
 
     def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
-        text, calls = self._split(index, delta.text, final=False)
+        reasoning, content = self._think(index, delta.text, final=False)
+        text, calls = self._split(index, content, final=False)
         logprobs = _openai.chat_logprobs(delta.logprobs, self.texts) if delta.logprobs else None
-        body: dict[str, Any] = {}
+        body: dict[str, Any] = _reasoning_fields(reasoning)
         if text:
             body["content"] = text
         if calls:
@@ -99,10 +115,13 @@ class _ChatFormat:
         return [self._chunk(index, body, logprobs)]
 
     def end(self, index: int, result: GenerationResult) -> list[dict[str, Any]]:
-        text, calls = self._split(index, "", final=True)
+        reasoning, content = self._think(index, "", final=True)
+        text, calls = self._split(index, content, final=True)
         chunks = []
-        if text or calls:
-            body: dict[str, Any] = {"content": text} if text else {}
+        if text or calls or reasoning:
+            body: dict[str, Any] = _reasoning_fields(reasoning)
+            if text:
+                body["content"] = text
             if calls:
                 body["tool_calls"] = calls
             chunks.append(self._chunk(index, body))
@@ -111,8 +130,10 @@ class _ChatFormat:
         return chunks
 
     def whole(self, index: int, completion: Completion) -> dict[str, Any]:
-        text, calls = self._split(index, completion.text, final=True, streamed=False)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reasoning, content = self._think(index, completion.text, final=True)
+        text, calls = self._split(index, content, final=True, streamed=False)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        message.update(_reasoning_fields(reasoning))
         if calls:
             message["tool_calls"] = calls
         logprobs = (
@@ -132,11 +153,14 @@ class _ChatFormat:
 class _TextFormat:
     envelope: _openai.Envelope
     texts: _openai.TokenTexts
-    choices: int
+    #: Per choice: the prompt text that precedes it (``echo``), or "".
+    echoes: list[str]
+    #: Per choice: the echoed prompt's logprobs (``echo`` with ``logprobs``), or None.
+    prompt_logprobs: list[dict[str, Any] | None]
     _offsets: list[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._offsets = [0] * self.choices
+        self._offsets = [len(echo) for echo in self.echoes]
 
     def _chunk(
         self, index: int, text: str, logprobs: Any = None, finish: str | None = None
@@ -145,7 +169,9 @@ class _TextFormat:
         return self.envelope.body([choice])
 
     def start(self, index: int) -> list[dict[str, Any]]:
-        return []
+        if not self.echoes[index]:
+            return []
+        return [self._chunk(index, self.echoes[index], self.prompt_logprobs[index])]
 
     def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         logprobs = None
@@ -160,14 +186,18 @@ class _TextFormat:
         return [self._chunk(index, "", finish=result.finish_reason)]
 
     def whole(self, index: int, completion: Completion) -> dict[str, Any]:
+        echo = self.echoes[index]
         logprobs = (
-            _openai.completion_logprobs(completion.logprobs, self.texts)
+            _openai.completion_logprobs(completion.logprobs, self.texts, len(echo))
             if completion.logprobs is not None
             else None
         )
+        prompt = self.prompt_logprobs[index]
+        if prompt is not None:
+            logprobs = {k: prompt[k] + (logprobs or {}).get(k, []) for k in prompt}
         return {
             "index": index,
-            "text": completion.text,
+            "text": echo + completion.text,
             "logprobs": logprobs,
             "finish_reason": completion.result.finish_reason,
         }
@@ -176,7 +206,7 @@ class _TextFormat:
 def _resolve_model(state: ServerState, request: GenerationRequest) -> tuple[str, GenerationRequest]:
     """The model id to answer with; a mounted adapter's name selects that adapter."""
     name = request.model
-    if name is None or name == state.model_id:
+    if name is None or name in state.model_names:
         return state.model_id, request
     if name in state.engine.adapters:
         if request.params.adapter not in (None, name):
@@ -201,6 +231,24 @@ def _clamp_max_tokens(state: ServerState, request: GenerationRequest) -> Generat
     return attrs.evolve(request, params=attrs.evolve(request.params, max_tokens=limit))
 
 
+def _reasoning_effort(state: ServerState, request: GenerationRequest) -> GenerationRequest:
+    """``reasoning_effort`` goes to a chat template that reads it (gpt-oss's); else 400."""
+    effort = request.reasoning_effort
+    if effort is None:
+        return request
+    template = getattr(state.engine.tokenizer, "chat_template", None)
+    if not (isinstance(template, str) and "reasoning_effort" in template):
+        raise InvalidRequest(
+            f"the model {state.model_id!r} has no reasoning effort to set (its chat template "
+            "does not read reasoning_effort); for templates with enable_thinking send "
+            "chat_template_kwargs",
+            param="reasoning_effort",
+            code="unsupported_parameter",
+        )
+    kwargs = {"reasoning_effort": effort, **(request.chat_template_kwargs or {})}
+    return attrs.evolve(request, chat_template_kwargs=kwargs)
+
+
 def _check_tools(state: ServerState, tools: list[dict[str, Any]] | None) -> None:
     if tools and not state.engine.tokenizer.has_tool_calling:
         raise InvalidRequest(
@@ -211,16 +259,144 @@ def _check_tools(state: ServerState, tools: list[dict[str, Any]] | None) -> None
         )
 
 
-def _extractor(state: ServerState, tools: list[dict[str, Any]] | None) -> ToolCallExtractor | None:
-    if not tools:
+def _extractor(state: ServerState, request: GenerationRequest) -> ToolCallExtractor | None:
+    if not request.tools:
         return None
     tokenizer = state.engine.tokenizer
     return ToolCallExtractor(
         start=tokenizer.tool_call_start,
-        end=tokenizer.tool_call_end,
+        end=tokenizer.tool_call_end or "",
         parser=tokenizer.tool_parser,
-        tools=tools,
+        tools=request.tools,
+        limit=None if request.parallel_tool_calls else 1,
     )
+
+
+def reasoning_markers(state: ServerState) -> tuple[str, str] | None:
+    """The model's reasoning markers (``--reasoning-markers`` or the tokenizer's), if any."""
+    markers = state.settings.reasoning_markers
+    if markers is False:
+        return None
+    if isinstance(markers, tuple):
+        return markers
+    tokenizer = state.engine.tokenizer
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    return (start, end) if isinstance(start, str) and isinstance(end, str) else None
+
+
+async def _opens_reasoning(
+    state: ServerState, request: GenerationRequest, markers: tuple[str, str]
+) -> bool:
+    """Whether the rendered chat prompt ends inside a reasoning block (mlx_lm.server's test)."""
+    messages = request.prompts[0]
+    kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
+    if request.tools:
+        kwargs["tools"] = request.tools
+
+    def render() -> str:
+        text = state.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        return str(text)
+
+    try:
+        prompt = await trio.to_thread.run_sync(render)
+    except Exception:  # the engine reports a template that does not render
+        return False
+    return prompt_opens_reasoning(prompt, *markers)
+
+
+#: Fill-in-the-middle markers (prefix, suffix, middle) of the model families that have them.
+_FIM_MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2
+    (
+        "<\uff5cfim\u2581begin\uff5c>",
+        "<\uff5cfim\u2581hole\uff5c>",
+        "<\uff5cfim\u2581end\uff5c>",
+    ),  # DeepSeek-Coder
+)
+
+
+def _fill_in_the_middle(state: ServerState, request: GenerationRequest) -> GenerationRequest:
+    """``suffix``: each prompt becomes prefix-suffix-middle in the model's FIM markers."""
+    if request.suffix is None:
+        return request
+    vocab = state.engine.tokenizer.get_vocab()
+    markers = next((m for m in _FIM_MARKERS if all(t in vocab for t in m)), None)
+    if markers is None:
+        raise InvalidRequest(
+            f"suffix needs a fill-in-the-middle model; {state.model_id!r} has no FIM tokens",
+            param="suffix",
+            code="unsupported_parameter",
+        )
+    if not all(isinstance(p, str) for p in request.prompts):
+        raise InvalidRequest("suffix needs the prompt as text, not token ids", param="suffix")
+    pre, suf, mid = markers
+    prompts = tuple(f"{pre}{p}{suf}{request.suffix}{mid}" for p in request.prompts)
+    return attrs.evolve(request, prompts=prompts)
+
+
+async def _prompt_logprobs(
+    state: ServerState, request: GenerationRequest, prompts: Sequence[Prompt]
+) -> list[dict[str, Any] | None]:
+    """``echo`` with ``logprobs``: each prompt's own logprobs (each distinct prompt scored once)."""
+    if not (request.echo and request.params.logprobs):
+        return [None] * len(prompts)
+    if request.suffix is not None:
+        raise InvalidRequest(
+            "echo with logprobs and suffix is not supported: the echoed prompt is not "
+            "the fill-in-the-middle prompt the model reads",
+            param="suffix",
+            code="unsupported_parameter",
+        )
+    if request.params.adapter is not None:
+        raise InvalidRequest(
+            "echo with logprobs scores with the base model; it cannot use an adapter",
+            param="adapter",
+            code="unsupported_parameter",
+        )
+    engine = state.engine
+    scored: dict[int, dict[str, Any]] = {}
+    out: list[dict[str, Any] | None] = []
+    for index, prompt in enumerate(prompts):
+        if index % request.n == 0:
+            ids = await trio.to_thread.run_sync(engine.encode, prompt)
+            first, rest = await prompt_logprobs(engine, ids, request.params.top_logprobs)
+            scored[index // request.n] = _openai.prompt_completion_logprobs(
+                first, rest, state.texts
+            )
+        out.append(scored[index // request.n])
+    return out
+
+
+def _echo_only(
+    fmt: _TextFormat, request: GenerationRequest, prompt_tokens: list[int]
+) -> dict[str, Any]:
+    """``echo`` with ``max_tokens: 0``: the prompts themselves, nothing generated."""
+    choices = [
+        {
+            "index": i,
+            "text": fmt.echoes[i],
+            "logprobs": fmt.prompt_logprobs[i],
+            "finish_reason": "length",
+        }
+        for i in range(len(fmt.echoes))
+    ]
+    used = sum(prompt_tokens)
+    counts = {"prompt_tokens": used, "completion_tokens": 0, "total_tokens": used}
+    return fmt.envelope.body(
+        choices, usage={**counts, "prompt_tokens_details": {"cached_tokens": 0}}
+    )
+
+
+def _echoes(state: ServerState, request: GenerationRequest, prompts: Sequence[Prompt]) -> list[str]:
+    """``echo``: the text of each choice's prompt (token ids decoded)."""
+    if not request.echo:
+        return [""] * len(prompts)
+    return [
+        p if isinstance(p, str) else str(state.engine.tokenizer.decode(list(p))) for p in prompts
+    ]
 
 
 async def respond(
@@ -229,15 +405,32 @@ async def respond(
     """Run ``request``; a streaming response or the whole JSON body."""
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
+    request = _reasoning_effort(state, request)
+    echo_of = list(request.prompts)
+    request = _fill_in_the_middle(state, request)
     choices = len(request.prompts) * request.n
     fmt: _Format
     if chat:
-        extractors = [_extractor(state, request.tools) for _ in range(choices)]
+        extractors = [_extractor(state, request) for _ in range(choices)]
+        markers = reasoning_markers(state)
+        splitters: list[ReasoningSplitter | None] = [None] * choices
+        if markers is not None:
+            opened = await _opens_reasoning(state, request, markers)
+            new = ReasoningSplitter.opened if opened else ReasoningSplitter
+            splitters = [new(*markers) for _ in range(choices)]
         fmt = _ChatFormat(
-            _openai.Envelope.chat(model, chunk=request.stream), state.texts, extractors
+            _openai.Envelope.chat(model, chunk=request.stream), state.texts, extractors, splitters
         )
     else:
-        fmt = _TextFormat(_openai.Envelope.text(model), state.texts, choices)
+        per_choice = [p for p in echo_of for _ in range(request.n)]
+        echoes = _echoes(state, request, per_choice)
+        scores = await _prompt_logprobs(state, request, per_choice)
+        text_fmt = _TextFormat(_openai.Envelope.text(model), state.texts, echoes, scores)
+        if request.prompt_only:
+            counts = [len(await trio.to_thread.run_sync(state.engine.encode, p)) for p in echo_of]
+            access.tokens = 0
+            return _echo_only(text_fmt, request, counts)
+        fmt = text_fmt
     jobs = [prompt for prompt in request.prompts for _ in range(request.n)]
     if request.stream:
         ran_with: list[int] = []
@@ -246,14 +439,23 @@ async def respond(
         access.by_body = True
         headers = {**_sse.SSE_HEADERS, **_clamped(request, ran_with)}
         return Response(body, status=200, headers=headers, content_type=_sse.CONTENT_TYPE)
-    completions = await _complete_all(state, request, jobs)
+    per_prompt = request.n
+    if request.best_of is not None and request.best_of > request.n:
+        per_prompt = request.best_of
+        jobs = [prompt for prompt in request.prompts for _ in range(per_prompt)]
+        # Ranking needs every candidate's logprobs; they are dropped again if not asked for.
+        ranked = attrs.evolve(request, params=attrs.evolve(request.params, logprobs=True))
+        completions = await _complete_all(state, ranked, jobs)
+    else:
+        completions = await _complete_all(state, request, jobs)
     access.tokens = sum(c.result.completion_tokens for c in completions)
     for completion in completions:
         state.metrics.finished(access.endpoint, completion.result)
     results = [c.result for c in completions]
+    chosen = _best(completions, per_prompt, request)
     payload = fmt.envelope.body(
-        [fmt.whole(i, c) for i, c in enumerate(completions)],
-        usage=_openai.usage(results, request.n),
+        [fmt.whole(i, c) for i, c in enumerate(chosen)],
+        usage=_openai.usage(results, per_prompt),
     )
     headers = _clamped(request, [r.max_tokens for r in results if r.max_tokens is not None])
     if not headers:
@@ -276,19 +478,40 @@ def _clamped(request: GenerationRequest, ran_with: list[int]) -> dict[str, str]:
     return {}
 
 
+def _best(
+    completions: list[Completion], per_prompt: int, request: GenerationRequest
+) -> list[Completion]:
+    """``best_of``: each prompt's ``n`` candidates of highest cumulative logprob, best first."""
+    if per_prompt == request.n:
+        return completions
+    chosen: list[Completion] = []
+    for start in range(0, len(completions), per_prompt):
+        group = completions[start : start + per_prompt]
+        group.sort(key=lambda c: -sum(lp.logprob for lp in c.logprobs or ()))
+        for completion in group[: request.n]:
+            if not request.params.logprobs:
+                completion = attrs.evolve(completion, logprobs=None)
+            chosen.append(completion)
+    return chosen
+
+
 async def _complete_all(
     state: ServerState, request: GenerationRequest, jobs: Sequence[Prompt]
 ) -> list[Completion]:
     """One engine request per choice, run together; the first error wins and cancels the rest."""
     engine = state.engine
+    options: dict[str, Any] = {
+        "tools": request.tools,
+        "chat_template_kwargs": request.chat_template_kwargs,
+    }
     if len(jobs) == 1:
-        return [await engine.complete(jobs[0], request.params, tools=request.tools)]
+        return [await engine.complete(jobs[0], request.params, **options)]
     out: list[Completion | None] = [None] * len(jobs)
     failure: list[TrioMLXError] = []
 
     async def one(index: int, nursery: trio.Nursery) -> None:
         try:
-            out[index] = await engine.complete(jobs[index], request.params, tools=request.tools)
+            out[index] = await engine.complete(jobs[index], request.params, **options)
         except TrioMLXError as error:
             failure.append(error)
             nursery.cancel_scope.cancel()
@@ -331,7 +554,12 @@ async def _stream(
         async with contextlib.AsyncExitStack() as stack:
             streams = [
                 await stack.enter_async_context(
-                    engine.generate(prompt, request.params, tools=request.tools)
+                    engine.generate(
+                        prompt,
+                        request.params,
+                        tools=request.tools,
+                        chat_template_kwargs=request.chat_template_kwargs,
+                    )
                 )
                 for prompt in jobs
             ]

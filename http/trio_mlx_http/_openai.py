@@ -21,6 +21,7 @@ __all__ = [
     "TokenTexts",
     "chat_logprobs",
     "completion_logprobs",
+    "prompt_completion_logprobs",
     "usage",
 ]
 
@@ -83,6 +84,19 @@ def completion_logprobs(
     }
 
 
+def prompt_completion_logprobs(
+    first: int, scored: Sequence[TokenLogprob], texts: TokenTexts
+) -> dict[str, Any]:
+    """Legacy completions' logprobs of an echoed prompt: the first token has none (null)."""
+    rest = completion_logprobs(scored, texts, len(texts(first)))
+    return {
+        "tokens": [texts(first), *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
 def usage(results: Sequence[GenerationResult], n: int = 1) -> dict[str, Any]:
     """The ``usage`` object of one request: ``results`` prompt-major, ``n`` choices per prompt.
 
@@ -127,7 +141,6 @@ class Envelope:
             "object": self.object,
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": None,
             "choices": choices,
             **extra,
         }

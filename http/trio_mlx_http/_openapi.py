@@ -1,8 +1,10 @@
 """A hand-written OpenAPI 3 description of the server, served at ``GET /openapi.json``.
 
-It describes what the handlers accept (extra fields are allowed, as the
-server ignores them) and every status they answer with, so a schema fuzzer
-can check that no input yields a 500.
+It describes what the handlers accept and every status they answer with, so
+a schema fuzzer can check that no input yields a 500. A field not described
+here is refused with 400 ``unsupported_parameter``, except the few that
+cannot change the output (``user``, ``metadata``, ``store``, ...; see
+``_schema.IGNORED_FIELDS``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ _STOP = {
 _SAMPLING: dict[str, Any] = {
     "model": {"type": "string", "nullable": True},
     "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 100, "nullable": True},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
     "top_p": {
         "type": "number",
         "minimum": 0,
@@ -78,6 +80,11 @@ _SAMPLING: dict[str, Any] = {
     },
     "adapter": {"type": "string", "nullable": True, "description": "A mounted adapter's name."},
     "user": {"type": "string", "nullable": True},
+    "ignore_eos": {"type": "boolean", "nullable": True},
+    "min_tokens": {"type": "integer", "minimum": 0, "nullable": True},
+    "include_stop_str_in_output": {"type": "boolean", "nullable": True},
+    "kv_bits": {"type": "integer", "enum": [2, 3, 4, 6, 8], "nullable": True},
+    "kv_group_size": {"type": "integer", "enum": [32, 64, 128], "nullable": True},
 }
 
 _MESSAGE = {
@@ -155,6 +162,13 @@ _SCHEMAS: dict[str, Any] = {
             "logprobs": {"type": "boolean", "nullable": True},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
             "tools": {"type": "array", "items": _TOOL, "nullable": True},
+            "parallel_tool_calls": {"type": "boolean", "nullable": True},
+            "chat_template_kwargs": {"type": "object", "nullable": True},
+            "modalities": {
+                "type": "array",
+                "items": {"type": "string", "enum": ["text"]},
+                "nullable": True,
+            },
             "tool_choice": {
                 "nullable": True,
                 "oneOf": [
@@ -186,6 +200,18 @@ _SCHEMAS: dict[str, Any] = {
                 ]
             },
             "logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
+            "echo": {"type": "boolean", "nullable": True},
+            "suffix": {
+                "type": "string",
+                "nullable": True,
+                "description": "Fill-in-the-middle; only for models with FIM tokens.",
+            },
+            "best_of": {
+                "type": "integer",
+                "minimum": 1,
+                "nullable": True,
+                "description": "Candidates per prompt; the n most likely are returned.",
+            },
         },
     },
     "Completion": {

@@ -28,7 +28,7 @@ logger = logging.getLogger("trio_mlx_http")
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"model": args.model, "adapter_path": args.adapter_path}
-    for name in ("max_batch", "max_queue", "drain_timeout", "parallel"):
+    for name in ("max_batch", "max_queue", "drain_timeout", "parallel", "prompt_cache_bytes"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
@@ -49,9 +49,43 @@ def _chat_template(template: str | None) -> str | None:
     return path.read_text() if len(template) < 4096 and path.is_file() else template
 
 
+def model_names(model: str | None, served: list[str] | None) -> tuple[str | None, tuple[str, ...]]:
+    """The listed model name and the other names it answers to.
+
+    A Hugging Face repo id (``mlx-community/X``) is listed as given, a local
+    folder by its name; both forms are accepted, and so is every
+    ``--served-model-name`` (the first of them is then the listed one).
+    """
+    names: list[str] = list(served or [])
+    if model is not None:
+        local = Path(model).exists()
+        last = Path(model).name
+        names += [last, model] if local else [model, last]
+    if not names:
+        return None, ()
+    return names[0], tuple(dict.fromkeys(names[1:]))
+
+
+def _reasoning_markers(text: str | None) -> tuple[str, str] | bool | None:
+    """``--reasoning-markers``: None (the tokenizer's), False (off), or (start, end)."""
+    if text is None:
+        return None
+    if text.strip().lower() == "off":
+        return False
+    start, _, end = text.partition(",")  # checked by the argument parser
+    return start, end
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     """The server settings the flags ask for."""
+    name, aliases = model_names(args.model, args.served_model_name)
     return Settings(
+        model_name=name,
+        model_aliases=aliases,
+        chat_template_args=args.chat_template_args,
+        reasoning_markers=_reasoning_markers(args.reasoning_markers),
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
         api_key=args.api_key or None,
         adapter_dir=args.adapter_dir,
         max_body_bytes=args.max_body_bytes,

@@ -5,6 +5,11 @@ Hand-written rather than generated: OpenAI's request shapes are loose (a
 string or a list of parts), clients send fields we do not know (ignored), and
 every rejection must name the field. Sampling values are checked by
 :class:`trio_mlx.SamplingParams` itself, so each range lives in one place.
+
+Every field is honoured or refused (``design/http.md``, "Request fields"):
+the tables below name what each endpoint honours, what cannot change the
+output and is ignored, and what is refused with 400 ``unsupported_parameter``;
+a field in none of them is refused too (it might change the output).
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ from trio_mlx import InvalidRequest, SamplingParams
 from trio_mlx_http._settings import Settings
 
 __all__ = [
+    "CHAT_FIELDS",
+    "COMPLETION_FIELDS",
+    "DEFERRED_FIELDS",
+    "IGNORED_FIELDS",
+    "UNSUPPORTED_FIELDS",
     "AdapterMount",
     "GenerationRequest",
     "Prompt",
@@ -51,7 +61,65 @@ _SAMPLING_FIELDS = (
     "logit_bias",
     "xtc_probability",
     "xtc_threshold",
+    "kv_bits",
+    "kv_group_size",
+    "ignore_eos",
+    "min_tokens",
+    "include_stop_str_in_output",
 )
+#: OpenAI's limit on temperature (the engine itself accepts more).
+MAX_TEMPERATURE = 2.0
+
+_COMMON_FIELDS = frozenset(
+    {"model", "n", "stream", "stream_options", "max_tokens", "adapter", *_SAMPLING_FIELDS}
+)
+#: What ``/v1/chat/completions`` honours.
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "modalities",
+    "reasoning_effort",
+}
+#: What ``/v1/completions`` honours.
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+#: Fields that cannot change the output (bookkeeping, caching and latency hints): ignored.
+IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "prediction",
+    }
+)
+#: Fields the structured-output part of the server owns; not refused here.
+DEFERRED_FIELDS = frozenset({"response_format"})
+#: Fields known from OpenAI's (or vLLM's) API that this server does not support, and why.
+UNSUPPORTED_FIELDS = {
+    "audio": "audio output is not supported",
+    "functions": "the deprecated functions API is not supported; send tools",
+    "function_call": "the deprecated functions API is not supported; send tool_choice",
+    "verbosity": "the server cannot set a model's verbosity",
+    "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "beam search is not supported",
+    "prompt_logprobs": "prompt log-probabilities are not computed",
+    "guided_json": "send response_format",
+    "guided_regex": "regex-guided decoding is not supported",
+    "guided_choice": "choice-guided decoding is not supported",
+    "guided_grammar": "grammar-guided decoding is not supported",
+}
 
 
 @attrs.frozen
@@ -69,6 +137,21 @@ class GenerationRequest:
     include_usage: bool
     #: Tool definitions for the chat template; None when there are none or tool_choice is "none".
     tools: list[dict[str, Any]] | None
+    #: Chat: extra arguments for the chat template (server default, then the request's).
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: Chat: passed to a chat template that takes it (gpt-oss's); else refused.
+    reasoning_effort: str | None = None
+    #: Chat: False keeps only the first tool call of a reply.
+    parallel_tool_calls: bool = True
+    #: Completions: the prompt text (and with logprobs, its log-probabilities) precedes
+    #: each choice's text.
+    echo: bool = False
+    #: Completions: ``echo`` with ``max_tokens: 0``: the prompt alone, nothing generated.
+    prompt_only: bool = False
+    #: Completions: candidates generated per prompt, of which the ``n`` most likely are returned.
+    best_of: int | None = None
+    #: Completions: the text after the insertion point (fill-in-the-middle).
+    suffix: str | None = None
 
 
 @attrs.frozen
@@ -77,6 +160,8 @@ class TokenizeRequest:
 
     prompt: Prompt
     tools: list[dict[str, Any]] | None
+    #: Chat template arguments, as a chat completion would render with them.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -120,6 +205,22 @@ def _int_in(body: Mapping[str, Any], name: str, low: int, high: int, default: in
     return int(value)
 
 
+def _check_fields(body: Mapping[str, Any], honoured: frozenset[str]) -> None:
+    """Refuse every field that is neither honoured nor harmless (``null`` is absent)."""
+    for name, value in body.items():
+        if value is None or name in honoured or name in IGNORED_FIELDS or name in DEFERRED_FIELDS:
+            continue
+        reason = UNSUPPORTED_FIELDS.get(name)
+        if reason is None:
+            message = (
+                f"unknown field {name!r:.80}: the server does not support it "
+                "(it is not ignored, since it might change the output)"
+            )
+        else:
+            message = f"{name} is not supported: {reason}"
+        raise InvalidRequest(message, param=str(name)[:80], code="unsupported_parameter")
+
+
 def _sampling(
     body: Mapping[str, Any], settings: Settings, extra: dict[str, Any], renames: dict[str, str]
 ) -> SamplingParams:
@@ -133,8 +234,15 @@ def _sampling(
         "top_p": settings.top_p,
         "top_k": settings.top_k,
         "min_p": settings.min_p,
+        "kv_bits": settings.kv_bits,
+        "kv_group_size": settings.kv_group_size,
     }
     kw.update({name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None})
+    temperature = kw["temperature"]
+    if isinstance(temperature, int | float) and temperature > MAX_TEMPERATURE:
+        raise InvalidRequest(
+            f"temperature must be <= {MAX_TEMPERATURE}, not {temperature!r}", param="temperature"
+        )
     kw.update(extra)
     try:
         return SamplingParams(**kw)
@@ -158,6 +266,14 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     options = _get(body, "stream_options", dict, "an object")
     include_usage = False
     if options is not None:
+        for key, value in options.items():
+            # include_obfuscation pads OpenAI's chunks; this server sends no padding.
+            if value is not None and key not in ("include_usage", "include_obfuscation"):
+                raise InvalidRequest(
+                    f"stream_options.{key:.80} is not supported",
+                    param="stream_options",
+                    code="unsupported_parameter",
+                )
         usage = options.get("include_usage")
         if usage is not None and not isinstance(usage, bool):
             raise InvalidRequest(
@@ -170,6 +286,7 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
 def _common(body: Mapping[str, Any], settings: Settings) -> tuple[str | None, int, str | None]:
     model = _get(body, "model", str, "a string")
     _get(body, "user", str, "a string")
+    _get(body, "metadata", dict, "an object")
     n = _int_in(body, "n", 1, settings.max_choices, 1)
     adapter = _get(body, "adapter", str, "a string")
     return model, n, adapter
@@ -273,8 +390,38 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return list(tools)
 
 
+def _template_kwargs(body: Mapping[str, Any], settings: Settings) -> dict[str, Any] | None:
+    kwargs = _get(body, "chat_template_kwargs", dict, "an object")
+    merged = {**settings.chat_template_args, **(kwargs or {})}
+    return merged or None
+
+
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
+    effort: str | None = _get(body, "reasoning_effort", str, "a string")
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidRequest(
+            f"reasoning_effort must be one of {', '.join(_EFFORTS)}", param="reasoning_effort"
+        )
+    return effort
+
+
+def _modalities(body: Mapping[str, Any]) -> None:
+    modalities = _get(body, "modalities", list, "a list")
+    if modalities is not None and any(m != "text" for m in modalities):
+        raise InvalidRequest(
+            "only the 'text' modality is supported",
+            param="modalities",
+            code="unsupported_parameter",
+        )
+
+
 def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` body."""
+    _check_fields(body, CHAT_FIELDS)
+    _modalities(body)
     model, n, adapter = _common(body, settings)
     messages = _messages(body.get("messages"))
     stream, include_usage = _stream(body)
@@ -297,6 +444,9 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
         stream=stream,
         include_usage=include_usage,
         tools=_tools(body),
+        chat_template_kwargs=_template_kwargs(body, settings),
+        reasoning_effort=_reasoning_effort(body),
+        parallel_tool_calls=_get(body, "parallel_tool_calls", bool, "a boolean") is not False,
     )
 
 
@@ -332,14 +482,37 @@ def _prompts(value: Any, limit: int) -> tuple[Prompt, ...]:
 
 def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationRequest:
     """Validate a ``/v1/completions`` body."""
+    _check_fields(body, COMPLETION_FIELDS)
     model, n, adapter = _common(body, settings)
+    best_of = _get(body, "best_of", int, "an integer")
+    if best_of is not None and best_of < n:
+        raise InvalidRequest(f"best_of must be >= n ({n}), not {best_of}", param="best_of")
+    echo = bool(_get(body, "echo", bool, "a boolean"))
+    suffix = _get(body, "suffix", str, "a string")
     prompts = _prompts(body.get("prompt"), settings.max_choices)
     if len(prompts) * n > settings.max_choices:
         raise InvalidRequest(f"prompts times n may be at most {settings.max_choices}", param="n")
     stream, include_usage = _stream(body)
+    best_of = n if best_of is None else best_of
+    if best_of > n and stream:
+        raise InvalidRequest(
+            "best_of > n cannot stream (choices are ranked at the end)", param="best_of"
+        )
+    if len(prompts) * best_of > settings.max_choices:
+        raise InvalidRequest(
+            f"prompts times best_of may be at most {settings.max_choices}", param="best_of"
+        )
     # The legacy API's logprobs is the number of alternatives per token.
     top = _get(body, "logprobs", int, "an integer")
     max_tokens, max_name = _max_tokens(body, settings)
+    # OpenAI's way to score a text: echo it with max_tokens 0 (nothing is generated).
+    prompt_only = echo and max_tokens == 0 and not isinstance(max_tokens, bool)
+    if prompt_only:
+        if stream:
+            raise InvalidRequest(
+                "max_tokens 0 (echo the prompt only) cannot stream", param="max_tokens"
+            )
+        max_tokens = 1
     extra: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": top is not None}
     if top is not None:
         extra["top_logprobs"] = top
@@ -355,13 +528,21 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
         stream=stream,
         include_usage=include_usage,
         tools=None,
+        echo=echo,
+        prompt_only=prompt_only,
+        best_of=best_of,
+        suffix=suffix,
     )
 
 
-def parse_tokenize(body: Mapping[str, Any]) -> TokenizeRequest:
+def parse_tokenize(body: Mapping[str, Any], settings: Settings | None = None) -> TokenizeRequest:
     """Validate a ``/tokenize`` body: ``prompt`` (text) or ``messages``."""
     if body.get("messages") is not None:
-        return TokenizeRequest(prompt=_messages(body["messages"]), tools=_tools(body))
+        return TokenizeRequest(
+            prompt=_messages(body["messages"]),
+            tools=_tools(body),
+            chat_template_kwargs=_template_kwargs(body, settings or Settings()),
+        )
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise InvalidRequest("prompt must be a string (or send messages)", param="prompt")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -12,6 +14,10 @@ __all__ = ["Settings"]
 def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, not {value!r}")
+
+
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
 
 
 def _to_dir(value: str | Path | None) -> Path | None:
@@ -38,5 +44,15 @@ class Settings:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    #: Default KV-cache quantization for requests that leave ``kv_bits`` out (serial lane).
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    #: Default chat template arguments (``--chat-template-args``); a request's own win.
+    chat_template_args: dict[str, Any] = attrs.field(factory=dict)
+    #: Other names the served model answers to as ``model`` (not listed in ``/v1/models``).
+    model_aliases: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    #: The reasoning markers: None takes the tokenizer's (``think_start``/``think_end``),
+    #: False keeps reasoning in the content, a pair names them.
+    reasoning_markers: tuple[str, str] | bool | None = None
     #: The most choices (``n``) and prompts one request may ask for.
     max_choices: int = attrs.field(default=16, validator=_positive)

@@ -27,6 +27,8 @@ class ServerState:
     texts: TokenTexts
     #: The id clients see in ``/v1/models`` and send as ``model``.
     model_id: str
+    #: Every name the model answers to as ``model`` (``model_id`` and its aliases).
+    model_names: frozenset[str]
     #: Token ids at or above this are not in the vocabulary.
     vocab_size: int
     started: int = attrs.field(factory=lambda: int(time.time()))

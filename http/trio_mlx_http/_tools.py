@@ -5,6 +5,10 @@ mlx-lm's tokenizer knows a model's tool-call markers (``tool_call_start`` /
 below splits streamed text into visible content and completed calls,
 holding back a tail that could be the start of a marker so that no partial
 ``<tool_call>`` ever reaches the client.
+
+Some formats have no end marker (mistral's ``[TOOL_CALLS]name[ARGS]{...}``:
+``tool_call_end`` is ``""``): a call then runs to the next start marker or
+to the end of generation, so its text is parsed when either arrives.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class ToolCallExtractor:
     end: str
     parser: Callable[[str, Any], Any]
     tools: list[dict[str, Any]] | None
+    #: At most this many calls are returned (``parallel_tool_calls: false`` is 1).
+    limit: int | None = None
     _pending: str = attrs.field(default="", init=False)
     _inside: bool = attrs.field(default=False, init=False)
     #: Calls parsed so far (a streamed call's ``index`` counts on from here).
@@ -75,7 +81,14 @@ class ToolCallExtractor:
         visible: list[str] = []
         calls: list[ToolCall] = []
         while True:
-            if self._inside:
+            if self._inside and not self.end:
+                # No end marker: the next start marker ends this call and opens another.
+                at = self._pending.find(self.start)
+                if at < 0:
+                    break
+                calls.extend(self._parse(self._pending[:at]))
+                self._pending = self._pending[at + len(self.start) :]
+            elif self._inside:
                 at = self._pending.find(self.end)
                 if at < 0:
                     break
@@ -120,5 +133,7 @@ class ToolCallExtractor:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             call_id = item.get("id") or f"call_{uuid.uuid4().hex[:24]}"
             calls.append(ToolCall(id=str(call_id), name=item["name"], arguments=arguments))
+        if self.limit is not None:
+            calls = calls[: max(0, self.limit - self.calls)]
         self.calls += len(calls)
         return calls
