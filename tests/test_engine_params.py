@@ -106,17 +106,36 @@ async def test_sampled_rows_in_one_batch_differ(tiny_model_path: Path) -> None:
 
 async def test_prompt_cache_serves_a_shared_prefix(tiny_model_path: Path) -> None:
     params = SamplingParams(max_tokens=6, logit_bias=NO_EOS)
+    long = " ".join([PROMPT] * 20)  # past the lane's cache_min_prefix
     async with trio_mlx.open_engine(tiny_model_path) as engine:
-        first = await engine.complete(PROMPT, params)
-        second = await engine.complete(PROMPT + " over the lazy dog", params)
+        first = await engine.complete(long, params)
+        second = await engine.complete(long + " over the lazy dog", params)
+        again = await engine.complete(long + " over the lazy dog", params)
         stats = engine.statistics()
     async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=0) as engine:
-        uncached = await engine.complete(PROMPT + " over the lazy dog", params)
+        uncached = await engine.complete(long + " over the lazy dog", params)
     assert first.result.cached_tokens == 0
     assert second.result.cached_tokens >= first.result.prompt_tokens - 1
-    assert stats.cached_prompt_tokens == second.result.cached_tokens
+    assert stats.cached_prompt_tokens == second.result.cached_tokens + again.result.cached_tokens
     assert uncached.result.cached_tokens == 0
-    assert uncached.token_ids == second.token_ids
+    # Served from a shared (not copied) entry, twice: the entry stays whole.
+    assert uncached.token_ids == second.token_ids == again.token_ids
+
+
+async def test_prompt_cache_skips_a_prefix_shorter_than_the_lanes_threshold(
+    tiny_model_path: Path,
+) -> None:
+    params = SamplingParams(max_tokens=6, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        # On the CPU any prefix is reused (a prefilled token costs compute there).
+        await engine.complete(PROMPT, params)
+        reused = await engine.complete(PROMPT + " over the lazy dog", params)
+        # The GPU's threshold: a short shared prefix is prefilled instead of fetched.
+        engine._loaded.lane.cache_min_prefix = 64
+        await engine.complete(PROMPT + " and", params)
+        skipped = await engine.complete(PROMPT + " and the quick dog", params)
+    assert reused.result.cached_tokens > 0
+    assert skipped.result.cached_tokens == 0
 
 
 async def test_prompt_cache_holds_no_more_memory_than_it_counts(tiny_model_path: Path) -> None:

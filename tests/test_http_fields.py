@@ -3,12 +3,13 @@ or refused with 400 ``unsupported_parameter``; never silently ignored if it coul
 
 The field lists come from the installed ``openai`` package's request types
 (``CompletionCreateParamsBase`` of both endpoints), so a field OpenAI adds
-fails the walk until it is classified here. Fields owned by the structured-output
-work (``response_format``, ``tool_choice``) are skipped with that reason.
+fails the walk until it is classified here. ``response_format`` and ``tool_choice``
+have their own tests too (tests/test_http_structured.py).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,6 @@ from trio_mlx_http._settings import Settings
 pytestmark = pytest.mark.model
 
 USER = [{"role": "user", "content": "Say something."}]
-#: Owned by the structured-output work (another branch): neither refused nor tested here.
-DEFERRED = {"response_format", "tool_choice"}
 #: Fields that cannot change the output: accepted, and the output is the same.
 HARMLESS = {
     "metadata": {"k": "v"},
@@ -251,8 +250,34 @@ def _refused(path: str, name: str, base: dict[str, Any]) -> Check:
     return check
 
 
+async def chat_response_format(walk: Walk) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    answer = await walk.chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        max_tokens=20,
+    )
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert set(json.loads(_content(answer))) == {"n"}
+
+
+async def chat_tool_choice(walk: Walk) -> None:
+    response = await walk.post(
+        "/v1/chat/completions", {"messages": USER, "tool_choice": "required"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tool_choice"
+    assert (await walk.chat(tool_choice="none"))["choices"][0]["message"].get("tool_calls") is None
+
+
 CHAT: dict[str, Check] = {
     "messages": chat_messages,
+    "response_format": chat_response_format,
+    "tool_choice": chat_tool_choice,
     "model": chat_model,
     "frequency_penalty": chat_frequency_penalty,
     "presence_penalty": chat_presence_penalty,
@@ -460,9 +485,9 @@ async def walk(tiny_model_path: Path) -> AsyncIterator[Walk]:
 async def test_every_openai_field_is_honoured_or_refused(
     walk: Walk, fields: set[str], checks: dict[str, Check], ours: frozenset[str]
 ) -> None:
-    unclassified = fields - set(checks) - DEFERRED
+    unclassified = fields - set(checks)
     assert not unclassified, f"OpenAI fields with no honoured/refused check: {unclassified}"
-    for name in sorted(fields - DEFERRED):
+    for name in sorted(fields):
         await checks[name](walk)
         # The server's own tables agree with what the walk saw.
         if name in REFUSED:
@@ -480,11 +505,6 @@ async def _serial_requests(walk: Walk) -> float:
         if line.startswith("trio_mlx_engine_requests_total{") and 'lane="serial"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-@pytest.mark.skip(reason="response_format and tool_choice are owned by structured output")
-def test_structured_output_fields() -> None:  # pragma: no cover - listed for the walk's record
-    raise AssertionError
 
 
 async def test_extension_fields_have_their_effect(walk: Walk) -> None:

@@ -8,7 +8,12 @@ Runs, side by side in one run, and writes ``bench/results/<machine>/``
 3. fairness: serial requests among batch rows, and the reverse;
 4. loop responsiveness: ``/health`` latency idle vs while rows decode;
 5. memory after many mixed requests;
-6. the prompt cache: TTFT with a shared long prefix vs a fresh one.
+6. the prompt cache: TTFT with a shared long prefix vs a fresh one;
+7. structured output: decode with every row constrained to a JSON schema vs
+   unconstrained, and schema compile times (``--only structured`` runs it alone).
+8. continuous traffic: closed-loop clients at many C and open-loop Poisson
+   arrivals through both servers, against bare loops whose rows arrive together
+   and staggered (:mod:`bench.suite.traffic`).
 
 A part of trio-mlx that is not there yet (the engine API, ``trio-mlx serve``) is
 reported as "not run: ..." and never replaced by made-up numbers. MLX work runs
@@ -40,6 +45,10 @@ _COMMON: dict[str, Any] = {
     "prompt_words": 24,
     "server_rounds": 2,
     "prompt_cache": {"prefix_words": 400, "trials": 2},
+    "structured_batches": [8, 32],
+    # More rounds than the overhead part: the best of each side counts, and a
+    # shared machine's load swings the rounds widely.
+    "structured_rounds": 5,
 }
 PROFILES: dict[str, dict[str, Any]] = {
     "quick": {
@@ -57,6 +66,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         "memory": {"requests": 200, "mark": 100, "concurrency": 8, "max_tokens": 24,
                    "max_prompt_words": 48, "serial_every": 5},
         "prompt_cache": {"prefix_words": 150, "trials": 2},
+        "traffic": {"concurrency": [1, 4, 16], "duration": 6.0, "warm": 1.5, "max_tokens": 64,
+                    "bare_seconds": 4.0, "bare_warm": 1.0, "fractions": [0.5, 0.8, 1.0],
+                    "open_duration": 6.0, "prompt_words_spread": [20, 400], "long_prompts": 2,
+                    "long_tokens": 1000},
     },
     "full": {
         **_COMMON,
@@ -88,8 +101,14 @@ PROFILES: dict[str, dict[str, Any]] = {
         "memory": {"requests": 1000, "mark": 100, "concurrency": 16, "max_tokens": 32,
                    "max_prompt_words": 256, "serial_every": 10},
         "prompt_cache": {"prefix_words": 3000, "trials": 2},
+        "traffic": {"concurrency": [1, 8, 32, 64, 128], "duration": 10.0, "warm": 2.0,
+                    "max_tokens": 128, "bare_seconds": 6.0, "bare_warm": 2.0,
+                    "fractions": [0.5, 0.8, 1.0], "open_duration": 15.0,
+                    "prompt_words_spread": [20, 2000], "long_prompts": 3, "long_tokens": 4000},
     },
 }  # fmt: skip
+PROFILES["full"]["traffic"] = {**PROFILES["quick"]["traffic"], "duration": 10.0,
+                               "open_duration": 10.0}  # fmt: skip
 #: HBM copy bandwidth of the H200 the B=1 bound divides by (bytes/s).
 H200_BANDWIDTH = 4.3e12
 
@@ -149,7 +168,7 @@ def run_job(
         if line.startswith("RESULT "):
             record = json.loads(line[7:])
             results.append(record)
-            if "batch" in record:
+            if "batch" in record and "bare" in record:
                 eng = record["engine"]
                 tail = f", engine {eng['decode_tok_s'] or eng['e2e_tok_s']:,.0f}" if eng else ""
                 bare = record["bare"]["decode_tok_s"] or record["bare"]["e2e_tok_s"]
@@ -177,7 +196,8 @@ def chat_prompt_len(model: Model, words: int) -> int:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(model.path)
-    text = " ".join(random.Random(0).choice(WORDS) for _ in range(words))
+    rng = random.Random(0)  # one generator: a fresh one per word repeated the first word
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
     messages = [{"role": "user", "content": text}]
     return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
@@ -241,6 +261,12 @@ class Suite:
                 self.write()
         if wanted("memory") and self.engine:
             self.memory(models[0])
+            self.write()
+        if wanted("structured") and self.engine:
+            self.structured(models[0])
+            self.write()
+        if wanted("traffic"):
+            self.traffic(models[0])
         self.write()
         log(f"wrote {self.out}/results.md")
 
@@ -373,6 +399,108 @@ class Suite:
         (record,) = run_job(_job("memory", model, **m), self.env, self.log, self.results["notes"])
         self.results["memory"] = {**record, "model": model.name, **m}
 
+    def traffic(self, model: Model) -> None:
+        """Part 8: continuous traffic (see :mod:`bench.suite.traffic`)."""
+        from bench.suite import traffic
+
+        p = {**self.profile,
+             "logit_bias": {str(k): -100 for k in EOS_IDS} if model.logit_bias else None}  # fmt: skip
+        t = dict(p["traffic"])
+        cs = t["concurrency"]
+        context = json.loads((model.path / "config.json").read_text())["max_position_embeddings"]
+        per_word = chat_prompt_len(model, 400) / 400
+        room = context - t["max_tokens"] - 64
+        t["long_words"] = int(min(t["long_tokens"], room) / per_word)
+        lo, hi = t["prompt_words_spread"]
+        t["prompt_words_spread"] = [lo, int(min(hi * per_word, room / 2) / per_word)]
+        p["traffic"] = t
+        p["prompt_words"] = 60
+        length = chat_prompt_len(model, p["prompt_words"])
+        data: dict[str, Any] = {"settings": t, "prompt_tokens": length, "servers": {}, "open": {}}
+        self.results["traffic"] = data
+        self.log(f"8. continuous traffic on {model.name}: bare closed loops, C = {cs}")
+        job = _job("closed", model, batches=cs, max_tokens=t["max_tokens"], prompt_len=length,
+                   seconds=t["bare_seconds"], warm_seconds=t["bare_warm"])  # fmt: skip
+        data["bare"] = traffic.bare(job, self.env, self.log)
+        self.write()
+        logs = self.out / "logs"
+        starters: dict[str, Any] = {
+            "mlx_lm.server": lambda: mlx_lm_server(
+                model.path, max_batch=max(cs), env=self.env, log_dir=logs
+            )
+        }
+        if self.server:
+            starters["trio-mlx"] = lambda: trio_mlx_server(
+                model.path, max_batch=max(cs), env=self.env, log_dir=logs
+            )
+        # trio-mlx first: its capacity sets the open-loop rates for both servers.
+        order = [n for n in ("trio-mlx", "mlx_lm.server") if n in starters]
+        capacity = None
+        for name in order:
+            self.log(f"starting {name} on {model.name}")
+            try:
+                with starters[name]() as server:
+                    self._warm(server, {**p, "concurrency": cs})
+                    rows = data["servers"].setdefault(name, [])
+                    for c in cs:
+                        row = traffic.closed(server, p, c)
+                        rows.append(row)
+                        bare = data["bare"].get(str(c), {})
+                        ratio = report._ratio(row["tok_s"], bare.get("together", {}).get("tok_s"))
+                        self.log(f"  {name} C={c}: {row['tok_s'] or 0:,.0f} tok/s (x{ratio} "
+                                 f"together), TTFT p50/p99 {report.ms(row['ttft_p50_s'])}/"
+                                 f"{report.ms(row['ttft_p99_s'])} ms, ITL p50/p99 "
+                                 f"{report.ms(row['itl_p50_s'])}/{report.ms(row['itl_p99_s'])} ms, "
+                                 f"GPU {report._num(row['gpu_busy_pct'])}%, worker "
+                                 f"{report._num(row.get('worker_busy'), 2)}")  # fmt: skip
+                        self.write()
+                    if capacity is None:
+                        # Capacity for the open loop's prompt mix: a closed loop at the
+                        # largest C with prompts drawn from the same spread.
+                        cap = traffic.closed(server, p, max(cs), mixed=True)
+                        data["capacity_run"] = cap
+                        capacity = cap["req_s"] or 1.0
+                        data["capacity_req_s"] = capacity
+                        self.log(f"  {name} capacity with the open loop's prompts: "
+                                 f"{capacity:.1f} req/s")  # fmt: skip
+                    opens = data["open"].setdefault(name, [])
+                    for k, fraction in enumerate(t["fractions"]):
+                        row = traffic.open_loop(server, p, capacity * fraction, seed=k)
+                        row["fraction"] = fraction
+                        opens.append(row)
+                        self.log(f"  {name} open loop {fraction:.0%} ({row['rate']:.1f} req/s): "
+                                 f"{row['tok_s'] or 0:,.0f} tok/s, TTFT p50/p99 "
+                                 f"{report.ms(row['ttft_p50_s'])}/{report.ms(row['ttft_p99_s'])} ms, "
+                                 f"ITL p50/p99 {report.ms(row['itl_p50_s'])}/"
+                                 f"{report.ms(row['itl_p99_s'])} ms, during long prompts p99 "
+                                 f"{report.ms(row['itl_during_long_p99_s'])} ms, failed "
+                                 f"{row['failed']}")  # fmt: skip
+                        self.write()
+            except Exception as exc:  # one server failing must not lose the others
+                self.not_run(f"traffic on {name}: {type(exc).__name__}: {exc}")
+
+    def structured(self, model: Model) -> None:
+        p = self.profile
+        self.log(f"7. structured output on {model.name}: B = {p['structured_batches']}")
+        job = _job("structured", model, batches=p["structured_batches"],
+                   rounds=p["structured_rounds"],
+                   max_tokens=p["overhead_max_tokens"], prompt_len=p["prompt_len"])  # fmt: skip
+        rows, compiles = [], None
+        for record in run_job(job, self.env, self.log, self.results["notes"]):
+            if record["job"] == "structured_compile":
+                compiles = record
+                continue
+            free, con = record["unconstrained"], record["constrained"]
+            ratio = (
+                con["decode_tok_s"] / free["decode_tok_s"]
+                if con["decode_tok_s"] and free["decode_tok_s"]
+                else None
+            )
+            rows.append({**record, "ratio": ratio})
+            self.log(f"  B={record['batch']}: unconstrained {free['decode_tok_s'] or 0:,.0f}, "
+                     f"constrained {con['decode_tok_s'] or 0:,.0f} tok/s")  # fmt: skip
+        self.results["structured"] = {"model": model.name, "rows": rows, "compile": compiles}
+
     def bound(self, model: Model) -> None:
         if self.args.profile != "gpu":
             return
@@ -403,7 +531,8 @@ def main() -> None:
     parser.add_argument("--machine", default=None, help="results go to bench/results/MACHINE/")
     parser.add_argument("--models", help="comma-separated: default, random-25m, llama-1b, tiny")
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
-                        "responsiveness, prompt_cache, memory")  # fmt: skip
+                        "responsiveness, prompt_cache, memory, structured, "
+                        "traffic")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/MACHINE/")
     parser.set_defaults(profile="full")
     args = parser.parse_args()

@@ -6,7 +6,12 @@ JSON line per job result. Jobs:
 * ``bare``: a bare mlx-lm ``BatchGenerator`` loop, B rows of the same prompts and
   ``max_tokens`` as the engine gets, greedy, no stop tokens;
 * ``engine``: ``engine.generate`` with B concurrent consumers in one Trio task each;
-* ``memory``: N mixed requests through the engine; RSS and MLX active/cache/peak memory.
+* ``memory``: N mixed requests through the engine; RSS and MLX active/cache/peak memory;
+* ``closed``: the bare references of the continuous-traffic part: a closed loop of B
+  rows, either all inserted (and finishing) together, or with staggered finishes and
+  each finished row replaced at once, as streaming clients do.
+* ``structured``: ``engine.generate`` at each B with every row constrained to a JSON
+  schema vs unconstrained, alternating; and the compile time of 20 schemas.
 
 Bare and engine runs alternate per B for ``rounds`` rounds and the best round of
 each counts: load on a shared machine only ever slows a round down.
@@ -83,18 +88,33 @@ def bare_run(
 
 
 async def engine_run(
-    engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int, logit_bias: Any
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    logit_bias: Any,
+    schemas: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """B concurrent ``engine.generate`` consumers of ``prompts``; same rates as the bare loop."""
+    """B concurrent ``engine.generate`` consumers of ``prompts``; same rates as the bare loop.
+
+    With ``schemas``, row i is constrained to ``schemas[i % len(schemas)]``.
+    """
     import trio
 
     from trio_mlx import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=logit_bias)
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            logit_bias=logit_bias,
+            json_schema=schemas[i % len(schemas)] if schemas else None,
+        )
+        for i in range(len(prompts))
+    ]
     rows: list[list[tuple[float, int]]] = [[] for _ in prompts]
 
     async def consume(i: int) -> None:
-        async with engine.generate(list(prompts[i]), params) as stream:
+        async with engine.generate(list(prompts[i]), params[i]) as stream:
             async for delta in stream:
                 if delta.token_ids:
                     rows[i].append((time.perf_counter(), len(delta.token_ids)))
@@ -215,6 +235,163 @@ def memory(job: dict[str, Any]) -> None:
     emit({"job": "memory", "snapshots": snapshots, "seconds": time.perf_counter() - start})
 
 
+def closed_loop(job: dict[str, Any]) -> None:
+    """Bare ``BatchGenerator`` closed loops of B rows: ``together`` and ``staggered``."""
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = mlx_lm.load(job["model"])
+    length, max_tokens = job["prompt_len"], job["max_tokens"]
+    pool = prompt_ids(tokenizer, 64, length, seed=7)
+    rng = random.Random(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [list(rng.choice(pool)) for _ in range(n)]
+
+    def run(b: int, staggered: bool, seconds: float) -> dict[str, Any]:
+        gen = BatchGenerator(model, completion_batch_size=b, prefill_batch_size=min(b, 16))
+        first = [max_tokens - (i * max_tokens) // b for i in range(b)] if staggered else None
+        gen.insert(prompts(b), max_tokens=first or [max_tokens] * b)
+        pending = 0
+        tokens = steps = 0
+        start = time.perf_counter()
+        try:
+            while True:
+                _, responses = gen.next()
+                now = time.perf_counter()
+                if now - start >= seconds:
+                    break
+                steps += 1
+                tokens += len(responses)
+                pending += sum(1 for r in responses if r.finish_reason)
+                if pending and (staggered or pending == b):
+                    gen.insert(prompts(pending), max_tokens=[max_tokens] * pending)
+                    pending = 0
+        finally:
+            gen.close()
+        wall = time.perf_counter() - start
+        return {"tok_s": tokens / wall, "steps": steps, "step_ms": 1000 * wall / max(steps, 1)}
+
+    # Every configuration once before anything is timed: on CUDA the first runs of a
+    # process compile kernels (a "together" run right after one warm-up read 59 tok/s).
+    for b in job["batches"]:
+        for kind in ("together", "staggered"):
+            run(b, kind == "staggered", job["warm_seconds"])
+    for b in job["batches"]:
+        out: dict[str, Any] = {"job": "closed", "batch": b}
+        for kind in ("together", "staggered"):
+            print(f"SAMPLE start {kind} {b}", flush=True)
+            out[kind] = run(b, kind == "staggered", job["seconds"])
+            print(f"SAMPLE stop {kind} {b}", flush=True)
+        emit(out)
+
+
+def engine_closed(job: dict[str, Any]) -> None:
+    """``engine.generate`` closed loops of C consumers (no HTTP), for each planner variant."""
+    from pathlib import Path
+
+    import attrs
+    import trio
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    import trio_mlx
+    from trio_mlx import SamplingParams
+
+    tokenizer = load_tokenizer(Path(job["model"]))
+    pool = prompt_ids(tokenizer, 64, job["prompt_len"], seed=7)
+    bias = {int(k): v for k, v in job["logit_bias"].items()} if job["logit_bias"] else None
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, logit_bias=bias)
+
+    async def main() -> None:
+        async with trio_mlx.open_engine(job["model"], max_batch=max(job["batches"])) as engine:
+            actor = engine._actor
+            for variant in job["variants"]:
+                # A variant sets planner knobs (actor: admit_*, lane: removal_*).
+                for key, value in variant.items():
+                    setattr(actor.lane if key.startswith("removal") else actor, key, value)
+                for b in job["batches"]:
+                    tokens = 0
+                    rng = random.Random(b)
+                    before = engine.statistics()
+                    start = time.perf_counter()
+                    t0, t1 = start + job["warm"], start + job["seconds"]
+
+                    async def consume(
+                        i: int, rng: random.Random = rng, t0: float = t0, t1: float = t1, b: int = b
+                    ) -> None:
+                        nonlocal tokens
+                        # Finishes staggered from the start, as streaming clients' are.
+                        first = params.max_tokens - (i * params.max_tokens) // b
+                        todo = attrs.evolve(params, max_tokens=first)
+                        while time.perf_counter() < t1:
+                            async with engine.generate(rng.choice(pool), todo) as stream:
+                                todo = params
+                                async for delta in stream:
+                                    if t0 <= time.perf_counter() < t1:
+                                        tokens += len(delta.token_ids)
+
+                    async with trio.open_nursery() as nursery:
+                        for i in range(b):
+                            nursery.start_soon(consume, i)
+                    wall = time.perf_counter() - start
+                    after = engine.statistics()
+                    emit({"job": "engine_closed", "batch": b, "variant": variant,
+                          "tok_s": tokens / (job["seconds"] - job["warm"]),
+                          "worker_busy": (after.worker_busy_seconds - before.worker_busy_seconds) / wall,
+                          "admissions": getattr(after, "admissions", 0) - getattr(before, "admissions", 0),
+                          "steps": after.steps - before.steps})  # fmt: skip
+
+    trio.run(main)
+
+
+def structured(job: dict[str, Any]) -> None:
+    """Constrained vs unconstrained decode at each B (alternating, best of rounds), then compiles."""
+    from pathlib import Path
+
+    import trio
+    from bench.suite.schemas import SCHEMAS, endless
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    import trio_mlx
+    from trio_mlx._structured import GrammarCompiler
+
+    tokenizer = load_tokenizer(Path(job["model"]))
+    bias = {int(k): v for k, v in job["logit_bias"].items()} if job["logit_bias"] else None
+    max_tokens, rounds = job["max_tokens"], job["rounds"]
+    prompts_for = {b: prompt_ids(tokenizer, b, job["prompt_len"], seed=b) for b in job["batches"]}
+    # Endless: no row can finish its value within max_tokens, so every row runs them all.
+    schemas = [endless(s) for s in SCHEMAS]
+
+    async def main() -> None:
+        async with trio_mlx.open_engine(job["model"], max_batch=max(job["batches"])) as engine:
+            for b in job["batches"]:
+                await engine_run(engine, prompts_for[b], 4, bias)
+                await engine_run(engine, prompts_for[b], 4, bias, schemas)
+            for b in job["batches"]:
+                free, constrained = [], []
+                for _ in range(rounds):
+                    free.append(await engine_run(engine, prompts_for[b], max_tokens, bias))
+                    constrained.append(
+                        await engine_run(engine, prompts_for[b], max_tokens, bias, schemas)
+                    )
+                emit({"job": "structured", "batch": b, "unconstrained": _best(free),
+                      "constrained": _best(constrained)})  # fmt: skip
+
+    trio.run(main)
+    config = json.loads((Path(job["model"]) / "config.json").read_text())
+    compiler = GrammarCompiler(tokenizer, config.get("vocab_size"))
+    start = time.perf_counter()
+    compiler.llg_tokenizer()
+    setup = time.perf_counter() - start
+    times = []
+    for schema in SCHEMAS:
+        start = time.perf_counter()
+        compiler.compile(trio_mlx.SamplingParams(json_schema=schema))
+        times.append(time.perf_counter() - start)
+    emit({"job": "structured_compile", "tokenizer_s": setup, "compile_s": times,
+          "vocab": config.get("vocab_size")})  # fmt: skip
+
+
 def emit(record: dict[str, Any]) -> None:
     """Print one result line for the parent process."""
     print("RESULT " + json.dumps(record), flush=True)
@@ -223,7 +400,9 @@ def emit(record: dict[str, Any]) -> None:
 def main(argv: Sequence[str]) -> None:
     """Run the job given as a JSON argument."""
     job = json.loads(argv[0])
-    {"overhead": overhead, "memory": memory}[job["kind"]](job)
+    kinds = {"overhead": overhead, "memory": memory, "structured": structured,
+             "closed": closed_loop, "engine_closed": engine_closed}  # fmt: skip
+    kinds[job["kind"]](job)
 
 
 if __name__ == "__main__":

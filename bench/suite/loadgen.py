@@ -11,7 +11,12 @@ A spec's ``mode``:
   request when the last one ends, ``requests`` times or until ``duration`` s;
 * ``periodic``: one request every ``interval`` s (not waiting for the last one)
   until ``duration`` s;
-* ``probe``: ``GET path`` every ``interval`` s until ``duration`` s.
+* ``probe``: ``GET path`` every ``interval`` s until ``duration`` s;
+* ``schedule``: open loop, request ``i`` sent at ``schedule[i][0]`` s with
+  ``schedule[i][1]`` prompt words and ``schedule[i][2]`` max_tokens.
+
+With ``record_times`` each record also lists its content chunks' arrival times
+(for inter-token latency).
 
 Times are ``time.monotonic()``, which is one clock for every process of a machine.
 """
@@ -19,6 +24,7 @@ Times are ``time.monotonic()``, which is one clock for every process of a machin
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import resource
@@ -66,7 +72,11 @@ WORDS = (
 def chat_body(spec: dict[str, Any], rng: random.Random, seed: int | None) -> dict[str, Any]:
     """A streaming chat request as the spec describes; a fresh random prompt each time."""
     prefix = spec.get("prefix", "")
-    words = " ".join(rng.choice(WORDS) for _ in range(spec.get("prompt_words", 24)))
+    count = spec.get("prompt_words", 24)
+    if spec.get("prompt_words_spread"):  # log-uniform between the two bounds
+        lo, hi = spec["prompt_words_spread"]
+        count = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+    words = " ".join(rng.choice(WORDS) for _ in range(count))
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": prefix + words}],
         "max_tokens": spec["max_tokens"],
@@ -104,11 +114,15 @@ async def _sse_lines(response: Any) -> Any:
 ATTEMPTS = 5
 
 
-async def _chat(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+async def _chat(client: Any, url: str, body: dict[str, Any], times: bool = False) -> dict[str, Any]:
     record: dict[str, Any] = {"start": time.monotonic(), "first": None, "tokens": None}
+    if times:
+        record["times"] = []
     record["retries"] = 0
     for attempt in range(ATTEMPTS):
         record.pop("error", None)
+        if times:
+            record["times"] = []
         try:
             await _stream_chat(client, url, body, record)
             break
@@ -145,6 +159,8 @@ async def _stream_chat(client: Any, url: str, body: dict[str, Any], record: dict
             for choice in data.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
                     record["chunks"] += 1
+                    if "times" in record:
+                        record["times"].append(round(time.monotonic(), 5))
                     if record["first"] is None:
                         record["first"] = time.monotonic()
 
@@ -162,7 +178,8 @@ async def _closed(client: Any, spec: dict[str, Any], t0: float) -> list[dict[str
             deadline is None or time.monotonic() < deadline
         ):
             seed = n if spec.get("with_seed") else None
-            record = await _chat(client, spec["url"], chat_body(spec, rng, seed))
+            body = chat_body(spec, rng, seed)
+            record = await _chat(client, spec["url"], body, bool(spec.get("record_times")))
             record["stream"] = index
             records.append(record)
             n += 1
@@ -193,6 +210,23 @@ async def _periodic(client: Any, spec: dict[str, Any], t0: float) -> list[dict[s
     return records
 
 
+async def _schedule(client: Any, spec: dict[str, Any], t0: float) -> list[dict[str, Any]]:
+    import asyncio
+
+    records: list[dict[str, Any]] = []
+    rng = random.Random(spec.get("seed", 0))
+
+    async def one(index: int, at: float, words: int, max_tokens: int) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        body = chat_body({**spec, "prompt_words": words, "max_tokens": max_tokens}, rng, None)
+        record = await _chat(client, spec["url"], body, bool(spec.get("record_times")))
+        record.update(index=index, words=words, max_tokens=max_tokens)
+        records.append(record)
+
+    await asyncio.gather(*(one(i, *item) for i, item in enumerate(spec["schedule"])))
+    return records
+
+
 async def _probe(client: Any, spec: dict[str, Any], t0: float) -> list[dict[str, Any]]:
     import asyncio
 
@@ -219,7 +253,8 @@ def client_main(spec: dict[str, Any]) -> None:
     started: list[Any] = []
 
     async def run() -> list[dict[str, Any]]:
-        limits = httpx.Limits(max_connections=spec.get("streams", 1) + 64)
+        streams = spec.get("streams") or len(spec.get("schedule", ())) or 1
+        limits = httpx.Limits(max_connections=streams + 64)
         timeout = httpx.Timeout(spec.get("timeout", 600.0))
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             await client.get(spec["url"] + "/health")
@@ -227,7 +262,13 @@ def client_main(spec: dict[str, Any]) -> None:
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
             t0 = time.monotonic()
             started.extend([t0, resource.getrusage(resource.RUSAGE_SELF)])
-            mode = {"closed": _closed, "periodic": _periodic, "probe": _probe}[spec["mode"]]
+            modes = {
+                "closed": _closed,
+                "periodic": _periodic,
+                "probe": _probe,
+                "schedule": _schedule,
+            }
+            mode = modes[spec["mode"]]
             return await mode(client, spec, t0)
 
     records = asyncio.run(run())

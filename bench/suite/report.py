@@ -22,6 +22,8 @@ def _ratio(a: Any, b: Any) -> str:
 
 
 def _overhead_md(results: dict[str, Any]) -> list[str]:
+    if not results.get("overhead"):
+        return []  # not run (e.g. --only structured)
     lines = ["## 1. Engine overhead: `engine.generate` vs a bare `BatchGenerator` loop", ""]
     lines += [
         "Decode tokens/s in the steady state (every row decoding), best of the rounds; "
@@ -42,6 +44,8 @@ def _overhead_md(results: dict[str, Any]) -> list[str]:
 
 
 def _server_md(results: dict[str, Any]) -> list[str]:
+    if not results.get("server"):
+        return []
     lines = ["## 2. Servers vs bare: closed-loop streaming chat", ""]
     lines += [
         "Aggregate output tokens/s of C streaming clients (in separate processes), "
@@ -198,6 +202,109 @@ def _cache_md(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _traffic_md(results: dict[str, Any]) -> list[str]:
+    data = results.get("traffic")
+    if not data:
+        return []
+    t = data["settings"]
+    lines = ["## 8. Continuous traffic: streams that come and go", ""]
+    lines += [
+        f"Closed loop: C streaming clients, {data['prompt_tokens']}-token chat prompts, "
+        f"{t['max_tokens']} tokens each, {t['duration']:.0f} s per C (the first {t['warm']:.0f} s "
+        "not timed). Bare references in the same run: a `BatchGenerator` loop of C rows inserted "
+        "and finishing together (`together`), and one whose rows finish staggered and are "
+        "replaced at once (`staggered`). ITL: gap between a stream's content chunks per token. "
+        "GPU: `nvidia-smi` utilization, mean of 100 ms samples; worker: the MLX thread's busy "
+        "fraction (trio-mlx's `/metrics`); rows/admission: rows admitted per prefill call.",
+        "",
+        "| C | bare together | bare staggered | server | tok/s | x together | x staggered | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | GPU busy % | worker busy | rows/admission | failed | exact |",
+        "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    bare = data.get("bare", {})
+    for name, rows in data.get("servers", {}).items():
+        for row in rows:
+            b = bare.get(str(row["concurrency"]), {})
+            tog, stag = b.get("together", {}), b.get("staggered", {})
+            adm = row.get("admissions")
+            per = (row["requests"] / adm) if adm else None
+            lines.append(
+                f"| {row['concurrency']} | {_num(tog.get('tok_s'))} (GPU {_num(tog.get('gpu_busy_pct'))}%) | "
+                f"{_num(stag.get('tok_s'))} (GPU {_num(stag.get('gpu_busy_pct'))}%) | {name} | "
+                f"{_num(row['tok_s'])} | {_ratio(row['tok_s'], tog.get('tok_s'))} | "
+                f"{_ratio(row['tok_s'], stag.get('tok_s'))} | {ms(row['ttft_p50_s'])} | "
+                f"{ms(row['ttft_p99_s'])} | {ms(row['itl_p50_s'])} | {ms(row['itl_p99_s'])} | "
+                f"{_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
+                f"{_num(per, 1)} | {row['failed']} | {row.get('exact_tokens')} |"
+            )
+    servers = data.get("servers", {})
+    if "trio-mlx" in servers and "mlx_lm.server" in servers:
+        pairs = zip(servers["trio-mlx"], servers["mlx_lm.server"], strict=False)
+        vs = ", ".join(f"C={a['concurrency']}: {_ratio(a['tok_s'], b['tok_s'])}" for a, b in pairs)
+        lines += ["", f"trio-mlx / mlx_lm.server tok/s: {vs}"]
+    if data.get("open"):
+        lines += [
+            "",
+            f"Open loop: Poisson arrivals for {t['open_duration']:.0f} s at fractions of trio-mlx's "
+            f"capacity ({_num(data.get('capacity_req_s'), 1)} req/s: a closed loop at the largest C with the same prompt mix), prompts of "
+            f"{t['prompt_words_spread'][0]}-{t['prompt_words_spread'][1]} words (log-uniform) plus "
+            f"{t['long_prompts']} of {t['long_words']} words; `ITL during long`: the other streams' "
+            "gaps while a long prompt waited for its first token.",
+            "",
+            "| server | load | req/s | arrivals | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ITL during long p50 | p99 | long TTFT | GPU busy % | worker busy | failed |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        ]
+        for name, rows in data["open"].items():
+            for row in rows:
+                longs = ", ".join(ms(x) for x in row.get("long_ttft_s", []))
+                lines.append(
+                    f"| {name} | {row['fraction']:.0%} | {row['rate']:.1f} | {row['arrivals']} | "
+                    f"{_num(row['tok_s'])} | {ms(row['ttft_p50_s'])} | {ms(row['ttft_p99_s'])} | "
+                    f"{ms(row['itl_p50_s'])} | {ms(row['itl_p99_s'])} | "
+                    f"{ms(row['itl_during_long_p50_s'])} | {ms(row['itl_during_long_p99_s'])} | "
+                    f"{longs} | {_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
+                    f"{row['failed']} |"
+                )
+    return [*lines, ""]
+
+
+def _structured_md(results: dict[str, Any]) -> list[str]:
+    data = results.get("structured")
+    if not data:
+        return []
+    lines = [f"## 7. Structured output on `{data['model']}`", ""]
+    lines += [
+        "Decode tokens/s with every row constrained to a JSON schema (one of 20, each "
+        "wrapped so no row can finish within max_tokens) vs the same rows unconstrained, "
+        "alternating, best of the rounds; goal: constrained/unconstrained >= 0.8.",
+        "",
+        "| B | unconstrained tok/s | constrained tok/s | constrained/unconstrained | rounds (free; constrained) |",
+        "| ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in data["rows"]:
+        free, con = row["unconstrained"], row["constrained"]
+        rounds = (
+            ", ".join(_num(r) for r in free["rounds"])
+            + "; "
+            + ", ".join(_num(r) for r in con["rounds"])
+        )
+        lines.append(
+            f"| {row['batch']} | {_num(free['decode_tok_s'])} | {_num(con['decode_tok_s'])} | "
+            f"{_ratio(con['decode_tok_s'], free['decode_tok_s'])} | {rounds} |"
+        )
+    compiles = data.get("compile")
+    if compiles:
+        times = sorted(compiles["compile_s"])
+        p50 = times[len(times) // 2]
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+        lines += [
+            "",
+            f"Schema compile (llguidance, vocab {compiles['vocab']}): p50 {p50 * 1e3:.1f} ms, "
+            f"p99 {p99 * 1e3:.1f} ms over {len(times)} schemas; the tokenizer view is built "
+            f"once per engine in {compiles['tokenizer_s'] * 1e3:.0f} ms.",
+        ]
+    return [*lines, ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown tables, one section per benchmark."""
     env = results["env"]
@@ -229,6 +336,8 @@ def markdown(results: dict[str, Any]) -> str:
         _responsiveness_md,
         _memory_md,
         _cache_md,
+        _structured_md,
+        _traffic_md,
     ):
         lines += section(results)
     if results.get("notes"):

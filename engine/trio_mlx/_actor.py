@@ -193,6 +193,8 @@ class EngineStatistics:
     arbiter: ArbiterStatistics
     #: Processes the model is sharded over (1: one process; see distributed mode).
     ranks: int = 1
+    #: Step calls that inserted new rows (grouped admission: fewer than rows admitted).
+    admissions: int = 0
 
 
 @attrs.define(eq=False)
@@ -237,6 +239,23 @@ class Actor:
     burst_seconds: float = 0.02
     #: Set by the doorbell, read by the MLX thread: a burst stops at the next step boundary.
     _news: threading.Event = attrs.field(init=False, factory=threading.Event)
+    #: Grouped admission (see _admit_now): rows admitted while others decode
+    #: wait for up to ``admit_group`` of them (at most a quarter of the decoding
+    #: rows), but never more than ``admit_wait_steps`` decode steps or
+    #: ``admit_wait_seconds`` (plus the burst in flight, <= 20 ms) after the
+    #: first arrived: the most grouping adds to a row's time to first token.
+    admit_group: int = 16
+    #: The group is at most 1/admit_fraction of the decoding rows.
+    admit_fraction: int = 4
+    admit_wait_steps: int = 32
+    admit_wait_seconds: float = 0.25
+    #: Rows decoding in the lane after the last step (from the lane's result).
+    _lane_live: int = attrs.field(init=False, default=0)
+    #: When the oldest held insert was queued, and decode steps run since.
+    _held_since: float | None = attrs.field(init=False, default=None)
+    _held_steps: int = attrs.field(init=False, default=0)
+    #: Step calls that inserted new rows (admitted rows / this = the mean group).
+    _admissions: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self._arbiter = Arbiter(self.policy, now=trio.current_time())
@@ -363,6 +382,7 @@ class Actor:
             steps=arb.steps,
             arbiter=arb,
             ranks=self.ranks,
+            admissions=self._admissions,
         )
 
     async def wait_idle(self) -> None:
@@ -469,6 +489,7 @@ class Actor:
         with contextlib.suppress(Exception):
             # Best effort: failing here only keeps the rows' caches a while longer.
             self._batch_rows = await self.worker.run(partial(self.lane.discard, removes))
+        self._lane_live = 0  # unknown until the next step: admit at once meanwhile
 
     def _queue_rows(self, ids: tuple[int, ...]) -> None:
         """Admitted or resumed rows join the next step: new ones inserted, parked ones resumed."""
@@ -479,12 +500,43 @@ class Actor:
                 self._resumes.append(row_id)
             else:
                 assert request.spec is not None
+                if not self._inserts:
+                    self._held_since, self._held_steps = trio.current_time(), 0
                 self._inserts.append(request.spec)
+
+    def _admit_now(self) -> bool:
+        """Whether the queued inserts go into this step, or wait to be prefilled as a group.
+
+        Prefill is a synchronous pass on the MLX thread: admitting arrivals one
+        or two at a time while 64 rows decode cost the bare loop 76% of its
+        throughput on the H200, grouping 16 cost 22% (shared/measured). So
+        while rows decode, arrivals are collected until there are
+        ``admit_group`` of them (no more than mlx-lm prefills in one pass, nor
+        a quarter of the decoding rows), or the first has waited ``admit_wait_steps`` decode
+        steps or ``admit_wait_seconds``. An idle lane admits at once.
+        """
+        pending = len(self._inserts)
+        if not pending or self._resumes or not self._lane_live:
+            return True
+        if self._arbiter.state is not State.ADMITTING or self._arbiter.jobs_waiting:
+            return True  # a drain waits for these rows: never hold them then
+        group = min(self.admit_group, self.lane.prefill_batch_size)
+        target = min(group, max(1, self._lane_live // self.admit_fraction))
+        if pending >= target:
+            return True
+        if self._held_steps >= self.admit_wait_steps:
+            return True
+        since = self._held_since
+        return since is None or trio.current_time() - since >= self.admit_wait_seconds
 
     def _submit_step(self) -> None:
         """Send one decode step, with the rows to remove, insert and resume, to the worker."""
-        inserts, resumes, removes = self._inserts, self._resumes, self._removes
-        self._inserts, self._resumes, self._removes = [], [], []
+        inserts: list[RowSpec] = []
+        if self._admit_now():
+            inserts, self._inserts, self._held_since = self._inserts, [], None
+            self._admissions += bool(inserts)
+        resumes, removes = self._resumes, self._removes
+        self._resumes, self._removes = [], []
         for spec in inserts:
             self._requests[spec.id].inserted = True
         steps = 1
@@ -540,10 +592,13 @@ class Actor:
                 if r.lane == "batch" and r.phase is Phase.RUNNING
             ]
             self._removes.extend(event.id for event in events)
+            self._lane_live = 0
         else:
             step = result.unwrap()
             events = step.events
             self._batch_rows = step.rows
+            self._lane_live = step.decoding
+            self._held_steps += step.steps
             for row_id, cached in step.cached.items():
                 request = self._requests.get(row_id)
                 if request is not None:
@@ -619,6 +674,7 @@ class Actor:
         # ``ids`` were marked parked when the decision was made (_decide); a row
         # cancelled since is parked anyway and then discarded with _removes.
         in_lane, self._parking = self._parking, []
+        self._lane_live = 0  # unknown until the next step: admit at once meanwhile
         if in_lane:
             try:
                 await self.worker.run(partial(self.lane.park, in_lane))

@@ -8,6 +8,19 @@ resumed ones, runs one ``BatchGenerator.next()`` (or a short burst of them,
 see :meth:`BatchLane.step`) and returns every row's
 :class:`~trio_mlx._output.RowEvent` at once.
 
+Rows are finished by the lane, not by mlx-lm (``RowOutput`` applies
+``max_tokens``, EOS and stop strings; mlx-lm gets no stop tokens and an
+unreachable ``max_tokens``), so a finished or cancelled row stops producing
+output at once while its KV slot is freed later, in bulk: *deferred removal*.
+A dead row stays in the batch (decoding tokens nobody reads) until one
+``BatchGenerator.remove`` takes every dead row out at once: when the step
+call admits or resumes rows (the batch's KV is rebuilt then anyway), when
+dead rows reach ``removal_fraction`` of the live ones, when the oldest has
+been dead ``removal_delay`` decode steps (the bound on how long a cancelled
+row holds its slot), or when no live row is left. Every trigger is computed
+from the commands and the tokens, never from a clock, so every rank of
+distributed mode removes the same rows at the same step.
+
 Parking (preemption) takes a row's KV cache out with
 ``remove(..., return_prompt_caches=True)``. Decode is pipelined, so that
 cache already holds the last emitted token: it is trimmed by one and the row
@@ -37,6 +50,7 @@ __all__ = [
     "eos_processors",
     "make_processors",
     "make_row_sampler",
+    "row_processors",
 ]
 
 
@@ -47,6 +61,8 @@ class RowSpec:
     id: int
     prompt: tuple[int, ...]
     params: SamplingParams
+    #: The compiled :class:`~trio_mlx._structured.Constraint` of a constrained request.
+    constraint: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -60,6 +76,10 @@ class StepResult:
     rows: int = 0
     #: Decode steps run (0 when no row was in the batch, more in a burst).
     steps: int = 0
+    #: Live rows in the batch after the step (decoding or prefilling; not parked, not dead).
+    decoding: int = 0
+    #: Dead rows (finished or cancelled) still holding a KV slot after the step.
+    dead: int = 0
 
 
 def make_row_sampler(params: SamplingParams, tokenizer: Any) -> Callable[[Any], Any] | None:
@@ -132,6 +152,17 @@ def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
     )
 
 
+def row_processors(spec: RowSpec, eos_ids: Sequence[int]) -> list[Callable[[Any, Any], Any]]:
+    """Every logits processor of a row: ``eos_processors``, ``make_processors`` and,
+    last, its grammar mask.
+
+    The grammar (structured output) comes last so no bias or penalty can bring
+    back a token it forbids.
+    """
+    grammar = [spec.constraint.processor()] if spec.constraint is not None else []
+    return [*eos_processors(spec.params, eos_ids), *make_processors(spec.params), *grammar]
+
+
 @attrs.define(eq=False)
 class _Row:
     spec: RowSpec
@@ -143,6 +174,21 @@ class _Row:
     #: (cache, tokens in it) while parked; None when parked before its first token.
     parked: tuple[list[Any], list[int]] | None = None
     error: BaseException | None = None
+
+
+#: mlx-lm's ``max_tokens`` for every row: the lane finishes rows itself (``RowOutput``).
+_UNBOUNDED = 1 << 40
+
+
+@attrs.define(eq=False)
+class _Dead:
+    """A finished or cancelled row whose KV slot is still in the batch."""
+
+    row_id: int
+    #: Keep its KV cache for the prompt cache when it is removed.
+    store: bool
+    #: Decode steps since it died (tokens its cache holds past its last real one).
+    age: int = 0
 
 
 def _guard(row: _Row, processor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -170,23 +216,25 @@ class BatchLane:
     prompt_cache: PromptCache | None = None
     cache_key: Hashable = "base"
     prefill_step_size: int = 2048
-    prefill_batch_size: int = 8
+    prefill_batch_size: int = 16
+    #: Shortest cached prefix worth taking from the prompt cache (tokens): a
+    #: shorter one (a chat template's shared header) is prefilled instead.
+    cache_min_prefix: int = 64
+    #: Most decode steps a dead row keeps its KV slot (see the module's notes).
+    removal_delay: int = 16
+    #: Remove dead rows once there are at least live / removal_fraction of them (0: never by count).
+    removal_fraction: int = 8
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
     _generator: Any = attrs.field(init=False, default=None)
     _rows: dict[int, _Row] = attrs.field(init=False, factory=dict)
     _by_uid: dict[int, int] = attrs.field(init=False, factory=dict)
-    _eos: Any = attrs.field(init=False, default=None)
-    #: For rows that ignore EOS (``ignore_eos``): nothing ends them but max_tokens.
-    _no_stop: Any = attrs.field(init=False, default=None)
+    #: Dead rows by generator uid (see deferred removal in the module's notes).
+    _dead: dict[int, _Dead] = attrs.field(init=False, factory=dict)
     _eos_ids: frozenset[int] = attrs.field(init=False, factory=frozenset)
 
     def __attrs_post_init__(self) -> None:
-        from mlx_lm.generate import StopSequences
-
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
-        self._eos = StopSequences([(t,) for t in sorted(self._eos_ids)])
-        self._no_stop = StopSequences([])
         self._generator = self._new_generator()
 
     def _new_generator(self) -> Any:
@@ -201,8 +249,18 @@ class BatchLane:
 
     @property
     def rows(self) -> int:
-        """Rows in the lane, parked ones included."""
+        """Rows in the lane, parked ones included (dead ones not)."""
         return len(self._rows)
+
+    @property
+    def dead_rows(self) -> int:
+        """Finished or cancelled rows whose KV slots the batch still holds."""
+        return len(self._dead)
+
+    def _result(self, events: list[RowEvent], cached: dict[int, int], steps: int) -> StepResult:
+        return StepResult(
+            events, cached, len(self._rows), steps, len(self._by_uid), len(self._dead)
+        )
 
     def step(
         self,
@@ -224,7 +282,9 @@ class BatchLane:
         """
         events: list[RowEvent] = []
         cached: dict[int, int] = {}
-        self._remove(removes)
+        self._kill(removes, store=False)
+        if self._dead and (inserts or resumes or self._compaction_due()):
+            self._compact()
         for spec in inserts:
             try:
                 cached[spec.id] = self._insert(spec)
@@ -241,7 +301,7 @@ class BatchLane:
         if self._by_uid:
             burst, decoded = self._burst(steps, seconds, interrupt)
             events.extend(burst)
-        return StepResult(events, cached, len(self._rows), decoded)
+        return self._result(events, cached, decoded)
 
     def _burst(
         self, steps: int, seconds: float, interrupt: Callable[[], bool] | None
@@ -252,6 +312,10 @@ class BatchLane:
         while True:
             step = self._decode()
             decoded += 1
+            for dead in self._dead.values():
+                dead.age += 1
+            if self._dead and self._compaction_due():
+                self._compact()
             # News for the arbiter (a row ended) or the consumer (a first token).
             news = False
             for event in step:
@@ -267,24 +331,65 @@ class BatchLane:
             ):
                 return [merge_events(evs) for evs in by_row.values()], decoded
 
+    def _compaction_due(self) -> bool:
+        """Whether the dead rows should leave the batch now (see the module's notes)."""
+        live = len(self._by_uid)
+        return (
+            not live
+            or len(self._dead) * self.removal_fraction >= live
+            or max(d.age for d in self._dead.values()) >= self.removal_delay
+        )
+
+    def _compact(self) -> None:
+        """Take every dead row out of the batch in one ``remove``; keep finished rows' caches."""
+        dead, self._dead = self._dead, {}
+        if not dead:
+            return
+        keep = [uid for uid, d in dead.items() if d.store]
+        entries = []
+        if keep and self.prompt_cache is not None:
+            from mlx_lm.models.cache import trim_prompt_cache
+
+            for uid, (cache, tokens) in self._generator.extract_cache(keep).items():
+                # Tokens decoded after the row died are no one's: trim them off.
+                age = dead[uid].age
+                if age:
+                    trim_prompt_cache(cache, age)
+                    tokens = tokens[:-age]
+                entries.append((list(tokens), cache))
+        self._generator.remove(list(dead))
+        if entries and self.prompt_cache is not None:
+            self.prompt_cache.store_many(self.cache_key, entries)
+
+    def _kill(self, ids: Sequence[int], *, store: bool) -> None:
+        """Rows stop at once (no more events); their KV slots go with the next compaction."""
+        for row_id in ids:
+            row = self._rows.pop(row_id, None)
+            if row is not None and row.uid is not None:
+                self._by_uid.pop(row.uid, None)
+                self._dead[row.uid] = _Dead(row_id, store and self.prompt_cache is not None)
+
     def close(self) -> None:
         """Drop every row and release the generator (on the MLX thread, at shutdown)."""
         self._rows.clear()
         self._by_uid.clear()
+        self._dead.clear()
         self._generator.close()
         self._generator = self._new_generator()
         if self.prompt_cache is not None:
             self.prompt_cache.clear()
 
     def discard(self, ids: Sequence[int]) -> int:
-        """Remove rows without decoding; returns the rows left."""
-        self._remove(ids)
+        """Remove rows (and every dead one) without decoding; returns the rows left."""
+        self._kill(ids, store=False)
+        self._compact()
         return len(self._rows)
 
     def park(self, ids: Sequence[int]) -> None:
         """Take rows out of the batch, keeping their KV caches to resume later."""
         import mlx.core as mx
 
+        self._compact()
         rows = [self._rows[i] for i in ids if i in self._rows]
         uids = [row.uid for row in rows if row.uid is not None]
         caches = self._generator.remove(uids, return_prompt_caches=True) if uids else {}
@@ -321,9 +426,7 @@ class BatchLane:
             make_row_sampler(spec.params, self.tokenizer),
             [],
         )
-        processors = eos_processors(spec.params, sorted(self._eos_ids))
-        processors += make_processors(spec.params)
-        row.processors = [_guard(row, p) for p in processors]
+        row.processors = [_guard(row, p) for p in row_processors(spec, sorted(self._eos_ids))]
         self._rows[spec.id] = row
         return self._start(row)
 
@@ -332,16 +435,17 @@ class BatchLane:
         prompt = list(row.spec.prompt)
         cache, rest = None, prompt
         if self.prompt_cache is not None:
-            cache, rest = self.prompt_cache.fetch(self.cache_key, prompt)
+            cache, rest = self.prompt_cache.fetch(
+                self.cache_key, prompt, min_prefix=self.cache_min_prefix, share=True
+            )
         done = len(prompt) - len(rest)
         (uid,) = self._generator.insert(
             [rest],
-            max_tokens=[row.spec.params.max_tokens - row.output.generated],
+            max_tokens=[_UNBOUNDED],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:done]],
             samplers=[row.sampler],
             logits_processors=[row.processors],
-            stop_sequences=[self._no_stop if row.spec.params.ignore_eos else self._eos],
         )
         row.uid = uid
         self._by_uid[uid] = row.spec.id
@@ -356,23 +460,14 @@ class BatchLane:
         row.parked = None
         (uid,) = self._generator.insert(
             [[row.last_token]],
-            max_tokens=[row.spec.params.max_tokens - row.output.generated],
+            max_tokens=[_UNBOUNDED],
             caches=[cache],
             all_tokens=[tokens[:-1]],
             samplers=[row.sampler],
             logits_processors=[row.processors],
-            stop_sequences=[self._no_stop if row.spec.params.ignore_eos else self._eos],
         )
         row.uid = uid
         self._by_uid[uid] = row_id
-
-    def _remove(self, ids: Sequence[int]) -> None:
-        uids = [self._rows[i].uid for i in ids if i in self._rows]
-        present = [uid for uid in uids if uid is not None]
-        if present:
-            self._generator.remove(present)
-        for row_id in ids:
-            self._drop(row_id)
 
     def _drop(self, row_id: int) -> None:
         row = self._rows.pop(row_id, None)
@@ -386,44 +481,32 @@ class BatchLane:
         except Exception as exc:
             # The generator's state is unknown now: start a fresh one.
             events = self.fail_all(exc)
+            self._dead.clear()
             self._generator = self._new_generator()
             return events
         self.generator_seconds += time.perf_counter() - start
         events = []
         finished: list[int] = []
-        done: list[Any] = []  # responses of rows the generator finished: their caches to keep
+        failed: list[int] = []
         for response in responses:
             row_id = self._by_uid.get(response.uid)
             if row_id is None:
-                continue
+                continue  # a dead row
             row = self._rows[row_id]
             if row.error is not None:
                 events.append(RowEvent(row_id, error=row.error, generated=row.output.generated))
-                finished.append(row_id)
+                failed.append(row_id)
                 continue
             row.last_token = response.token
-            event = row.output.push(response.token, response.logprobs, response.finish_reason)
+            event = row.output.push(response.token, response.logprobs, None)
             events.append(event)
-            if event.finish_reason is None:
-                continue
-            if response.finish_reason is not None:
-                done.append(response)
-                self._by_uid.pop(response.uid, None)
-                self._rows.pop(row_id, None)
-            else:
+            if event.finish_reason is not None:
                 finished.append(row_id)
         # A failed processor may belong to a row that got no response this step.
-        finished.extend(
-            i for i, r in self._rows.items() if r.error is not None and i not in finished
-        )
-        for row_id in finished:
-            row = self._rows[row_id]
-            if row.error is not None and not any(e.id == row_id for e in events):
+        for row_id, row in self._rows.items():
+            if row.error is not None and row_id not in failed:
                 events.append(RowEvent(row_id, error=row.error))
-        self._remove(finished)
-        if done and self.prompt_cache is not None:
-            self.prompt_cache.store_many(
-                self.cache_key,
-                [(r.all_tokens, r.prompt_cache) for r in done if r.prompt_cache is not None],
-            )
+                failed.append(row_id)
+        self._kill(finished, store=True)
+        self._kill(failed, store=False)
         return events

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -20,12 +21,13 @@ from trio_mlx._actor import Actor, EngineStatistics, Phase, Request, failure
 from trio_mlx._adapters import AdapterRegistry
 from trio_mlx._arbiter import ArbiterPolicy
 from trio_mlx._batch import BatchLane, RowSpec
-from trio_mlx._errors import EngineClosed, InvalidRequest, NotFound
+from trio_mlx._errors import EngineClosed, InvalidGrammar, InvalidRequest, NotFound
 from trio_mlx._gate import choose_lane
 from trio_mlx._output import RowEvent
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
 from trio_mlx._prompt_cache import PromptCache
 from trio_mlx._serial import run_serial
+from trio_mlx._structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
 from trio_mlx._worker import Worker
 
 __all__ = ["Engine", "GenerationStream", "open_engine"]
@@ -92,6 +94,11 @@ class _Loaded:
     group: Any = None
     #: Rank 0's end of the distributed command stream (None: one process, or a follower).
     leader: _distributed.Leader | None = None
+    #: The step planner's grouping (admission in groups, removal in bulk, prompt-cache
+    #: entries only for long prefixes): on a GPU the host-side cost of each admission,
+    #: removal and fetch dominates and grouping pays; on the CPU the compute dominates,
+    #: and a held arrival, a dead row or a prefilled token only wastes it.
+    grouping: bool = True
 
 
 def _resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -126,7 +133,7 @@ class _LoadSettings:
     max_batch: int = 1
     prompt_cache_bytes: int = 0
     prefill_step_size: int = 2048
-    prefill_batch_size: int = 8
+    prefill_batch_size: int = 16
     parallel: str = "auto"
 
 
@@ -196,7 +203,13 @@ def _load(
     if channel is not None and channel.rank == 0:  # distributed: the lane is a MirroredLane
         assert isinstance(lane, _distributed.MirroredLane)
         leader = lane.leader = _distributed.Leader(channel)
-    return _Loaded(model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader)
+    grouping = mx.default_device() != mx.cpu
+    if not grouping:
+        lane.removal_delay = 0  # every dead row leaves at the end of its step
+        lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
+    return _Loaded(
+        model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader, grouping
+    )
 
 
 def _set_chat_template(tokenizer: Any, template: str) -> None:
@@ -225,9 +238,10 @@ async def open_engine(
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
     grace_period: float = 5.0,
     prefill_step_size: int = 2048,
-    prefill_batch_size: int = 8,
+    prefill_batch_size: int = 16,
     parallel: str = "auto",
     chat_template: str | None = None,
+    grammar_timeout: float = COMPILE_TIMEOUT,
     max_unread_tokens: int | None = 1024,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
@@ -247,6 +261,9 @@ async def open_engine(
     the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
     architecture supports it). ``chat_template`` (Jinja text) replaces the
     model's chat template, as ``mlx_lm.server --chat-template`` does.
+    ``grammar_timeout`` bounds how many seconds a request's JSON schema, regex
+    or grammar may take to compile (in a worker thread) before the request is
+    refused with :class:`~trio_mlx.InvalidGrammar`.
     ``max_unread_tokens`` bounds what one request buffers for a reader that
     does not read: past that many unread tokens (each top log-probability
     alternative counting as one more) the request is cancelled and its stream
@@ -271,6 +288,8 @@ async def open_engine(
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
         raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
+    if not (isinstance(grammar_timeout, int | float) and grammar_timeout > 0):
+        raise InvalidRequest("grammar_timeout must be > 0", param="grammar_timeout")
     if parallel not in _distributed.PARALLEL:
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
@@ -298,6 +317,7 @@ async def open_engine(
             engine: Engine = await nursery.start(
                 _serve, policy, Path(path).name, load, max_unread_tokens
             )
+            engine.grammar_timeout = float(grammar_timeout)
         except FileNotFoundError as exc:
             error = NotFound(f"cannot load the model at {path}: {exc}", param="model")
             error.__cause__ = exc
@@ -341,6 +361,8 @@ async def _serve(
             max_unread=max_unread,
         )
         engine._actor = actor
+        if not loaded.grouping:
+            actor.admit_group = 1  # the CPU admits arrivals at once (see _Loaded.grouping)
         if loaded.group is not None:
             actor.ranks = int(loaded.group.size())
         worker.on_death = actor.on_worker_death
@@ -388,6 +410,12 @@ class Engine:
     )
     #: The longest vocabulary entry, in UTF-8 bytes: no token covers more input.
     _max_token_bytes: int = attrs.field(init=False, default=0)
+    #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
+    grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
+    _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
+    _grammar_limiter: trio.CapacityLimiter = attrs.field(
+        init=False, factory=lambda: trio.CapacityLimiter(2)
+    )
 
     @property
     def tokenizer(self) -> Any:
@@ -673,6 +701,7 @@ class Engine:
         tokens = await self.tokenize(prompt, tools=tools, chat_template_kwargs=template_kwargs)
         params = self._fit_context(len(tokens), params)
         self._check_logit_bias(params)
+        constraint = await self._constraint(params) if params.constrained else None
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
             if params.adapter not in self._registry:
@@ -686,7 +715,7 @@ class Engine:
         request = Request(
             request_id,
             "batch" if lane.batch else "serial",
-            spec=RowSpec(request_id, tuple(tokens), params),
+            spec=RowSpec(request_id, tuple(tokens), params, constraint),
         )
         await self._actor.submit(request)
         return request
@@ -707,6 +736,35 @@ class Engine:
                 f"the prompt has {prompt_tokens} tokens, leaving no room to generate", limit
             )
         return attrs.evolve(params, max_tokens=room)
+
+    async def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """Compile the request's schema, regex or grammar in a worker thread, bounded in time."""
+        param = next(
+            n for n in ("json_schema", "regex", "grammar") if getattr(params, n) is not None
+        )
+        # Followers would need the same matcher next to each step: not mirrored yet.
+        self._refuse_distributed("structured output (json_schema, regex, grammar)", param)
+        if self._grammar is None:
+            vocab = self._loaded.config.get("vocab_size")
+            self._grammar = GrammarCompiler(
+                self._loaded.tokenizer, vocab if isinstance(vocab, int) else None
+            )
+        compiler = self._grammar
+        if importlib.util.find_spec("llguidance") is None:
+            raise InvalidRequest(
+                "structured output needs the llguidance package, which is not installed",
+                param=param,
+                code="structured_output_unavailable",
+            )
+        with trio.move_on_after(self.grammar_timeout):
+            return await trio.to_thread.run_sync(
+                compiler.compile, params, abandon_on_cancel=True, limiter=self._grammar_limiter
+            )
+        raise InvalidGrammar(
+            f"{param} did not compile within {self.grammar_timeout:g} s; simplify it",
+            param=param,
+            code="grammar_too_complex",
+        )
 
     def _refuse_distributed(self, what: str, param: str | None = None) -> None:
         if self._loaded.group is not None:

@@ -10,6 +10,7 @@ __all__ = [
     "EngineClosed",
     "EngineOverloaded",
     "GenerationFailed",
+    "InvalidGrammar",
     "InvalidRequest",
     "NotFound",
     "ReaderStalled",
@@ -41,6 +42,16 @@ class InvalidRequest(TrioMLXError):
 
     status_code = 400
     error_type = "invalid_request_error"
+
+
+class InvalidGrammar(InvalidRequest):
+    """A JSON schema, regex or grammar that cannot constrain decoding (400).
+
+    The message carries the grammar library's own reason, or says that
+    compiling it took longer than the engine allows.
+    """
+
+    default_code = "invalid_grammar"
 
 
 class NotFound(TrioMLXError):

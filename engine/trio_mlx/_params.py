@@ -6,13 +6,14 @@ construction, so it never travels to the actor or the MLX thread.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
-from trio_mlx._errors import InvalidRequest
+from trio_mlx._errors import InvalidGrammar, InvalidRequest
 
 __all__ = [
     "Completion",
@@ -29,6 +30,8 @@ MAX_STOP_LENGTH = 256
 MAX_TOP_LOGPROBS = 20
 #: The most ``logit_bias`` entries (OpenAI's limit is 300 tokens).
 MAX_LOGIT_BIAS = 300
+#: The longest JSON schema (serialized), regex or grammar a request may carry (characters).
+MAX_GRAMMAR_CHARS = 2_000_000
 
 
 def _number(
@@ -147,6 +150,49 @@ def _check_kv_group_size(_instance: Any, _attribute: attrs.Attribute[Any], value
         raise InvalidRequest("kv_group_size must be one of 32, 64, 128", param="kv_group_size")
 
 
+def _to_json_schema(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError) as error:
+            raise InvalidGrammar(
+                f"json_schema is not valid JSON: {error}", param="json_schema"
+            ) from None
+    return value
+
+
+def _check_json_schema(_instance: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise InvalidGrammar(
+            f"json_schema must be a JSON schema object, not {value!r:.80}", param="json_schema"
+        )
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError, RecursionError) as error:
+        raise InvalidGrammar(
+            f"json_schema does not serialize as JSON: {error}", param="json_schema"
+        ) from None
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidGrammar(
+            f"json_schema is {size} characters as JSON, more than {MAX_GRAMMAR_CHARS}",
+            param="json_schema",
+        )
+
+
+def _check_source(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    name = attribute.name
+    if not isinstance(value, str) or not value:
+        raise InvalidGrammar(f"{name} must be a non-empty string", param=name)
+    if len(value) > MAX_GRAMMAR_CHARS:
+        raise InvalidGrammar(
+            f"{name} is {len(value)} characters, more than {MAX_GRAMMAR_CHARS}", param=name
+        )
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to generate one completion. Every field is checked at construction.
@@ -205,12 +251,48 @@ class SamplingParams:
     #: A matched stop string stays at the end of the output (it is cut by default).
     include_stop_str_in_output: bool = attrs.field(default=False, validator=_boolean)
 
+    #: Constrain the output to JSON valid against this JSON schema (a mapping, or its
+    #: JSON text). ``{"type": "object"}`` asks for any one JSON object. JSON is
+    #: written compactly (no blank between tokens) unless the schema's
+    #: ``"x-guidance"`` options say otherwise. The row stops ("stop") when the
+    #: value is complete; if ``max_tokens`` comes first the finish reason is
+    #: "length" and the JSON is incomplete.
+    json_schema: Mapping[str, Any] | None = attrs.field(
+        default=None, converter=_to_json_schema, validator=_check_json_schema
+    )
+    #: Constrain the output to match this regular expression (llguidance's syntax).
+    regex: str | None = attrs.field(default=None, validator=_check_source)
+    #: Constrain the output to this Lark grammar (llguidance's Lark dialect, which
+    #: also takes ``%json {schema}`` and regex terminals).
+    grammar: str | None = attrs.field(default=None, validator=_check_source)
+
     def __attrs_post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
             raise InvalidRequest(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 param="min_tokens",
             )
+        given = [
+            name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None
+        ]
+        if len(given) > 1:
+            raise InvalidGrammar(
+                f"give at most one of json_schema, regex and grammar, not {' and '.join(given)}",
+                param=given[1],
+            )
+        # A finished grammar allows only EOS: holding EOS back, or going on past it,
+        # would leave no token to choose.
+        for name in ("min_tokens", "ignore_eos"):
+            if given and getattr(self, name):
+                raise InvalidGrammar(
+                    f"{name} cannot be combined with {given[0]} (a complete value ends with EOS)",
+                    param=name,
+                )
+
+    @property
+    def constrained(self) -> bool:
+        """Whether decoding follows a JSON schema, regex or grammar."""
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
 
 
 @attrs.frozen

@@ -28,22 +28,74 @@ class PromptCache:
         """Bytes held now."""
         return int(self._lru.nbytes)
 
-    def fetch(self, key: Hashable, tokens: Sequence[int]) -> tuple[list[Any] | None, list[int]]:
-        """The nearest cache for ``tokens`` and the tokens it does not cover (never empty)."""
+    def fetch(
+        self, key: Hashable, tokens: Sequence[int], *, min_prefix: int = 1, share: bool = False
+    ) -> tuple[list[Any] | None, list[int]]:
+        """The nearest cache for ``tokens`` and the tokens it does not cover (never empty).
+
+        A cached prefix shorter than ``min_prefix`` tokens is not worth its
+        copy: the prompt is then prefilled in full (None, ``tokens``). With
+        ``share`` the entry's arrays are shared, not copied: only for a
+        caller that never writes into them (the batch lane: mlx-lm merges an
+        inserted cache into the batch's own buffers); each layer object is
+        still a copy, so trimming it leaves the stored entry whole.
+        """
+        import copy
+
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
         tokens = list(tokens)
-        cache, rest = self._lru.fetch_nearest_cache(key, tokens)
-        if cache is None:
+        if self._shared_prefix(key, tokens) < max(1, min_prefix):
+            return None, tokens  # not worth the trie search for the best entry either
+        found = self._nearest(key, tokens)
+        if found is None:
             return None, tokens
-        rest = list(rest)
-        if not rest:
-            # An exact hit still needs one token to compute the next logits.
-            if not can_trim_prompt_cache(cache):
+        entry, entry_len, reuse = found
+        if reuse < max(1, min_prefix):
+            return None, tokens
+        if reuse >= len(tokens) or entry_len > reuse:
+            # An exact hit still needs one token to compute the next logits;
+            # a longer entry is cut back to the shared prefix.
+            reuse = min(reuse, len(tokens) - 1)
+            if reuse < max(1, min_prefix) or not can_trim_prompt_cache(entry):
                 return None, tokens
-            trim_prompt_cache(cache, 1)
-            rest = tokens[-1:]
-        return cache, rest
+        cache = [copy.copy(layer) for layer in entry] if share else copy.deepcopy(entry)
+        if entry_len > reuse:
+            trim_prompt_cache(cache, entry_len - reuse)
+        return cache, tokens[reuse:]
+
+    def _shared_prefix(self, key: Hashable, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` that some entry shares (an upper bound on any reuse)."""
+        node = self._lru._trie._trie.get(key)
+        depth = 0
+        while node is not None and depth < len(tokens):
+            node = node.get(tokens[depth])
+            if node is not None:
+                depth += 1
+        return depth
+
+    def _nearest(self, key: Hashable, tokens: list[int]) -> tuple[list[Any], int, int] | None:
+        """The best entry for ``tokens``: (its cache, its length, tokens of it to reuse).
+
+        The choice is mlx-lm's ``LRUPromptCache.fetch_nearest_cache``'s (an
+        exact match, else the longer entry when it shares more than the
+        longest stored prefix, else that prefix), made over its trie without
+        copying anything (the trie is private to mlx-lm: pinned to <0.33).
+        """
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        trie = self._lru._trie
+        result = trie.search(key, tokens)
+        if result.exact is not None:
+            return trie.get(result.model, result.exact).prompt_cache, len(tokens), len(tokens)
+        short = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short:
+            cache = trie.get(result.model, result.longer).prompt_cache
+            if can_trim_prompt_cache(cache):
+                return cache, len(result.longer), min(len(tokens) - 1, result.common_prefix)
+        if short > 0:
+            return trie.get(result.model, result.shorter).prompt_cache, short, short
+        return None
 
     def clear(self) -> None:
         """Drop every cached entry."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from trio_mlx._batch import RowSpec, eos_processors, make_processors, make_row_sampler
+from trio_mlx._batch import RowSpec, make_row_sampler, row_processors
 from trio_mlx._output import RowEvent, RowOutput
 from trio_mlx._prompt_cache import PromptCache
 
@@ -72,10 +72,7 @@ def run_serial(
         model,
         max_tokens=params.max_tokens,
         sampler=make_row_sampler(params, tokenizer),
-        logits_processors=(
-            eos_processors(params, sorted(tokenizer.eos_token_ids)) + make_processors(params)
-        )
-        or None,
+        logits_processors=row_processors(spec, sorted(tokenizer.eos_token_ids)) or None,
         prompt_cache=cache,
         kv_bits=params.kv_bits,
         kv_group_size=params.kv_group_size,

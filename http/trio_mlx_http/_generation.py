@@ -25,6 +25,7 @@ from trio_mlx import (
     Delta,
     GenerationResult,
     GenerationStream,
+    InvalidGrammar,
     InvalidRequest,
     NotFound,
     TrioMLXError,
@@ -35,6 +36,7 @@ from trio_mlx_http._prompt_logprobs import prompt_logprobs
 from trio_mlx_http._reasoning import ReasoningSplitter, prompt_opens_reasoning
 from trio_mlx_http._schema import GenerationRequest, Prompt
 from trio_mlx_http._state import Access, ServerState
+from trio_mlx_http._structured import after_reasoning, grammar_param, tool_call_grammar
 from trio_mlx_http._tools import ToolCallExtractor
 
 __all__ = ["respond"]
@@ -272,6 +274,36 @@ def _extractor(state: ServerState, request: GenerationRequest) -> ToolCallExtrac
     )
 
 
+def _enforce_tool_choice(
+    state: ServerState, request: GenerationRequest, reasoning_end: str | None
+) -> GenerationRequest:
+    """A required or named ``tool_choice`` becomes a grammar of the model's tool-call format.
+
+    ``reasoning_end``: the prompt opens a reasoning block that this marker closes;
+    any constraint then starts after it.
+    """
+    choice = request.tool_choice
+    tokenizer = state.engine.tokenizer
+    if not choice.enforced:
+        if reasoning_end is not None and request.params.constrained:
+            params = after_reasoning(request.params, tokenizer, reasoning_end)
+            return attrs.evolve(request, params=params)
+        return request
+    if not request.tools:
+        raise InvalidRequest(
+            f"tool_choice {choice.mode!r} needs tools to call", param="tool_choice"
+        )
+    if request.params.constrained:
+        raise InvalidRequest(
+            "response_format cannot be combined with tool_choice 'required' or a named function",
+            param="response_format",
+        )
+    grammar = tool_call_grammar(
+        request.tools, choice, tokenizer, parallel=choice.parallel, reasoning_end=reasoning_end
+    )
+    return attrs.evolve(request, params=attrs.evolve(request.params, grammar=grammar))
+
+
 def reasoning_markers(state: ServerState) -> tuple[str, str] | None:
     """The model's reasoning markers (``--reasoning-markers`` or the tokenizer's), if any."""
     markers = state.settings.reasoning_markers
@@ -403,6 +435,18 @@ async def respond(
     state: ServerState, request: GenerationRequest, *, chat: bool, access: Access
 ) -> Response | dict[str, Any]:
     """Run ``request``; a streaming response or the whole JSON body."""
+    # The engine names its own parameter; the client wrote response_format or tool_choice
+    # (never both), and a schema may have become a grammar (see after_reasoning).
+    source = "response_format" if request.params.constrained else "tool_choice"
+    try:
+        return await _respond(state, request, chat=chat, access=access)
+    except InvalidGrammar as error:
+        raise grammar_param(error, source) from None
+
+
+async def _respond(
+    state: ServerState, request: GenerationRequest, *, chat: bool, access: Access
+) -> Response | dict[str, Any]:
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
     request = _reasoning_effort(state, request)
@@ -411,13 +455,17 @@ async def respond(
     choices = len(request.prompts) * request.n
     fmt: _Format
     if chat:
-        extractors = [_extractor(state, request) for _ in range(choices)]
         markers = reasoning_markers(state)
         splitters: list[ReasoningSplitter | None] = [None] * choices
+        opened = False
         if markers is not None:
             opened = await _opens_reasoning(state, request, markers)
             new = ReasoningSplitter.opened if opened else ReasoningSplitter
             splitters = [new(*markers) for _ in range(choices)]
+        # A prompt that opens a reasoning block: the constraint starts after its end.
+        reasoning_end = markers[1] if markers is not None and opened else None
+        request = _enforce_tool_choice(state, request, reasoning_end)
+        extractors = [_extractor(state, request) for _ in range(choices)]
         fmt = _ChatFormat(
             _openai.Envelope.chat(model, chunk=request.stream), state.texts, extractors, splitters
         )

@@ -35,6 +35,8 @@ _COUNTERS = {
     "drains": "Times the batch was drained for a serial or exclusive job.",
     "preemptions": "Batch rows parked to make room.",
     "steps": "Decode steps run.",
+    "worker_busy_seconds": "Seconds the MLX thread spent running calls.",
+    "admissions": "Step calls that inserted new rows (rows are admitted in groups).",
 }
 
 

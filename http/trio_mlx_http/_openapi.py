@@ -79,6 +79,34 @@ _SAMPLING: dict[str, Any] = {
         "nullable": True,
     },
     "adapter": {"type": "string", "nullable": True, "description": "A mounted adapter's name."},
+    "response_format": {
+        "nullable": True,
+        "description": "Constrain the output to JSON (json_object) or to a JSON schema.",
+        "oneOf": [
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}},
+            },
+            {
+                "type": "object",
+                "required": ["type", "json_schema"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["json_schema"]},
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                            "description": {"type": "string"},
+                            "schema": {"type": "object"},
+                            "strict": {"type": "boolean", "nullable": True},
+                        },
+                    },
+                },
+            },
+        ],
+    },
     "user": {"type": "string", "nullable": True},
     "ignore_eos": {"type": "boolean", "nullable": True},
     "min_tokens": {"type": "integer", "minimum": 0, "nullable": True},

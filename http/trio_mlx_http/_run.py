@@ -28,7 +28,14 @@ logger = logging.getLogger("trio_mlx_http")
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"model": args.model, "adapter_path": args.adapter_path}
-    for name in ("max_batch", "max_queue", "drain_timeout", "parallel", "prompt_cache_bytes"):
+    for name in (
+        "max_batch",
+        "max_queue",
+        "drain_timeout",
+        "parallel",
+        "prompt_cache_bytes",
+        "grammar_timeout",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

@@ -23,11 +23,11 @@ import attrs
 
 from trio_mlx import InvalidRequest, SamplingParams
 from trio_mlx_http._settings import Settings
+from trio_mlx_http._structured import ToolChoice, parse_response_format, parse_tool_choice
 
 __all__ = [
     "CHAT_FIELDS",
     "COMPLETION_FIELDS",
-    "DEFERRED_FIELDS",
     "IGNORED_FIELDS",
     "UNSUPPORTED_FIELDS",
     "AdapterMount",
@@ -71,7 +71,16 @@ _SAMPLING_FIELDS = (
 MAX_TEMPERATURE = 2.0
 
 _COMMON_FIELDS = frozenset(
-    {"model", "n", "stream", "stream_options", "max_tokens", "adapter", *_SAMPLING_FIELDS}
+    {
+        "model",
+        "n",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "adapter",
+        "response_format",
+        *_SAMPLING_FIELDS,
+    }
 )
 #: What ``/v1/chat/completions`` honours.
 CHAT_FIELDS = _COMMON_FIELDS | {
@@ -102,8 +111,6 @@ IGNORED_FIELDS = frozenset(
         "prediction",
     }
 )
-#: Fields the structured-output part of the server owns; not refused here.
-DEFERRED_FIELDS = frozenset({"response_format"})
 #: Fields known from OpenAI's (or vLLM's) API that this server does not support, and why.
 UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported",
@@ -152,6 +159,8 @@ class GenerationRequest:
     best_of: int | None = None
     #: Completions: the text after the insertion point (fill-in-the-middle).
     suffix: str | None = None
+    #: The request's ``tool_choice``; "required" or a named function is enforced.
+    tool_choice: ToolChoice = attrs.field(factory=lambda: ToolChoice("auto"))
 
 
 @attrs.frozen
@@ -208,7 +217,7 @@ def _int_in(body: Mapping[str, Any], name: str, low: int, high: int, default: in
 def _check_fields(body: Mapping[str, Any], honoured: frozenset[str]) -> None:
     """Refuse every field that is neither honoured nor harmless (``null`` is absent)."""
     for name, value in body.items():
-        if value is None or name in honoured or name in IGNORED_FIELDS or name in DEFERRED_FIELDS:
+        if value is None or name in honoured or name in IGNORED_FIELDS:
             continue
         reason = UNSUPPORTED_FIELDS.get(name)
         if reason is None:
@@ -366,14 +375,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     tools = _get(body, "tools", list, "a list of tools")
-    choice = body.get("tool_choice")
-    if choice is not None and not (
-        choice in ("none", "auto", "required") or isinstance(choice, dict)
-    ):
-        raise InvalidRequest(
-            "tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice"
-        )
-    if not tools or choice == "none":
+    choice = parse_tool_choice(body)
+    if not tools or choice.mode == "none":
         return None
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -435,7 +438,9 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
         extra["top_logprobs"] = top
     if adapter is not None:
         extra["adapter"] = adapter
-    params = _sampling(body, settings, extra, {"max_tokens": max_name})
+    extra.update(parse_response_format(body))
+    renames = {"max_tokens": max_name, "json_schema": "response_format"}
+    params = _sampling(body, settings, extra, renames)
     return GenerationRequest(
         model=model,
         prompts=(messages,),
@@ -447,6 +452,7 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
         chat_template_kwargs=_template_kwargs(body, settings),
         reasoning_effort=_reasoning_effort(body),
         parallel_tool_calls=_get(body, "parallel_tool_calls", bool, "a boolean") is not False,
+        tool_choice=parse_tool_choice(body),
     )
 
 
@@ -518,7 +524,8 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
         extra["top_logprobs"] = top
     if adapter is not None:
         extra["adapter"] = adapter
-    renames = {"max_tokens": max_name, "top_logprobs": "logprobs"}
+    extra.update(parse_response_format(body))
+    renames = {"max_tokens": max_name, "top_logprobs": "logprobs", "json_schema": "response_format"}
     params = _sampling(body, settings, extra, renames)
     return GenerationRequest(
         model=model,

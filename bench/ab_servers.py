@@ -1,0 +1,64 @@
+"""Interleaved A/B of ``trio-mlx serve`` from two source trees, closed-loop streaming clients.
+
+    python bench/ab_servers.py /work/main /path/to/branch [--model default] [--rounds 3]
+
+Both servers stay up for the whole run and the rounds alternate between them (and reverse
+their order every other round), so load that comes and goes on a shared machine hits both
+alike. Each tree's ``engine/`` and ``http/`` go on that server's PYTHONPATH; the clients are
+this tree's ``bench.suite``. Prints tok/s and TTFT p99 per round, concurrency and tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.suite import traffic  # noqa: E402
+from bench.suite.__main__ import model_env  # noqa: E402
+from bench.suite.models import EOS_IDS, prepare  # noqa: E402
+from bench.suite.servers import _serve  # noqa: E402
+
+
+def main() -> None:
+    """Parse the command line and run the A/B."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trees", nargs=2, help="two source trees (repository roots)")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", default="4,16")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--max-batch", type=int, default=16)
+    args = parser.parse_args()
+    model = prepare(args.model)
+    bias = {str(k): -100 for k in EOS_IDS} if model.logit_bias else None
+    profile = {"prompt_words": 60, "client_processes": 2, "logit_bias": bias,
+               "traffic": {"duration": args.seconds, "warm": 2.0, "max_tokens": 64}}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for i, tree in enumerate(args.trees):
+            env = model_env()
+            env["PYTHONPATH"] = f"{tree}/engine:{tree}/http:{ROOT}"
+            command = [sys.executable, "-m", "trio_mlx_http", "serve", "--model", str(model.path),
+                       "--host", "127.0.0.1", "--port", "{port}", "--max-batch", str(args.max_batch)]  # fmt: skip
+            server = stack.enter_context(
+                _serve(f"tree{i}", command, env, Path("/tmp/ab-logs"), 300)
+            )
+            warm = {**profile, "traffic": {**profile["traffic"], "duration": 3.0}}
+            traffic.closed(server, warm, 4)
+            servers.append((tree, server))
+        for rnd in range(args.rounds):
+            for c in (int(x) for x in args.concurrency.split(",")):
+                for tree, server in servers if rnd % 2 == 0 else servers[::-1]:
+                    row = traffic.closed(server, profile, c)
+                    ttft = (row["ttft_p99_s"] or 0) * 1000
+                    print(f"round {rnd} C={c} {tree}: {row['tok_s'] or 0:,.0f} tok/s, "
+                          f"TTFT p99 {ttft:,.0f} ms", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""The step planner: grouped admission, deferred (bulk) removal, shared prompt-cache entries.
+
+Whatever the planner decides (rows held back to be prefilled as a group, dead
+rows decoding until a bulk removal, rows parked for a job and resumed), every
+greedy row must produce exactly what it produces alone, and a cancelled row
+must stop at once and give its slot back within the stated bound.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import trio_mlx
+from engine_helpers import NO_EOS, PROMPT, wait_until
+from trio_mlx import SamplingParams
+from trio_mlx._batch import BatchLane, RowSpec
+
+pytestmark = [pytest.mark.model]
+
+#: Short prompts, and one past the lane's cache_min_prefix (it is served from the prompt cache).
+PROMPTS = ["Hello world", "The quick brown fox", "def main():", " ".join([PROMPT] * 20)]
+LONGEST = 24
+_solo: dict[str, list[int]] = {}
+
+
+async def _solo_tokens(model: Path) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens, generated alone (one row at a time, no prompt cache)."""
+    if not _solo:
+        params = SamplingParams(max_tokens=LONGEST, logit_bias=NO_EOS)
+        async with trio_mlx.open_engine(model, max_batch=4, prompt_cache_bytes=0) as engine:
+            for prompt in PROMPTS:
+                _solo[prompt] = list((await engine.complete(prompt, params)).token_ids)
+    return _solo
+
+
+row = st.tuples(
+    st.integers(0, len(PROMPTS) - 1),  # prompt
+    st.integers(1, LONGEST),  # max_tokens
+    st.none() | st.integers(0, 10),  # cancel after this many tokens
+    st.sampled_from([0.0, 0.0, 0.001, 0.004, 0.015]),  # delay before submitting
+)
+job = st.tuples(st.just(-1), st.just(0), st.none(), st.sampled_from([0.002, 0.01, 0.03]))
+
+
+async def _check_schedule(model: Path, ops: list[tuple[Any, ...]]) -> None:
+    solo = await _solo_tokens(model)
+    got: dict[int, tuple[str, list[int]]] = {}
+    async with trio_mlx.open_engine(
+        model, max_batch=6, max_queue=16, drain_timeout=0.005, min_batch_steps=1
+    ) as engine:
+        actor = engine._actor
+        # Small bounds so that holding, grouping and deferred removal all happen.
+        actor.admit_group, actor.admit_fraction, actor.admit_wait_steps = 3, 1, 6
+        actor.admit_wait_seconds = 0.05
+        actor.lane.removal_delay, actor.lane.removal_fraction = 4, 2
+
+        async def run(i: int, prompt: int, size: int, cancel: int | None, delay: float) -> None:
+            await trio.sleep(delay)
+            if prompt < 0:  # a job: running rows are parked, then resumed
+                await engine.run_exclusive(lambda m, t: None)
+                return
+            params = SamplingParams(max_tokens=size, logit_bias=NO_EOS)
+            tokens: list[int] = []
+            async with engine.generate(PROMPTS[prompt], params) as stream:
+                async for delta in stream:
+                    tokens.extend(delta.token_ids)
+                    if cancel is not None and len(tokens) > cancel:
+                        got[i] = ("cancelled", tokens)
+                        return
+            got[i] = ("finished", tokens)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i, op in enumerate(ops):
+                    nursery.start_soon(run, i, *op)
+            await wait_until(lambda: engine.statistics().batch_rows == 0)
+        stats = engine.statistics()
+        dead = actor.lane.dead_rows
+    for i, (prompt, size, _cancel, _delay) in enumerate(ops):
+        if prompt < 0:
+            continue
+        how, tokens = got[i]
+        want = solo[PROMPTS[prompt]][:size]
+        if how == "finished":
+            assert tokens == want, (i, ops[i])
+        else:
+            assert tokens == want[: len(tokens)], (i, ops[i])
+    assert stats.requests["batch:failed"] == 0
+    assert dead == 0, "an idle lane holds no dead rows"
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=st.lists(st.one_of(row, row, row, job), min_size=1, max_size=12))
+def test_rows_grouped_removed_in_bulk_cancelled_and_parked_equal_their_solo_runs(
+    tiny_model_path: Path, ops: list[tuple[Any, ...]]
+) -> None:
+    trio.run(_check_schedule, tiny_model_path, ops)
+
+
+async def test_arrivals_while_rows_decode_are_admitted_as_one_group(
+    tiny_model_path: Path,
+) -> None:
+    solo = await _solo_tokens(tiny_model_path)
+    long = SamplingParams(max_tokens=400, logit_bias=NO_EOS)
+    params = SamplingParams(max_tokens=LONGEST, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(tiny_model_path, max_batch=9, prompt_cache_bytes=0) as engine:
+        actor = engine._actor
+        actor.admit_group, actor.admit_fraction = 4, 1
+        actor.admit_wait_steps, actor.admit_wait_seconds = 10**6, 3600.0
+        outputs: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            outputs[i] = list((await engine.complete(PROMPTS[i], params)).token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):  # four rows decoding: a group may be as large as them
+                nursery.start_soon(engine.complete, PROMPT, long)
+            # An idle engine admits at once.
+            await wait_until(lambda: engine.statistics().generated_tokens >= 4)
+            first = engine.statistics().admissions
+            assert 1 <= first <= 4
+            async with trio.open_nursery() as arrivals:
+                for i in range(4):
+                    arrivals.start_soon(one, i)
+                    # The next arrival comes a few decode steps later.
+                    steps = engine.statistics().steps
+                    await wait_until(lambda s=steps: engine.statistics().steps >= s + 2)
+                    if i < 3:
+                        assert engine.statistics().admissions == first, "held until 4 wait"
+            # The four went in together (one step call), not one by one.
+            assert engine.statistics().admissions == first + 1
+            nursery.cancel_scope.cancel()
+    for i in range(4):
+        assert outputs[i] == solo[PROMPTS[i]]
+
+
+def _lane(model: Any, tokenizer: Any) -> BatchLane:
+    lane = BatchLane(model, tokenizer, max_batch=8)
+    lane.removal_delay, lane.removal_fraction = 5, 0  # only age or an admission compacts
+    return lane
+
+
+def test_a_cancelled_row_stops_at_once_and_is_freed_within_the_removal_delay(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    model, tokenizer = tiny_model
+    lane = _lane(model, tokenizer)
+    params = SamplingParams(max_tokens=200, logit_bias=NO_EOS)
+    ids = [1, 2, 3]
+    lane.step([RowSpec(i, tuple(tokenizer.encode(PROMPTS[i - 1])), params) for i in ids])
+    while not all(e.token_ids for e in lane.step().events if e.id in ids):
+        pass
+    result = lane.step(removes=[2])
+    assert {e.id for e in result.events} == {1, 3}, "no output after the cancel"
+    assert lane.rows == 2
+    assert lane.dead_rows == 1
+    steps = 0
+    while lane.dead_rows:
+        result = lane.step()
+        assert all(e.id != 2 for e in result.events)
+        steps += result.steps
+    assert 1 <= steps <= lane.removal_delay
+    # A finished row is freed within the same bound; an admission frees dead rows at once.
+    lane.step([RowSpec(4, tuple(tokenizer.encode(PROMPTS[0])), SamplingParams(max_tokens=2))])
+    finished = False
+    while not finished:
+        finished = any(e.id == 4 and e.finish_reason for e in lane.step().events)
+    assert lane.dead_rows == 1
+    lane.step([RowSpec(5, tuple(tokenizer.encode(PROMPTS[1])), params)])
+    assert lane.dead_rows == 0, "an admission compacts the dead rows"
+    assert lane.discard([1, 3, 5]) == 0
+    assert lane.dead_rows == 0
+
+
+def test_dead_rows_leave_the_batch_together(tiny_model: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny_model
+    lane = _lane(model, tokenizer)
+    lane.removal_delay = 10**6
+    lane.removal_fraction = 1  # compact once dead rows are as many as the live ones
+    prompt = tuple(tokenizer.encode(PROMPTS[1]))
+    sizes = [3, 4, 5, 30, 30, 30]
+    specs = [
+        RowSpec(i, prompt, SamplingParams(max_tokens=n, logit_bias=NO_EOS))
+        for i, n in enumerate(sizes)
+    ]
+    lane.step(specs)
+    seen = []
+    while lane.rows:
+        lane.step()
+        seen.append((lane.rows, lane.dead_rows))
+    # One row finished per step; the dead stayed until they were as many as the
+    # live ones (3 and 3), then left in one removal.
+    assert {(5, 1), (4, 2), (3, 0)} <= set(seen), seen
+    assert (3, 3) not in seen
+    assert lane.dead_rows == 0
+
+
+def test_a_row_dead_for_some_steps_is_cached_without_the_tokens_decoded_after_it_died(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    from trio_mlx._prompt_cache import PromptCache
+
+    model, tokenizer = tiny_model
+    lane = _lane(model, tokenizer)
+    lane.prompt_cache = PromptCache(1 << 30)
+    lane.removal_delay = 4
+    prompt = tuple(tokenizer.encode(PROMPTS[3]))
+    params = SamplingParams(max_tokens=6, logit_bias=NO_EOS)
+    busy = SamplingParams(max_tokens=200, logit_bias=NO_EOS)
+
+    def run(row_id: int) -> tuple[list[int], int]:
+        result = lane.step([RowSpec(row_id, prompt, params)])
+        cached, tokens = result.cached[row_id], []
+        while True:
+            events = [e for e in lane.step().events if e.id == row_id]
+            tokens.extend(t for e in events for t in e.token_ids)
+            if any(e.finish_reason for e in events):
+                return tokens, cached
+
+    lane.step([RowSpec(99, tuple(tokenizer.encode(PROMPTS[0])), busy)])
+    first, cached = run(1)
+    assert cached == 0
+    assert lane.dead_rows == 1
+    while lane.dead_rows:  # it decodes junk for removal_delay steps, then is stored
+        lane.step()
+    second, cached = run(2)
+    assert cached >= len(prompt) - 1
+    assert second == first
