@@ -21,7 +21,7 @@ import httpx
 import trio
 
 import trio_mlx
-from soak import hostile, security
+from soak import hostile, security, world
 from soak._server import ServerProcess, serve
 from soak.faults import run_faults
 from soak.load import run_load
@@ -173,7 +173,60 @@ def verdicts(report: dict[str, Any]) -> dict[str, bool]:
         and not sec["body_limit"]["read_whole"]
         and sec["bind"]["default_host"] == "127.0.0.1",
         "shutdown": down["short_all_ok"] and down["hung"] == 0 and down["exit_code"] == 0,
+        **world_verdicts(report["world"]),
     }
+
+
+def world_verdicts(w: dict[str, Any]) -> dict[str, bool]:
+    """The hostile-world scenarios' bars (issue 20)."""
+    flood, early, readers = w["idle_flood"], w["early_404"], w["stalled_readers"]
+    stalls = {k: v for k, v in w["stalls"].items() if "health_p99_ms" in v}
+    return {
+        "idle connections": set(flood["statuses"]) <= {"200", "503"}
+        and flood["still_held_after_10s"] == 0
+        and flood["new_connection_after"] == "200",
+        "early answers": early["closed_by_server_in_3s"] == early["connections"],
+        "event-loop stalls": all(
+            v["health_p99_ms"] is not None and v["health_p99_ms"] < 100 for v in stalls.values()
+        ),
+        "stalled readers": readers["rows_freed_after_s"] is not None
+        and readers["exit_code"] == 0
+        and readers["tracebacks_in_log"] == 0,
+        "adapter churn": not w["adapters"]["base_changed_after"]
+        and not any(": 5" in k for k in w["adapters"]["statuses"]),
+        "context overflow": w["context"]["status"] == 200
+        and w["context"]["prompt_tokens"] + w["context"]["completion_tokens"]
+        <= w["context"]["context"],
+    }
+
+
+def world_rows(w: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """The hostile-world rows of the table."""
+    flood, early, readers, ctx = w["idle_flood"], w["early_404"], w["stalled_readers"], w["context"]
+    stalls = {k: v for k, v in w["stalls"].items() if "health_p99_ms" in v}
+    churn = w["adapters"]
+    return [
+        ("idle connections", f"{flood['connections']} conns", _fmt(flood["statuses"]), "-", "-",
+         "-", "-", f"server held {flood['server_fds_held']} fds; still open 10 s later "
+         f"{flood['still_held_after_10s']}; /health p99 {flood['health_p99_ms']} ms; new "
+         f"connection after: {flood['new_connection_after']}"),
+        ("early answers", f"{early['connections']} conns", _fmt(early["statuses"]), "-", "-",
+         "-", "-", f"closed by the server within 3 s: {early['closed_by_server_in_3s']}"),
+        ("event-loop stalls", f"{len(stalls)} bodies <= 4 MiB",
+         ", ".join(f"{k} {v['status']} in {v['answer_s']} s" for k, v in stalls.items()),
+         "-", "-", "-", f"{max(v['rss_kept_mb'] for v in stalls.values())} MB",
+         "/health p99 " + ", ".join(f"{v['health_p99_ms']} ms" for v in stalls.values())),
+        ("stalled readers", f"{readers['readers']} x n={readers['choices_each']}", "-", "-",
+         "-", "-", f"{readers['rss_growth_mb']} MB",
+         f"rows freed after {readers['rows_freed_after_s']} s; /health p99 "
+         f"{readers['health_p99_ms']} ms; SIGTERM: exit {readers['exit_code']} after "
+         f"{readers['exit_after_sigterm_s']} s, tracebacks {readers['tracebacks_in_log']}"),
+        ("adapter churn", f"{churn['rounds']} rounds", _fmt(churn["statuses"]), "-", "-", "-",
+         "-", f"base changed after: {', '.join(churn['base_changed_after']) or 'never'}"),
+        ("context overflow", "1 req", f"{ctx['status']} {ctx['finish_reason']}", "-", "-", "-",
+         "-", f"prompt {ctx['prompt_tokens']} + completion {ctx['completion_tokens']} of "
+         f"{ctx['context']}; X-Max-Tokens-Clamped {ctx['header']}"),
+    ]  # fmt: skip
 
 
 def table(report: dict[str, Any]) -> str:
@@ -216,6 +269,7 @@ def table(report: dict[str, Any]) -> str:
          "; ".join(f"{k}: {_fmt(v)}" for k, v in down["outcomes"].items()), down["hung"], "-",
          "-", "-", f"exit {down['exit_code']} after {down['exit_s']} s (grace {down['grace_s']} s)"),
     ]  # fmt: skip
+    rows += world_rows(report["world"])
     head = ("scenario", "size", "outcomes", "lost", "duplicated", "5xx on bad input", "RSS growth",
             "notes")  # fmt: skip
     lines = ["| verdict | " + " | ".join(head) + " |", "|" + " --- |" * (len(head) + 1)]
@@ -263,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             ("hostile", lambda: {"hostile": hostile_input(args)}),
             ("security", lambda: {"security": security_checks(root)}),
             ("shutdown", lambda: {"shutdown": shutdown_check(args)}),
+            ("world", lambda: {"world": world.run_world(root / "world", quick=args.quick)}),
         ]  # fmt: skip
         for name, step in steps:
             begin = time.perf_counter()

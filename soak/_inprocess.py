@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import hypercorn.trio
 import trio
 
 import trio_mlx
-from trio_mlx_http._app import create_app, shutdown_trigger
-from trio_mlx_http._run import hypercorn_config
+from trio_mlx_http._app import create_app
+from trio_mlx_http._run import hypercorn_config, serve_http
+from trio_mlx_http._serve import ConnectionGuard, ConnectionLimits
 from trio_mlx_http._settings import Settings
 
 
@@ -31,6 +31,8 @@ class LiveServer:
     shutdown: trio.Event
     #: Set once Hypercorn has returned (in-flight requests done or cut off).
     stopped: trio.Event
+    #: Counts connections, refuses past the cap, times writes out.
+    guard: ConnectionGuard
 
 
 @asynccontextmanager
@@ -39,6 +41,7 @@ async def live_server(
     settings: Settings | None = None,
     *,
     graceful_timeout: float = 5.0,
+    limits: ConnectionLimits | None = None,
     wrap_asgi: Callable[[Any], Any] | None = None,
     **engine_options: Any,
 ) -> AsyncIterator[LiveServer]:
@@ -52,21 +55,17 @@ async def live_server(
             app.asgi_app = wrap_asgi(app.asgi_app)  # type: ignore[method-assign]
         config = hypercorn_config("127.0.0.1", 0, graceful_timeout)
         shutdown, stopped = trio.Event(), trio.Event()
+        guard = ConnectionGuard(limits or ConnectionLimits())
 
         async def serve(*, task_status: trio.TaskStatus[list[str]]) -> None:
             try:
-                await hypercorn.trio.serve(
-                    app,
-                    config,
-                    shutdown_trigger=shutdown_trigger(app, shutdown),
-                    task_status=task_status,
-                )
+                await serve_http(app, config, guard, shutdown, task_status=task_status)
             finally:
                 stopped.set()
 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve)
             try:
-                yield LiveServer(binds[0], engine, shutdown, stopped)
+                yield LiveServer(binds[0], engine, shutdown, stopped, guard)
             finally:
                 shutdown.set()

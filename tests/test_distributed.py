@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -57,7 +58,7 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]
 def _launch(*args: str) -> subprocess.CompletedProcess[str]:
     """``mlx.launch -n 2 --backend ring`` on 127.0.0.1 (its own status is 0 even when a rank fails)."""
     launch = str(LAUNCH) if LAUNCH.exists() else "mlx.launch"
-    port = random.randrange(20000, 60000, 8)
+    port = _ring_ports()
     command = [launch, "-n", "2", "--backend", "ring", "--starting-port", str(port)]
     command += ["--python", sys.executable, *args]
     return _run(command, TIMEOUT)
@@ -176,6 +177,26 @@ def test_leader_loss_ends_the_follower(tiny_model_path: Path, tmp_path: Path) ->
     assert "rank 1 exited with code 1" in run.stdout, run.stdout[-4000:]
 
 
+def _ring_ports(count: int = 8) -> int:
+    """A first port of ``count`` free ones for the ring backend, below the ephemeral range.
+
+    Random ports inside the kernel's ephemeral range (32768-60999 on Linux) collide
+    with client sockets of whatever else runs on the machine; the ring then fails to
+    bind ("error: 98"). Each candidate block is checked by binding it.
+    """
+    for _ in range(200):
+        start = random.randrange(20000, 32000 - count, count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(start, start + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return start
+    raise RuntimeError("no block of free ports for the ring backend")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,7 +231,7 @@ def test_serve_over_two_ranks_answers_and_stops_on_sigterm(tiny_model_path: Path
         str(tiny_model_path),
     ]
     serve += ["--port", str(port), "--no-fast-blas", "--graceful-timeout", "5"]
-    start = random.randrange(20000, 60000, 8)
+    start = _ring_ports()
     command = [launch, "-n", "2", "--backend", "ring", "--starting-port", str(start), "--", *serve]
     proc = _popen(command)
     url = f"http://127.0.0.1:{port}"
@@ -275,7 +296,7 @@ def test_adapter_path_is_refused_on_every_rank_at_start(tiny_model_path: Path) -
     serve = [str(Path(sys.executable).parent / "trio-mlx"), "serve", "--no-fast-blas"]
     serve += ["--model", str(tiny_model_path), "--port", str(_free_port())]
     serve += ["--adapter-path", str(tiny_model_path)]
-    start = random.randrange(20000, 60000, 8)
+    start = _ring_ports()
     begin = time.monotonic()
     run = _run(
         [launch, "-n", "2", "--backend", "ring", "--starting-port", str(start), "--", *serve],

@@ -15,6 +15,7 @@ from trio_mlx._errors import (
     InvalidGrammar,
     InvalidRequest,
     NotFound,
+    ReaderStalled,
     TrioMLXError,
 )
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidGrammar",
     "InvalidRequest",
     "NotFound",
+    "ReaderStalled",
     "SamplingParams",
     "TokenLogprob",
     "TrioMLXError",

@@ -68,7 +68,13 @@ from trio_mlx._arbiter import (
     Wait,
 )
 from trio_mlx._batch import BatchLane, RowSpec, StepResult
-from trio_mlx._errors import EngineClosed, EngineOverloaded, GenerationFailed, TrioMLXError
+from trio_mlx._errors import (
+    EngineClosed,
+    EngineOverloaded,
+    GenerationFailed,
+    ReaderStalled,
+    TrioMLXError,
+)
 from trio_mlx._output import RowEvent
 from trio_mlx._worker import Worker
 
@@ -89,16 +95,30 @@ class Phase(enum.Enum):
 
 @attrs.define(eq=False)
 class Outbox:
-    """A request's unbounded buffer of events; ``put`` never blocks (max_tokens bounds it)."""
+    """A request's buffer of events; ``put`` never blocks.
+
+    ``unread`` counts what waits for the reader: a token, plus one per top
+    log-probability alternative it carries. The actor cancels a request whose
+    ``unread`` passes its limit (max_tokens bounds it otherwise).
+    """
 
     _items: list[RowEvent] = attrs.field(init=False, factory=list)
     _lot: trio.lowlevel.ParkingLot = attrs.field(init=False, factory=trio.lowlevel.ParkingLot)
     closed: bool = attrs.field(init=False, default=False)
+    unread: int = attrs.field(init=False, default=0)
 
     def put(self, event: RowEvent) -> None:
         """Append an event and wake the reader."""
         self._items.append(event)
+        self.unread += len(event.token_ids)
+        for logprob in event.logprobs or ():
+            self.unread += len(logprob.top)
         self._lot.unpark_all()
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``take`` has events, or the outbox is closed."""
+        return bool(self._items) or self.closed
 
     def close(self) -> None:
         """No more events will come; wake the reader."""
@@ -108,6 +128,7 @@ class Outbox:
     def take(self) -> list[RowEvent]:
         """Every event buffered so far."""
         items, self._items = self._items, []
+        self.unread = 0
         return items
 
     async def wait(self) -> None:
@@ -198,6 +219,8 @@ class Actor:
     decision_hook: Callable[[Any, ArbiterStatistics], None] | None = None
     #: Processes the model is sharded over (reported in statistics).
     ranks: int = 1
+    #: A request whose unread output passes this is cancelled (None: no limit).
+    max_unread: int | None = None
     _arbiter: Arbiter = attrs.field(init=False)
     _requests: dict[int, Request] = attrs.field(init=False, factory=dict)
     _ids: Any = attrs.field(init=False, factory=lambda: itertools.count(1))
@@ -319,9 +342,11 @@ class Actor:
 
     def cancel_nowait(self, request: Request) -> None:
         """Withdraw a request; a running row leaves the batch at the next step."""
+        self._cancel(request, trio.current_time())
+
+    def _cancel(self, request: Request, now: float) -> None:
         if request.phase is Phase.DONE or request.id not in self._requests:
             return
-        now = trio.current_time()
         request.cancel_flag.set()
         if request.phase is Phase.INBOX:
             # Never reached the arbiter; the actor skips it in the inbox.
@@ -612,6 +637,21 @@ class Actor:
         elif event.finish_reason is not None:
             self._arbiter.row_ended(request.id, Outcome.FINISHED, now)
             self._end(request, "finished")
+        else:
+            self._check_unread(request, now)
+
+    def _check_unread(self, request: Request, now: float) -> None:
+        """Cancel a request whose reader has stopped taking its output."""
+        limit = self.max_unread
+        if limit is None or request.outbox.unread <= limit or request.cancel_flag.is_set():
+            return
+        error = ReaderStalled(
+            f"the reader stopped taking the output ({request.outbox.unread} tokens "
+            f"unread, the limit is {limit}); the request was cancelled",
+        )
+        request.result = outcome.Error(error)
+        request.outbox.put(RowEvent(request.id, error=error))
+        self._cancel(request, now)
 
     def _deliver(self, request: Request, event: RowEvent, now: float) -> None:
         if event.generated > request.generated:
@@ -707,6 +747,7 @@ class Actor:
                 request.final = event
                 return
             self._deliver(request, event, now)
+            self._check_unread(request, now)
 
     def _cached(self, request: Request, cached: int) -> None:
         request.cached_tokens = cached

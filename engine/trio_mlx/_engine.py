@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -42,6 +43,8 @@ DEFAULT_PARAMS = SamplingParams()
 _INLINE_PROMPT = 1024
 #: Temperatures below this are greedy decoding (1 / 1e-30 still fits float32).
 _TEMPERATURE_FLOOR = 1e-30
+#: Prompts tokenized at once in threads (fast tokenizers release the GIL).
+_TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
 #: Chat template arguments the engine sets itself; ``chat_template_kwargs`` may not.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
@@ -49,6 +52,35 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def _too_long(what: str, limit: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what}, more than the model's context of {limit}",
+        param="prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
+    """Whether tokenizing ``prompt`` costs less than a thread hop."""
+    if not isinstance(prompt, str | list | tuple) or len(prompt) > _INLINE_PROMPT:
+        return False
+    if not prompt or not isinstance(prompt[0], Mapping):
+        return True
+    if tools or len(prompt) > 32:
+        return False
+    chars = 0
+    for message in prompt:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, str | None):
+            return False
+        chars += len(content or "")
+    return chars <= _INLINE_PROMPT
 
 
 @attrs.define(eq=False)
@@ -272,6 +304,7 @@ async def open_engine(
     parallel: str = "auto",
     chat_template: str | None = None,
     grammar_timeout: float = COMPILE_TIMEOUT,
+    max_unread_tokens: int | None = 1024,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -293,6 +326,10 @@ async def open_engine(
     ``grammar_timeout`` bounds how many seconds a request's JSON schema, regex
     or grammar may take to compile (in a worker thread) before the request is
     refused with :class:`~trio_mlx.InvalidGrammar`.
+    ``max_unread_tokens`` bounds what one request buffers for a reader that
+    does not read: past that many unread tokens (each top log-probability
+    alternative counting as one more) the request is cancelled and its stream
+    raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -311,6 +348,8 @@ async def open_engine(
         raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
     if prompt_cache_bytes < 0:
         raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
+    if max_unread_tokens is not None and max_unread_tokens < 1:
+        raise InvalidRequest("max_unread_tokens must be >= 1", param="max_unread_tokens")
     path = _resolve_model(model)
     _check_adapter(adapter_path)
     if prefill_step_size < 1 or prefill_batch_size < 1:
@@ -343,7 +382,9 @@ async def open_engine(
     error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         try:
-            engine: Engine = await nursery.start(_serve, policy, Path(path).name, load)
+            engine: Engine = await nursery.start(
+                _serve, policy, Path(path).name, load, max_unread_tokens
+            )
             engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:
             error = _load_error(path, exc) or exc
@@ -365,6 +406,7 @@ async def _serve(
     policy: ArbiterPolicy,
     model_id: str,
     load: Callable[[], _Loaded],
+    max_unread: int | None,
     *,
     task_status: trio.TaskStatus[Engine],
 ) -> None:
@@ -381,6 +423,7 @@ async def _serve(
             loaded.lane,
             serial_work=engine._serial_work,
             adapters=lambda: registry.names,
+            max_unread=max_unread,
         )
         engine._actor = actor
         if not loaded.grouping:
@@ -428,8 +471,10 @@ class Engine:
     _registry: AdapterRegistry
     _actor: Actor = attrs.field(init=False)
     _encode_limiter: trio.CapacityLimiter = attrs.field(
-        init=False, factory=lambda: trio.CapacityLimiter(1)
+        init=False, factory=lambda: trio.CapacityLimiter(_TOKENIZE_THREADS)
     )
+    #: The longest vocabulary entry, in UTF-8 bytes: no token covers more input.
+    _max_token_bytes: int = attrs.field(init=False, default=0)
     #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
     grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
     _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
@@ -496,6 +541,8 @@ class Engine:
         tokenizes to nothing, or one longer than the model's context.
         """
         tokenizer = self._loaded.tokenizer
+        if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
+            self._refuse_oversized(prompt, tools)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
@@ -526,12 +573,66 @@ class Engine:
             raise InvalidRequest("the prompt tokenizes to nothing", param="prompt")
         limit = self.context_length
         if limit is not None and len(tokens) > limit:
-            raise InvalidRequest(
-                f"the prompt has {len(tokens)} tokens, more than the model's context of {limit}",
-                param="prompt",
-                code="context_length_exceeded",
-            )
+            raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
         return tokens
+
+    async def tokenize(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """:meth:`encode`, off the event loop unless the prompt is small.
+
+        At most a few prompts are tokenized at once, each in a thread; a small
+        prompt (a short string or id list, a short chat without tools) costs
+        less than the thread hop and is tokenized inline, so it never queues
+        behind large ones.
+        """
+        encode = partial(
+            self.encode, prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
+        )
+        if _small(prompt, tools):
+            return encode()
+        return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
+
+    def _refuse_oversized(self, prompt: Prompt, tools: Sequence[Any] | None) -> None:
+        """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens.
+
+        No token covers more UTF-8 bytes than its vocabulary entry has, so a
+        text (message contents and tools, for a chat) of more bytes than the
+        longest entry times the context has too many tokens; and chat templates
+        mark every message with at least one token, so a chat has at least as
+        many tokens as messages. What is really tokenized is thus at most
+        ``context x longest entry`` bytes, whatever the body size.
+        """
+        limit = self.context_length
+        if limit is None:
+            return
+        if not self._max_token_bytes:
+            vocab = self._loaded.tokenizer.get_vocab()
+            longest = max(
+                (len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=1
+            )
+            self._max_token_bytes = max(1, longest)
+        if isinstance(prompt, str):
+            size = _utf8_size(prompt)
+        elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
+            if len(prompt) > limit:
+                raise _too_long(f"the chat has {len(prompt)} messages", limit)
+            size = _utf8_size(json.dumps(list(tools), default=str)) if tools else 0
+            size += sum(
+                _utf8_size(m["content"])
+                for m in prompt
+                if isinstance(m, Mapping) and isinstance(m.get("content"), str)
+            )
+        else:
+            if len(prompt) > limit:
+                raise _too_long(f"the prompt has {len(prompt)} tokens", limit)
+            return
+        if size > limit * self._max_token_bytes:
+            raise _too_long(f"the prompt's {size} bytes are more tokens", limit)
 
     def _chat(
         self,
@@ -640,7 +741,8 @@ class Engine:
         """Unmount the adapter ``name`` (waits for requests using it to finish first)."""
         if name not in self._registry:
             raise NotFound(f"no adapter named {name!r} is mounted", param="adapter")
-        await self._job(lambda: self._registry.unmount(name))
+        model = self._loaded.model
+        await self._job(lambda: self._registry.unmount(model, name))
 
     async def _job(self, work: Callable[[], T]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -668,19 +770,9 @@ class Engine:
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
-        # the prompt: keep it off the event loop, one prompt at a time. A short
-        # string or id list costs less than the thread hop: encode it here.
-        if (
-            isinstance(prompt, str | list | tuple)
-            and len(prompt) <= _INLINE_PROMPT
-            and not (prompt and isinstance(prompt[0], Mapping))
-        ):
-            tokens = self.encode(prompt, tools=tools, chat_template_kwargs=template_kwargs)
-        else:
-            tokens = await trio.to_thread.run_sync(
-                partial(self.encode, prompt, tools=tools, chat_template_kwargs=template_kwargs),
-                limiter=self._encode_limiter,
-            )
+        # the prompt: off the event loop, a few prompts at a time.
+        tokens = await self.tokenize(prompt, tools=tools, chat_template_kwargs=template_kwargs)
+        params = self._fit_context(len(tokens), params)
         self._check_logit_bias(params)
         params = self._sampler_safe(params)
         constraint = await self._constraint(params) if params.constrained else None
@@ -701,6 +793,23 @@ class Engine:
         )
         await self._actor.submit(request)
         return request
+
+    def _fit_context(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with max_tokens cut to the room the prompt leaves in the context.
+
+        No row runs past the model's context: a request asking for more ends
+        with finish_reason "length" there, and its result's ``max_tokens`` says
+        what it ran with (as OpenAI clamps, and mlx-lm does not).
+        """
+        limit = self.context_length
+        if limit is None or prompt_tokens + params.max_tokens <= limit:
+            return params
+        room = limit - prompt_tokens
+        if room < 1:
+            raise _too_long(
+                f"the prompt has {prompt_tokens} tokens, leaving no room to generate", limit
+            )
+        return attrs.evolve(params, max_tokens=room)
 
     async def _constraint(self, params: SamplingParams) -> Constraint | None:
         """Compile the request's schema, regex or grammar in a worker thread, bounded in time."""
@@ -861,6 +970,25 @@ class GenerationStream:
         return self._request.lane
 
     @property
+    def max_tokens(self) -> int:
+        """The max_tokens the request runs with (cut to the room left in the context)."""
+        if self._request is None or self._request.spec is None:
+            raise RuntimeError("enter the stream with 'async with' first")
+        return self._request.spec.params.max_tokens
+
+    @property
+    def ready(self) -> bool:
+        """Whether the next delta (or the end) can be taken without waiting."""
+        return self._request is not None and (
+            self._request.outbox.ready or self._error is not None or self._ended
+        )
+
+    @property
+    def running(self) -> bool:
+        """Whether the request is generating now (not waiting for a row, nor done)."""
+        return self._request is not None and self._request.phase is Phase.RUNNING
+
+    @property
     def result(self) -> GenerationResult:
         """How the completion ended, with usage and timings (after the iteration ended)."""
         if self._result is None:
@@ -953,4 +1081,5 @@ class GenerationStream:
             lane=request.lane,
             time_to_first_token=None if first is None else first - request.submitted,
             duration=end - request.submitted,
+            max_tokens=request.spec.params.max_tokens,
         )

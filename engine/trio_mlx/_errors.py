@@ -13,6 +13,7 @@ __all__ = [
     "InvalidGrammar",
     "InvalidRequest",
     "NotFound",
+    "ReaderStalled",
     "TrioMLXError",
 ]
 
@@ -87,3 +88,16 @@ class GenerationFailed(TrioMLXError):
     status_code = 500
     error_type = "server_error"
     default_code = "generation_failed"
+
+
+class ReaderStalled(TrioMLXError):
+    """The consumer stopped taking this request's output; it was cancelled (408).
+
+    Raised by a stream whose unread output grew past the engine's
+    ``max_unread_tokens``: the engine does not decode (and buffer) for a
+    reader that does not read.
+    """
+
+    status_code = 408
+    error_type = "timeout_error"
+    default_code = "reader_stalled"

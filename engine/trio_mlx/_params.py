@@ -334,6 +334,9 @@ class GenerationResult:
     #: Seconds from submission to the first token, and to the end.
     time_to_first_token: float | None
     duration: float
+    #: The max_tokens the request ran with: lower than asked when the prompt
+    #: left less room in the model's context (None: not recorded).
+    max_tokens: int | None = None
 
 
 @attrs.frozen

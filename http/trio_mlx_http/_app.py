@@ -9,8 +9,9 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -28,6 +29,8 @@ from trio_mlx_http._state import Access, ServerState
 
 __all__ = ["create_app", "shutdown_trigger"]
 
+T = TypeVar("T")
+
 #: Paths served without the API key.
 _PUBLIC = frozenset({"/health"})
 
@@ -38,11 +41,63 @@ def _json(payload: Any, status: int = 200) -> Response:
     )
 
 
+#: Bodies above this many bytes are parsed in a thread, not on the event loop.
+_LARGE_BODY = 64 * 1024
+#: Bytes one token id may take in a JSON list, spaces included, generously.
+_ID_BYTES = 16
+
+
 async def _body() -> dict[str, Any]:
+    return await _parsed(lambda body: body)
+
+
+async def _parsed(parse: Callable[[dict[str, Any]], T], *, refuse_above: int | None = None) -> T:
+    """The request body, as JSON, through ``parse`` (in a thread when the body is large).
+
+    Parsing and checking a few megabytes (a long message list, a million token
+    ids) takes a fair fraction of a second: never on the event loop. A body
+    larger than ``refuse_above`` bytes is refused unparsed (``json.loads`` holds
+    the GIL, and so the event loop, for the whole of a large id list).
+    """
     # Quart raises 413 here, from Content-Length or while the body streams in,
     # before holding more than max_body_bytes.
     data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
-    return _schema.parse_json(data)
+    if refuse_above is not None and len(data) > refuse_above:
+        raise InvalidRequest(
+            f"the body's {len(data)} bytes hold more token ids than the model's context",
+            param="tokens",
+            code="context_length_exceeded",
+        )
+    if len(data) > _LARGE_BODY:
+        _refuse_many_messages(data)
+        return await trio.to_thread.run_sync(lambda: parse(_schema.parse_json(data)))
+    return parse(_schema.parse_json(data))
+
+
+def _refuse_many_messages(data: bytes) -> None:
+    """Refuse, unparsed, a body with more chat messages than the context has tokens.
+
+    A chat has at least a token per message (see the engine's size check), and
+    parsing a hundred thousand message objects costs the event loop hundreds of
+    milliseconds of garbage collection, even in a thread. ``"role"`` with both
+    quotes bare occurs in JSON only as a key (or the odd value): a safe count.
+    """
+    context = _state().engine.context_length
+    if context is None:
+        return
+    roles = data.count(b'"role"')
+    if roles > context:
+        raise InvalidRequest(
+            f"the body holds {roles} messages, more than the model's context of {context}",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
+async def _off_loop_json(payload: Any) -> Response:
+    """A JSON response serialized in a thread (a token list can be megabytes)."""
+    text = await trio.to_thread.run_sync(partial(json.dumps, payload, ensure_ascii=False))
+    return Response(text, mimetype="application/json")
 
 
 def _state() -> ServerState:
@@ -153,13 +208,13 @@ def _install_generation(app: QuartTrio) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response | dict[str, Any]:
         state = _state()
-        parsed = _schema.parse_chat(await _body(), state.settings)
+        parsed = await _parsed(partial(_schema.parse_chat, settings=state.settings))
         return await _generation.respond(state, parsed, chat=True, access=g.access)
 
     @app.post("/v1/completions")
     async def completions() -> Response | dict[str, Any]:
         state = _state()
-        parsed = _schema.parse_completion(await _body(), state.settings)
+        parsed = await _parsed(partial(_schema.parse_completion, settings=state.settings))
         return await _generation.respond(state, parsed, chat=False, access=g.access)
 
     @app.post("/v1/responses")
@@ -275,23 +330,34 @@ def _install_adapters(app: QuartTrio) -> None:
 
 def _install_tokens(app: QuartTrio) -> None:
     @app.post("/tokenize")
-    async def tokenize() -> dict[str, Any]:
+    async def tokenize() -> Response:
         state = _state()
-        parsed = _schema.parse_tokenize(await _body(), state.settings)
-        tokens = state.engine.encode(
+        parsed = await _parsed(partial(_schema.parse_tokenize, settings=state.settings))
+        tokens = await state.engine.tokenize(
             parsed.prompt, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs
         )
-        return {
-            "tokens": list(tokens),
-            "count": len(tokens),
-            "max_model_len": state.engine.context_length,
-        }
+        return await _off_loop_json(
+            {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.context_length}
+        )
 
     @app.post("/detokenize")
     async def detokenize() -> dict[str, Any]:
         state = _state()
-        ids = _schema.parse_detokenize(await _body(), state.vocab_size)
-        return {"prompt": str(state.engine.tokenizer.decode(ids))}
+        # At most the context's worth of ids, as /tokenize gives: decoding holds
+        # the GIL throughout (620 ms for 1.3M ids), so its size must be bounded.
+        context = state.engine.context_length
+        ids = await _parsed(
+            partial(_schema.parse_detokenize, vocab_size=state.vocab_size),
+            refuse_above=None if context is None else _ID_BYTES * context + 1024,
+        )
+        if context is not None and len(ids) > context:
+            raise InvalidRequest(
+                f"{len(ids)} token ids, more than the model's context of {context}",
+                param="tokens",
+                code="context_length_exceeded",
+            )
+        text = await trio.to_thread.run_sync(state.engine.tokenizer.decode, ids)
+        return {"prompt": str(text)}
 
 
 def _install_service(app: QuartTrio) -> None:

@@ -129,6 +129,18 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413"
     )
     parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="connections held at once; past it a new one gets 503 and is closed",
+    )
+    parser.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may stop reading before its connection is closed",
+    )
+    parser.add_argument(
         "--served-model-name",
         action="append",
         default=None,

@@ -11,6 +11,7 @@ status; a failure after that is an error event that ends the stream.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from trio_mlx import (
     Completion,
     Delta,
     GenerationResult,
+    GenerationStream,
     InvalidGrammar,
     InvalidRequest,
     NotFound,
@@ -479,10 +481,12 @@ async def _respond(
         fmt = text_fmt
     jobs = [prompt for prompt in request.prompts for _ in range(request.n)]
     if request.stream:
-        body = _stream(state, request, jobs, fmt, access)
+        ran_with: list[int] = []
+        body = _stream(state, request, jobs, fmt, access, ran_with)
         await anext(body)  # enters every engine request: admission errors become statuses
         access.by_body = True
-        return Response(body, status=200, headers=_sse.SSE_HEADERS, content_type=_sse.CONTENT_TYPE)
+        headers = {**_sse.SSE_HEADERS, **_clamped(request, ran_with)}
+        return Response(body, status=200, headers=headers, content_type=_sse.CONTENT_TYPE)
     per_prompt = request.n
     if request.best_of is not None and request.best_of > request.n:
         per_prompt = request.best_of
@@ -497,10 +501,29 @@ async def _respond(
         state.metrics.finished(access.endpoint, completion.result)
     results = [c.result for c in completions]
     chosen = _best(completions, per_prompt, request)
-    return fmt.envelope.body(
+    payload = fmt.envelope.body(
         [fmt.whole(i, c) for i, c in enumerate(chosen)],
         usage=_openai.usage(results, per_prompt),
     )
+    headers = _clamped(request, [r.max_tokens for r in results if r.max_tokens is not None])
+    if not headers:
+        return payload
+    return Response(
+        json.dumps(payload, ensure_ascii=False),
+        mimetype="application/json",
+        headers=headers,
+    )
+
+
+#: Set when the prompt left less room in the context than max_tokens asked for.
+CLAMPED_HEADER = "X-Max-Tokens-Clamped"
+
+
+def _clamped(request: GenerationRequest, ran_with: list[int]) -> dict[str, str]:
+    """The header saying max_tokens was cut to fit the context (the smallest, over choices)."""
+    if ran_with and min(ran_with) < request.params.max_tokens:
+        return {CLAMPED_HEADER: str(min(ran_with))}
+    return {}
 
 
 def _best(
@@ -549,12 +572,27 @@ async def _complete_all(
     return [c for c in out if c is not None]
 
 
+def _next_readers(streams: Sequence[GenerationStream], active: list[int]) -> list[int]:
+    """The choices to read this round: those with output ready, else one that is running.
+
+    Waiting on a choice still queued for a batch row while the others generate
+    would leave their output unread, and the engine cancels a request whose
+    unread output passes its bound.
+    """
+    ready = [index for index in active if streams[index].ready]
+    if ready:
+        return ready
+    running = [index for index in active if streams[index].running]
+    return running[:1] or active[:1]
+
+
 async def _stream(
     state: ServerState,
     request: GenerationRequest,
     jobs: Sequence[Prompt],
     fmt: _Format,
     access: Access,
+    ran_with: list[int],
 ) -> AsyncIterator[bytes]:
     """The SSE body: every choice's chunks, round-robin, then usage and ``[DONE]``."""
     status = 499  # nginx's "client closed request", logged if the client leaves
@@ -574,6 +612,7 @@ async def _stream(
                 for prompt in jobs
             ]
             admitted = True
+            ran_with.extend(stream.max_tokens for stream in streams)
             yield b""  # primed: all admitted
             results: list[GenerationResult | None] = [None] * len(streams)
             try:
@@ -582,7 +621,7 @@ async def _stream(
                         yield _sse.event(chunk)
                 active = list(range(len(streams)))
                 while active:
-                    for index in list(active):
+                    for index in _next_readers(streams, active):
                         try:
                             delta = await anext(streams[index])
                         except StopAsyncIteration:

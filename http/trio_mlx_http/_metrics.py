@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trio_mlx import EngineStatistics, GenerationResult
+from trio_mlx_http._serve import ConnectionStatistics
 
 __all__ = ["Metrics"]
 
@@ -102,6 +103,37 @@ class _EngineCollector:
 
 
 @attrs.define(eq=False)
+class _ConnectionCollector:
+    """Reads the connection guard's statistics per scrape."""
+
+    statistics: Callable[[], ConnectionStatistics]
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.statistics()
+        yield GaugeMetricFamily(
+            "trio_mlx_http_connections_open", "HTTP connections held.", value=stats.open
+        )
+        yield GaugeMetricFamily(
+            "trio_mlx_http_connections_peak",
+            "Most HTTP connections held at once.",
+            value=stats.peak,
+        )
+        yield CounterMetricFamily(
+            "trio_mlx_http_connections_accepted", "HTTP connections served.", value=stats.accepted
+        )
+        yield CounterMetricFamily(
+            "trio_mlx_http_connections_refused",
+            "Connections answered 503 and closed: the connection cap was reached.",
+            value=stats.refused,
+        )
+        yield CounterMetricFamily(
+            "trio_mlx_http_write_timeouts",
+            "Connections aborted because the client stopped reading.",
+            value=stats.write_timeouts,
+        )
+
+
+@attrs.define(eq=False)
 class Metrics:
     """The app's registry and the metrics the HTTP layer updates."""
 
@@ -142,6 +174,10 @@ class Metrics:
     def watch_engine(self, statistics: Callable[[], EngineStatistics]) -> None:
         """Export the engine's statistics on every scrape."""
         self.registry.register(_EngineCollector(statistics))
+
+    def watch_connections(self, statistics: Callable[[], ConnectionStatistics]) -> None:
+        """Export the connection guard's statistics on every scrape."""
+        self.registry.register(_ConnectionCollector(statistics))
 
     def finished(self, endpoint: str, result: GenerationResult) -> None:
         """Count one finished choice (its outcome is its finish reason)."""

@@ -9,17 +9,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import hypercorn.trio
+import attrs
 import trio
 from hypercorn.config import Config
 from quart_trio import QuartTrio
 
 import trio_mlx
+from trio_mlx_http import _serve
 from trio_mlx_http._app import create_app, shutdown_trigger
+from trio_mlx_http._serve import ConnectionGuard, ConnectionLimits
 from trio_mlx_http._settings import Settings
 from trio_mlx_http._startup import bound_socket
+from trio_mlx_http._state import ServerState
 
-__all__ = ["generate", "serve"]
+__all__ = ["generate", "serve", "serve_http"]
 
 logger = logging.getLogger("trio_mlx_http")
 
@@ -113,20 +116,54 @@ def hypercorn_config(host: str, port: int, graceful_timeout: float) -> Config:
     return config
 
 
-async def _on_signals(shutdown: trio.Event, cancel: trio.CancelScope) -> None:
-    """First SIGINT/SIGTERM: stop accepting and drain; a second one: stop now."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            if shutdown.is_set():
-                logger.warning(
-                    "second %s: cancelling in-flight requests", signal.Signals(signum).name
-                )
-                cancel.cancel()
-                return
-            logger.info(
-                "%s: no new requests; in-flight ones may finish", signal.Signals(signum).name
-            )
-            shutdown.set()
+#: After a second signal: seconds the ends of cut streams (an error event and
+#: ``[DONE]``, a few hundred bytes) get to leave before every write is aborted.
+_SECOND_SIGNAL_FLUSH = 1.0
+
+
+@attrs.define(eq=False)
+class _Stopping:
+    """What the signal task needs to stop the server, filled in as it starts."""
+
+    #: The scope of everything but the signal receiver (start-up included).
+    body: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    shutdown: trio.Event = attrs.field(factory=trio.Event)
+    engine: trio_mlx.Engine | None = None
+    guard: ConnectionGuard | None = None
+    #: Set when a signal came before the server was serving.
+    interrupted: bool = False
+
+
+async def _on_signals(signals: Any, stopping: _Stopping) -> None:
+    """First SIGINT/SIGTERM: stop accepting and drain; the second: end streams now.
+
+    The receiver stays open until the process ends, so no signal ever raises
+    ``KeyboardInterrupt`` in the middle of the shutdown (a third is only logged).
+    """
+    count = 0
+    async for signum in signals:
+        count += 1
+        name = signal.Signals(signum).name
+        engine = stopping.engine
+        if engine is None:
+            logger.info("%s during start-up: stopping", name)
+            stopping.interrupted = True
+            stopping.body.cancel()
+        elif count == 1:
+            logger.info("%s: no new requests; in-flight ones may finish", name)
+            stopping.shutdown.set()
+        elif count == 2:
+            logger.warning("second %s: ending in-flight requests now", name)
+            stopping.shutdown.set()
+            # Every stream ends with an error event and [DONE]; non-streaming
+            # requests answer 503. Then whatever still hangs is cut.
+            engine.close()
+            await trio.sleep(_SECOND_SIGNAL_FLUSH)
+            if stopping.guard is not None:
+                stopping.guard.abort_writes()
+            stopping.body.cancel()
+        else:
+            logger.info("%s: already stopping", name)
 
 
 async def _close_at_deadline(
@@ -148,25 +185,67 @@ async def _close_at_deadline(
     engine.close()
 
 
+def limits_from(args: argparse.Namespace) -> ConnectionLimits:
+    """The connection limits the flags ask for."""
+    return ConnectionLimits(max_connections=args.max_connections, write_timeout=args.write_timeout)
+
+
+async def serve_http(
+    app: QuartTrio,
+    config: Config,
+    guard: ConnectionGuard,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` until ``shutdown`` is set and in-flight requests are drained."""
+    state: ServerState = app.extensions["trio_mlx"]
+    state.metrics.watch_connections(guard.statistics)
+    await _serve.serve(
+        app,
+        config,
+        guard,
+        shutdown_trigger=shutdown_trigger(app, shutdown),
+        task_status=task_status,
+    )
+
+
 async def _http(
     app: QuartTrio,
     config: Config,
+    guard: ConnectionGuard,
     shutdown: trio.Event,
     done: trio.CancelScope,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Hypercorn until the shutdown trigger, in-flight requests drained; then end ``done``."""
-    trigger = shutdown_trigger(app, shutdown)
-    await hypercorn.trio.serve(app, config, shutdown_trigger=trigger, task_status=task_status)
+    """Serve until the shutdown trigger, in-flight requests drained; then end ``done``."""
+    await serve_http(app, config, guard, shutdown, task_status=task_status)
     done.cancel()
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Open the engine, serve HTTP until a signal, shut down gracefully; exit status 0."""
+    """Open the engine, serve HTTP until a signal, shut down gracefully.
+
+    Exit status 0 after a shutdown by signal; 130 when a signal came before
+    the server was serving.
+    """
+    stopping = _Stopping()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_on_signals, signals, stopping)
+            with stopping.body:
+                await _serve_until_stopped(args, stopping)
+            nursery.cancel_scope.cancel()
+    if stopping.interrupted:
+        return 130
+    logger.info("stopped")
+    return 0
+
+
+async def _serve_until_stopped(args: argparse.Namespace, stopping: _Stopping) -> None:
     settings = settings_from(args)
     config = hypercorn_config(args.host, args.port, args.graceful_timeout)
-    shutdown = trio.Event()
     backend = trio_mlx.backend_info()
     level = logging.WARNING if backend.blas == "reference" else logging.INFO
     logger.log(level, "%s", backend.describe())
@@ -176,14 +255,15 @@ async def serve(args: argparse.Namespace) -> int:
         trio_mlx.open_engine(**_engine_options(args)) as engine,
     ):
         config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns the socket from here
+        # After the engine: loading mlx-lm lowers the fd limit (to 2,048 of 4,096).
+        guard = ConnectionGuard(limits_from(args).fitted(_serve.raise_fd_limit()))
         app = create_app(engine, settings)
+        shutdown = stopping.shutdown
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
             nursery.start_soon(_close_at_deadline, engine, shutdown, args.graceful_timeout)
-            binds = await nursery.start(_http, app, config, shutdown, nursery.cancel_scope)
+            binds = await nursery.start(_http, app, config, guard, shutdown, nursery.cancel_scope)
+            stopping.engine, stopping.guard = engine, guard
             logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
-    logger.info("stopped")
-    return 0
 
 
 async def generate(args: argparse.Namespace) -> int:
