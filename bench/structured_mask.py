@@ -18,7 +18,9 @@ concatenated and evaluated. ``*_host_ms`` is the part before that evaluation:
 the Python and llguidance work (read-backs, feeding, filling, unpacking on the
 host) that, on a GPU, the device waits for; the rest is MLX running the masks,
 the concatenation and the argmax on the device. The model itself is not run (``bench.suite``'s
-part 7 measures decoding end to end). ``python -m bench.suite --models tiny-128k``
+part 7 measures decoding end to end; ``--lane`` instead decodes B constrained rows
+through a ``BatchLane`` with the model, GrammarBatch on and off, alternating, best
+tokens/s of the rounds). ``python -m bench.suite --models tiny-128k``
 builds a model with llama-1b's vocabulary (128,256) on a tiny body.
 """
 
@@ -117,6 +119,31 @@ def run(
     return host[1:], times[1:]
 
 
+def lane_run(model: Any, tokenizer: Any, compiler: Any, batch: int, steps: int, on: bool) -> float:
+    """Decode tokens/s of ``batch`` constrained rows through a ``BatchLane`` (``on``: GrammarBatch)."""
+    from bench.suite.schemas import SCHEMAS, endless
+
+    from trio_mlx import SamplingParams
+    from trio_mlx._batch import BatchLane, RowSpec
+
+    lane = BatchLane(model, tokenizer, max_batch=batch, grammar_batch=on)
+    specs = []
+    for i in range(batch):
+        params = SamplingParams(
+            max_tokens=steps + 8, json_schema=endless(SCHEMAS[i % len(SCHEMAS)])
+        )
+        specs.append(RowSpec(i, (1, 2, 3, 4 + i), params, compiler.compile(params)))
+    lane.step(specs)
+    while lane.step().decoding < batch:
+        pass
+    start, tokens = time.perf_counter(), 0
+    for _ in range(steps):
+        tokens += sum(len(e.token_ids) for e in lane.step().events)
+    elapsed = time.perf_counter() - start
+    lane.discard(list(range(batch)))
+    return tokens / elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
@@ -124,6 +151,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--lane",
+        action="store_true",
+        help="instead: decode through a BatchLane with the model, GrammarBatch on vs off",
+    )
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -136,6 +168,22 @@ def main() -> None:
     compiler = GrammarCompiler(load_tokenizer(args.model), width)
     compiler.llg_tokenizer()
     results: dict[str, Any] = {"device": str(mx.default_device()), "vocab": width, "rows": []}
+    if args.lane:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(args.model))
+        for batch in [int(b) for b in args.batches.split(",")]:
+            rates: dict[str, float] = {}
+            for _ in range(args.rounds):
+                for name, on in (("per_row_tok_s", False), ("batch_tok_s", True)):
+                    rate = lane_run(model, tokenizer, compiler, batch, args.steps, on)
+                    rates[name] = max(rates.get(name, 0.0), rate)
+            row = {"batch": batch, "lane": True, **rates}
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
+        return
     for batch in [int(b) for b in args.batches.split(",")]:
         best: dict[str, float] = {}
         for _ in range(args.rounds):  # alternating rounds, best median per mode
