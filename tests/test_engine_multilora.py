@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +200,22 @@ async def test_max_loras_bounds_the_mounted_adapters_with_a_conflict(
         await engine.unmount_adapter("wide")
         await engine.mount_adapter("deep", adapters["deep"])
         assert engine.adapters == ("shout", "deep")
+
+
+async def test_a_dora_adapter_runs_in_the_serial_lane_and_a_lora_one_in_the_batch(
+    adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["wide"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "dora"}))
+    async with trio_mlx.open_engine() as engine:
+        await engine.mount_adapter("dora", dora)
+        await engine.mount_adapter("wide", adapters["wide"])
+        assert engine._registry.serial_reason("dora") == "a dora adapter"
+        assert engine._registry.serial_reason("wide") is None
+        on_dora = await engine.complete(PROMPTS[0], _params("dora"))
+        on_wide = await engine.complete(PROMPTS[0], _params("wide"))
+        stats = engine.statistics()
+    assert (on_dora.result.lane, on_wide.result.lane) == ("serial", "batch")
+    assert dict(stats.adapter_requests) == {"serial:dora": 1, "batch:wide": 1}

@@ -281,7 +281,7 @@ def _batch_layers(
             continue
         if type(module) is not LoRALinear or module.linear is not base[name]:
             return None, f"an adapter with {type(module).__name__} layers"
-        if not isinstance(base[name], nn.Linear | nn.QuantizedLinear):
+        if not isinstance(base[name], nn.Linear | nn.QuantizedLinear):  # type: ignore[attr-defined]
             return None, f"an adapter on a {type(base[name]).__name__}"
         layers[name] = (module.lora_a, module.lora_b, float(module.scale))
     return AdapterLayers(layers), None

@@ -48,7 +48,7 @@ def _multi_lora_class() -> type[Any]:
     import mlx.core as mx
     import mlx.nn as nn
 
-    class _MultiLoRALinear(nn.Module):  # type: ignore[misc]
+    class _MultiLoRALinear(nn.Module):  # type: ignore[misc,name-defined]
         def __init__(self, base: Any, a: Any, b: Any, scales: Any, index: RowIndex) -> None:
             super().__init__()
             self.base = base
@@ -152,4 +152,4 @@ class AdapterStack:
         """The adapter slot of each row of the next forward call, in the call's row order."""
         import mlx.core as mx
 
-        self.index.ids = mx.array(slots, dtype=mx.uint32) if any(slots) else None
+        self.index.ids = mx.array(list(slots), dtype=mx.uint32) if any(slots) else None
