@@ -74,6 +74,15 @@ def _multi_lora_class() -> type[Any]:
 _CLASS: type[Any] | None = None
 
 
+def _parent(model: Any, name: str) -> tuple[Any, Any]:
+    """The module (or list) holding the layer at the dotted ``name``, and its key there."""
+    *path, last = name.split(".")
+    node = model
+    for part in path:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node, int(last) if isinstance(node, list) else last
+
+
 def multi_lora_linear(base: Any, a: Any, b: Any, scales: Any, index: RowIndex) -> Any:
     """A linear layer plus every stacked adapter's low-rank update, chosen per row."""
     global _CLASS
@@ -93,6 +102,8 @@ class AdapterStack:
     #: Layer name -> its MultiLoRALinear (holding the base module).
     modules: dict[str, Any] = attrs.field(factory=dict)
     index: RowIndex = attrs.field(factory=RowIndex)
+    #: (parent module or list, key, stacked layer, base layer) for each adapted layer.
+    _sites: list[tuple[Any, Any, Any, Any]] = attrs.field(factory=list)
 
     @classmethod
     def build(cls, model: Any, adapters: Sequence[tuple[str, int, AdapterLayers]]) -> AdapterStack:
@@ -134,19 +145,27 @@ class AdapterStack:
                 stack.index,
             )
         mx.eval([(m.stack_a, m.stack_b, m.scales) for m in stack.modules.values()])
+        for layer, module in stack.modules.items():
+            parent, key = _parent(model, layer)
+            stack._sites.append((parent, key, module, base[layer]))
         return stack
 
     @contextmanager
     def on(self, model: Any) -> Iterator[None]:
-        """The stacked layers on ``model`` for the block; its base modules back after."""
-        from mlx.utils import tree_unflatten
+        """The stacked layers on ``model`` for the block; its base modules back after.
 
-        model.update_modules(tree_unflatten(list(self.modules.items())))
+        A swap is one item assignment per adapted layer in its parent (what
+        ``update_modules`` ends up doing, without walking the whole model), so
+        it can happen around every decode step.
+        """
+        for parent, key, module, _base in self._sites:
+            parent[key] = module
         try:
             yield
         finally:
             self.index.ids = None
-            model.update_modules(tree_unflatten([(k, m.base) for k, m in self.modules.items()]))
+            for parent, key, _module, base in self._sites:
+                parent[key] = base
 
     def set_rows(self, slots: Sequence[int]) -> None:
         """The adapter slot of each row of the next forward call, in the call's row order."""
