@@ -60,6 +60,24 @@ def tool_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="session")
+def json_tools_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as it is, its tokenizer naming mlx-lm's ``json_tools`` parser.
+
+    Its own output is free text: a forced ``tool_choice`` is what makes it call.
+    """
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("models") / "tiny-tools"
+    shutil.copytree(tiny_model_path, path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tool_parser_type"] = "json_tools"
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="session")
 def endless_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model rewired to answer "a" forever: a row that never ends on its own."""
     from tool_model import make_tool_model

@@ -332,7 +332,6 @@ async def test_text_format_with_a_schema_that_cannot_compile_is_a_400(server: Li
 
 #: (field, value, the param the 400 names): known fields this server does not support.
 UNSUPPORTED: list[tuple[str, Any, str]] = [
-    ("tool_choice", "required", "tool_choice"),
     ("background", True, "background"),
     ("reasoning", {"effort": "high"}, "reasoning.effort"),
     ("reasoning", {"summary": "auto"}, "reasoning.summary"),
@@ -352,6 +351,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": "Hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": "Hi", "temperature": 2.5}, "temperature"),
+    ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),  # no tools to call
+    ({"input": "Hi", "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -71,22 +70,10 @@ def _response_format(schema: dict[str, Any]) -> Any:
     }
 
 
-@pytest.fixture(scope="module")
-def tool_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, its tokenizer naming mlx-lm's ``json_tools`` parser (``<tool_call>``)."""
-    path = tmp_path_factory.mktemp("models") / "tiny-tools"
-    shutil.copytree(tiny_model_path, path)
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["tool_parser_type"] = "json_tools"
-    config_file.write_text(json.dumps(config))
-    return path
-
-
 @pytest.fixture
-async def client(tool_model_path: Path) -> AsyncIterator[openai.AsyncOpenAI]:
+async def client(json_tools_model_path: Path) -> AsyncIterator[openai.AsyncOpenAI]:
     async with (
-        live_server(tool_model_path, grammar_timeout=60) as live,
+        live_server(json_tools_model_path, grammar_timeout=60) as live,
         openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0) as client,
     ):
         yield client
@@ -177,13 +164,13 @@ async def test_bad_response_formats_are_400_before_anything_is_generated(
             assert str(caught.value.param).startswith("response_format")
 
 
-async def test_huge_schema_past_the_bound_is_a_400(tool_model_path: Path) -> None:
+async def test_huge_schema_past_the_bound_is_a_400(json_tools_model_path: Path) -> None:
     huge = {
         "type": "object",
         "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)},
     }
     async with (
-        live_server(tool_model_path, grammar_timeout=0.01) as live,
+        live_server(json_tools_model_path, grammar_timeout=0.01) as live,
         httpx.AsyncClient(base_url=live.url, timeout=60) as http,
     ):
         reply = await http.post(

@@ -24,12 +24,13 @@ import attrs
 import trio
 from quart import Response
 
-from trio_mlx import InvalidRequest, TrioMLXError
+from trio_mlx import InvalidGrammar, InvalidRequest, TrioMLXError
 from trio_mlx_http._errors import anthropic_error_body
 from trio_mlx_http._generation import _check_tools, _resolve_model
 from trio_mlx_http._schema import GenerationRequest, _get, _messages, _sampling
 from trio_mlx_http._settings import Settings
 from trio_mlx_http._state import Access, ServerState
+from trio_mlx_http._structured import ToolChoice, grammar_param
 from trio_mlx_http._tools import ToolCall
 from trio_mlx_http._turn import Ending, Event, Piece, Thought, run_turn
 
@@ -170,13 +171,29 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return _messages(out)
 
 
-def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    tools = _get(body, "tools", list, "a list of tools") or []
+def _tool_choice(body: Mapping[str, Any]) -> ToolChoice:
+    """Anthropic's ``tool_choice`` in chat's terms: "any" is required, "tool" a named one.
+
+    Both are enforced with chat's tool-call grammar (``_generation._enforce_tool_choice``).
+    """
     choice = _get(body, "tool_choice", dict, "an object")
     kind = "auto" if choice is None else choice.get("type")
-    if kind not in ("auto", "none"):
-        # "any" and a named tool force a call: that needs constrained decoding.
-        raise _unsupported("tool_choice", "only {'type': 'auto'} and {'type': 'none'}")
+    parallel = not _one_call(body)
+    if kind in ("auto", "none"):
+        return ToolChoice(kind, parallel=parallel)
+    if kind == "any":
+        return ToolChoice("required", parallel=parallel)
+    if kind == "tool" and choice is not None and isinstance(choice.get("name"), str):
+        return ToolChoice("function", choice["name"], parallel=parallel)
+    raise InvalidRequest(
+        "tool_choice.type must be 'auto', 'any', 'tool' (with a name) or 'none'",
+        param="tool_choice",
+    )
+
+
+def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    tools = _get(body, "tools", list, "a list of tools") or []
+    kind = _tool_choice(body).mode
     chat = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -271,6 +288,7 @@ def parse_messages(
         tools=_tools(body),
         chat_template_kwargs=_template_kwargs(body, settings),
         parallel_tool_calls=not _one_call(body),
+        tool_choice=_tool_choice(body),
     )
     return MessagesRequest(generation, _is_prefill(body, conversation))
 
@@ -480,7 +498,10 @@ async def respond(
 ) -> Response | dict[str, Any]:
     """Answer one ``POST /v1/messages``."""
     request = await _prompt(state, parse_messages(body, state.settings))
-    return await run_turn(state, request, _Renderer, access)
+    try:
+        return await run_turn(state, request, _Renderer, access)
+    except InvalidGrammar as error:  # the tool-call grammar of a forced tool_choice
+        raise grammar_param(error, "tool_choice") from None
 
 
 async def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str, Any]:

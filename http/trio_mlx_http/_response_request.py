@@ -19,7 +19,7 @@ from trio_mlx import InvalidRequest
 from trio_mlx_http._response_store import ResponseStore
 from trio_mlx_http._schema import _EFFORTS, GenerationRequest, _get, _messages, _sampling
 from trio_mlx_http._settings import Settings
-from trio_mlx_http._structured import parse_response_format
+from trio_mlx_http._structured import ToolChoice, parse_response_format
 
 __all__ = ["IGNORED", "REFUSED", "ResponsesRequest", "parse_responses"]
 
@@ -78,7 +78,7 @@ class ResponsesRequest:
     instructions: str | None
     #: The tools as the client sent them (echoed in the response).
     tools: list[dict[str, Any]]
-    tool_choice: str
+    tool_choice: str | dict[str, Any]
     max_output_tokens: int | None
     temperature: float
     top_p: float
@@ -165,15 +165,36 @@ def _input(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
-    """(tools as sent, tools in chat-template form, tool_choice)."""
-    tools = _get(body, "tools", list, "a list of tools") or []
+def _tool_choice(body: Mapping[str, Any]) -> tuple[str | dict[str, Any], ToolChoice]:
+    """``tool_choice`` as sent (echoed in the response) and parsed.
+
+    "required" and a named function (``{"type": "function", "name": ...}``) are
+    enforced with chat's tool-call grammar (see ``_generation._enforce_tool_choice``).
+    """
+    parallel = _get(body, "parallel_tool_calls", bool, "a boolean") is not False
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
-    if choice not in ("auto", "none"):
-        # Forcing a call ("required", a named function) needs constrained decoding.
-        raise _unsupported("tool_choice", "only 'auto' and 'none'")
+    if choice in ("auto", "none", "required"):
+        return choice, ToolChoice(choice, parallel=parallel)
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("name"), str)
+    ):
+        return dict(choice), ToolChoice("function", choice["name"], parallel=parallel)
+    raise InvalidRequest(
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+        param="tool_choice",
+    )
+
+
+def _tools(
+    body: Mapping[str, Any],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | dict[str, Any], ToolChoice]:
+    """(tools as sent, tools in chat-template form, tool_choice as sent and parsed)."""
+    tools = _get(body, "tools", list, "a list of tools") or []
+    choice, parsed = _tool_choice(body)
     chat = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -186,7 +207,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
             raise InvalidRequest(f"{where}.name must be a string", param=f"{where}.name")
         function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         chat.append({"type": "function", "function": function})
-    return list(tools), chat if choice != "none" else [], choice
+    return list(tools), chat if choice != "none" else [], choice, parsed
 
 
 def _text_format(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -309,7 +330,7 @@ def parse_responses(
             )
         earlier = stored.conversation
     conversation = (*earlier, *_input(body.get("input")))
-    tools, chat_tools, choice = _tools(body)
+    tools, chat_tools, choice, parsed_choice = _tools(body)
     temperature, top_p, max_output = _sampling_values(body, settings)
     params = _sampling(
         {"temperature": temperature, "top_p": top_p},
@@ -329,7 +350,8 @@ def parse_responses(
         tools=chat_tools or None,
         chat_template_kwargs=dict(settings.chat_template_args) or None,
         reasoning_effort=_reasoning(body),
-        parallel_tool_calls=_get(body, "parallel_tool_calls", bool, "a boolean") is not False,
+        parallel_tool_calls=parsed_choice.parallel,
+        tool_choice=parsed_choice,
     )
     return ResponsesRequest(
         generation=generation,

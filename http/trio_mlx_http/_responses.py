@@ -311,7 +311,8 @@ async def respond(
             access,
         )
     except InvalidGrammar as error:
-        raise grammar_param(error, "text.format") from None
+        source = "text.format" if request.generation.params.constrained else "tool_choice"
+        raise grammar_param(error, source) from None
     except InvalidRequest as error:
         if error.param != "reasoning_effort":
             raise

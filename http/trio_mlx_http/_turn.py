@@ -23,6 +23,7 @@ from trio_mlx_http._errors import status_of
 from trio_mlx_http._generation import (
     _check_tools,
     _clamp_max_tokens,
+    _enforce_tool_choice,
     _extractor,
     _opens_reasoning,
     _reasoning_effort,
@@ -32,7 +33,6 @@ from trio_mlx_http._generation import (
 from trio_mlx_http._reasoning import ReasoningSplitter
 from trio_mlx_http._schema import GenerationRequest
 from trio_mlx_http._state import Access, ServerState
-from trio_mlx_http._structured import after_reasoning
 from trio_mlx_http._tools import ToolCall, ToolCallExtractor
 
 __all__ = ["Ending", "Event", "Piece", "Renderer", "Thought", "run_turn"]
@@ -155,13 +155,14 @@ async def _prepare(
     request = _reasoning_effort(state, request)
     splitter = _Splitter(_extractor(state, request))
     markers = reasoning_markers(state)
+    opened = False
     if markers is not None:
         opened = await _opens_reasoning(state, request, markers)
         splitter.reasoning = (ReasoningSplitter.opened if opened else ReasoningSplitter)(*markers)
-        if opened and request.params.constrained:
-            # A JSON format starts after the reasoning block, as on chat.
-            params = after_reasoning(request.params, state.engine.tokenizer, markers[1])
-            request = attrs.evolve(request, params=params)
+    # As on chat: a forced tool call becomes a grammar of the model's tool-call format,
+    # and any constraint starts after a reasoning block the prompt opens.
+    reasoning_end = markers[1] if markers is not None and opened else None
+    request = _enforce_tool_choice(state, request, reasoning_end)
     return model, request, splitter
 
 
