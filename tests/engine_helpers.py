@@ -14,25 +14,36 @@ NO_EOS = {0: -100.0, 2: -100.0}
 PROMPT = "The quick brown fox jumps"
 
 
-def make_adapter(model_path: Path, out: Path) -> Path:
-    """A random LoRA adapter for the tiny model (lora_b non-zero, so it changes outputs)."""
+def make_adapter(
+    model_path: Path,
+    out: Path,
+    *,
+    seed: int = 3,
+    rank: int = 4,
+    scale: float = 20.0,
+    num_layers: int = 2,
+    keys: list[str] | None = None,
+) -> Path:
+    """A random LoRA adapter for a model (lora_b non-zero, so it changes outputs)."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model, _tokenizer = mlx_lm.load(str(model_path))
-    lora = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    lora: dict[str, object] = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys is not None:
+        lora["keys"] = keys
     model.freeze()
-    linear_to_lora_layers(model, 2, lora)
-    mx.random.seed(3)
+    linear_to_lora_layers(model, num_layers, lora)
+    mx.random.seed(seed)
     weights = {
         name: mx.random.normal(value.shape) * 0.5
         for name, value in tree_flatten(model.trainable_parameters())
     }
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}
+    config = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": lora}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
 

@@ -42,9 +42,21 @@ def test_gate_sends_kv_bits_to_the_serial_lane() -> None:
     assert (lane.name, lane.reason) == ("serial", "kv_bits")
 
 
-def test_gate_sends_an_adapter_request_to_the_serial_lane() -> None:
+def test_gate_batches_a_request_for_a_mounted_plain_lora_adapter() -> None:
     lane = choose_lane(SamplingParams(adapter="a"), max_batch=8, caches_merge=True)
-    assert (lane.name, lane.reason) == ("serial", "adapter")
+    assert lane.batch
+
+
+def test_gate_sends_an_adapter_that_cannot_batch_to_the_serial_lane() -> None:
+    lane = choose_lane(
+        SamplingParams(adapter="a"), max_batch=8, caches_merge=True, adapter_reason="a dora adapter"
+    )
+    assert (lane.name, lane.reason) == ("serial", "adapter: a dora adapter")
+
+
+def test_gate_sends_an_adapter_request_with_kv_bits_to_the_serial_lane() -> None:
+    lane = choose_lane(SamplingParams(adapter="a", kv_bits=8), max_batch=8, caches_merge=True)
+    assert (lane.name, lane.reason) == ("serial", "kv_bits")
 
 
 def test_gate_sends_everything_serial_when_caches_cannot_merge() -> None:
@@ -185,7 +197,7 @@ async def test_mounted_adapter_changes_only_requests_that_name_it(
         assert engine.adapters == ()
         with pytest.raises(NotFound, match="shout"):
             await engine.complete(PROMPT, SamplingParams(adapter="shout"))
-    assert tuned.result.lane == "serial"
+    assert tuned.result.lane == "batch"  # a plain LoRA adapter batches (test_engine_multilora)
     assert tuned.token_ids != base.token_ids
     assert base_again.token_ids == base.token_ids
 

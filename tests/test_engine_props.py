@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import trio_mlx
 from engine_helpers import NO_EOS, wait_until
-from trio_mlx import EngineOverloaded, InvalidRequest, NotFound, SamplingParams
+from trio_mlx import AdapterConflict, EngineOverloaded, InvalidRequest, NotFound, SamplingParams
 from trio_mlx._arbiter import Admit, Park, Resume, Start, Step
 
 pytestmark = [pytest.mark.model, pytest.mark.props]
@@ -107,8 +107,8 @@ async def _check_scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]
                 outcomes[i].append("cancelled")
             except EngineOverloaded:
                 outcomes[i].append("rejected")
-            except (NotFound, InvalidRequest):
-                # Adapter races: not mounted yet, already mounted, already gone.
+            except (NotFound, InvalidRequest, AdapterConflict):
+                # Adapter races: not mounted yet, already mounted, already gone, in use.
                 outcomes[i].append("refused")
 
         with trio.fail_after(60):
@@ -123,7 +123,9 @@ async def _check_scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]
     assert _idle(stats)
     assert stats.arbiter.running_job is None
     assert stats.batch_rows == 0
-    assert stats.requests["batch:failed"] == 0
+    refused = sum(o == ["refused"] for o in outcomes.values())
+    # Only adapter rows whose adapter went while they waited fail (NotFound at insert).
+    assert stats.requests["batch:failed"] <= refused
     for lane in ("batch", "serial", "job"):
         assert stats.requests[f"{lane}:closed"] == 0
     rejected = sum(o == ["rejected"] for o in outcomes.values())
@@ -131,7 +133,6 @@ async def _check_scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]
         sum(stats.requests[f"{lane}:rejected"] for lane in ("batch", "serial", "job")) == rejected
     )
     ended = sum(o[0] in ("finished", "cancelled") for o in outcomes.values())
-    refused = sum(o == ["refused"] for o in outcomes.values())
     counted = sum(
         stats.requests[f"{lane}:{how}"]
         for lane in ("batch", "serial", "job")

@@ -316,6 +316,29 @@ async def test_adapter_mounts_serves_as_a_model_and_unmounts(
         _expect_error(await http.post("/v1/completions", json=body), 404, "model")
 
 
+async def test_mounting_past_max_loras_is_409_and_metrics_count_adapter_requests(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    adapters = tmp_path / "adapters"
+    make_adapter(tiny_model_path, adapters / "one")
+    make_adapter(tiny_model_path, adapters / "two", seed=5)
+    settings = Settings(adapter_dir=adapters)
+    async with (
+        live_server(tiny_model_path, settings, max_loras=1) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        mounted = await http.post("/v1/adapters", json={"name": "one", "path": "one"})
+        assert mounted.status_code == 201, mounted.text
+        refused = await http.post("/v1/adapters", json={"name": "two", "path": "two"})
+        error = _expect_error(refused, 409, "name")
+        assert error["code"] == "too_many_adapters"
+        assert "max_loras=1" in error["message"]
+        body = {"model": "one", "prompt": "Hello", "max_tokens": 4}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        metrics = (await http.get("/metrics")).text
+    assert 'trio_mlx_adapter_requests_total{adapter="one",lane="batch"} 1.0' in metrics
+
+
 async def test_cors_preflight_needs_no_key_and_responses_carry_the_origin(
     tiny_model_path: Path,
 ) -> None:

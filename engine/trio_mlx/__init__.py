@@ -9,6 +9,7 @@ from trio_mlx._arbiter import ArbiterPolicy, ArbiterStatistics
 from trio_mlx._blas import BackendInfo, backend_info, maybe_reexec_with_fast_blas
 from trio_mlx._engine import Engine, GenerationStream, open_engine
 from trio_mlx._errors import (
+    AdapterConflict,
     EngineClosed,
     EngineOverloaded,
     GenerationFailed,
@@ -23,6 +24,7 @@ from trio_mlx._version import __version__
 from trio_mlx.default_model import default_adapter_path, default_model_path
 
 __all__ = [
+    "AdapterConflict",
     "ArbiterPolicy",
     "ArbiterStatistics",
     "BackendInfo",

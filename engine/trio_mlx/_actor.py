@@ -203,6 +203,8 @@ class EngineStatistics:
     mlx_peak_memory: int = 0
     #: Bytes the prompt cache counts for its entries (0 when it is off).
     prompt_cache_bytes: int = 0
+    #: Ended requests that named an adapter, by ``"lane:adapter"`` (lanes batch, serial).
+    adapter_requests: Mapping[str, int] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)
@@ -234,6 +236,7 @@ class Actor:
     _closing: bool = attrs.field(init=False, default=False)
     _stopped: bool = attrs.field(init=False, default=False)
     _counts: Counter[str] = attrs.field(init=False, factory=Counter)
+    _adapter_counts: Counter[str] = attrs.field(init=False, factory=Counter)
     _tokens: Counter[str] = attrs.field(init=False, factory=Counter)
     _batch_rows: int = attrs.field(init=False, default=0)
     _inbox_send: trio.MemorySendChannel[Request] = attrs.field(init=False)
@@ -391,6 +394,7 @@ class Actor:
             arbiter=arb,
             ranks=self.ranks,
             admissions=self._admissions,
+            adapter_requests=MappingProxyType(dict(self._adapter_counts)),
         )
 
     async def wait_idle(self) -> None:
@@ -770,6 +774,8 @@ class Actor:
         if request.finished_at is None:
             request.finished_at = trio.current_time()
         self._counts[f"{request.lane}:{how}"] += 1
+        if request.spec is not None and request.spec.params.adapter is not None:
+            self._adapter_counts[f"{request.lane}:{request.spec.params.adapter}"] += 1
         self._requests.pop(request.id, None)
         request.outbox.close()
         request.done.set()

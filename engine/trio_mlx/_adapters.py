@@ -33,7 +33,8 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._errors import GenerationFailed, InvalidRequest, NotFound
+from trio_mlx._errors import AdapterConflict, GenerationFailed, InvalidRequest, NotFound
+from trio_mlx._multilora import AdapterLayers, AdapterStack
 
 __all__ = ["AdapterRegistry", "BaseModelChanged"]
 
@@ -58,6 +59,12 @@ class _Adapter:
     num_layers: int
     lora_parameters: Mapping[str, Any]
     weights: tuple[tuple[str, Any], ...]
+    #: Unique to this mount (the prompt cache keys rows computed under it by it).
+    mount: int = 0
+    #: Its layers as the batch lane stacks them (None: it runs in the serial lane).
+    batch: AdapterLayers | None = None
+    #: Why it cannot join the batch (None when it can).
+    serial_reason: str | None = None
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -103,8 +110,13 @@ class AdapterRegistry:
     """Mounted adapters by name. Mutated only by exclusive jobs on the MLX thread."""
 
     _adapters: dict[str, _Adapter] = attrs.field(init=False, factory=dict)
+    #: Most adapters mounted at once (None: no bound); one more is refused (409).
+    max_loras: int | None = None
     #: The base model's checksum, taken before the first adapter ever went on.
     _base: tuple[float, float] | None = attrs.field(init=False, default=None)
+    _mounts: int = attrs.field(init=False, default=0)
+    #: The batchable adapters, stacked for the batch lane (rebuilt at mount and unmount).
+    stack: AdapterStack = attrs.field(init=False, factory=AdapterStack)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -113,6 +125,22 @@ class AdapterRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._adapters
+
+    def serial_reason(self, name: str) -> str | None:
+        """Why the mounted adapter ``name`` cannot batch (None: it can; NotFound if unmounted)."""
+        if name not in self._adapters:
+            raise NotFound(f"no adapter named {name!r} is mounted", param="adapter")
+        return self._adapters[name].serial_reason
+
+    def check_room(self) -> None:
+        """Refuse (409) a mount beyond ``max_loras``."""
+        if self.max_loras is not None and len(self._adapters) >= self.max_loras:
+            raise AdapterConflict(
+                f"{len(self._adapters)} adapters are mounted, the most this engine takes "
+                f"(max_loras={self.max_loras}); unmount one first",
+                param="name",
+                code="too_many_adapters",
+            )
 
     @staticmethod
     def check_path(path: str | os.PathLike[str]) -> Path:
@@ -125,25 +153,38 @@ class AdapterRegistry:
         """Read the adapter at ``path``, check it on ``model`` (on, then off), keep it as ``name``."""
         if name in self._adapters:
             raise InvalidRequest(f"an adapter named {name!r} is already mounted", param="name")
+        self.check_room()
         if self._base is None:
             self._base = checksum(model)
         adapter = self._load(path)
+        base = dict(model.named_modules())
         try:
             with self._applied(model, adapter):
-                pass
+                batch, reason = _batch_layers(model, base, adapter)
         except (InvalidRequest, BaseModelChanged):
             raise
         except Exception as exc:
             raise InvalidRequest(f"cannot load adapter {name!r} from {path}: {exc}") from exc
         finally:
             self._verify(model, f"after the mount check of {name!r}")
-        self._adapters[name] = adapter
+        self._mounts += 1
+        self._adapters[name] = attrs.evolve(
+            adapter, mount=self._mounts, batch=batch, serial_reason=reason
+        )
+        self._restack(model)
+
+    def _restack(self, model: Any) -> None:
+        self.stack = AdapterStack.build(
+            model,
+            [(n, a.mount, a.batch) for n, a in self._adapters.items() if a.batch is not None],
+        )
 
     def unmount(self, model: Any, name: str) -> None:
         """Forget the adapter ``name``, after checking that the base model is the base."""
         if name not in self._adapters:
             raise NotFound(f"no adapter named {name!r} is mounted", param="adapter")
         del self._adapters[name]
+        self._restack(model)
         self._verify(model, f"at the unmount of {name!r}")
 
     @contextmanager
@@ -219,3 +260,28 @@ class AdapterRegistry:
                 raise BaseModelChanged(
                     f"the adapter at {adapter.path} could not be taken off the base model"
                 )
+
+
+def _batch_layers(
+    model: Any, base: Mapping[str, Any], adapter: _Adapter
+) -> tuple[AdapterLayers | None, str | None]:
+    """The adapter's (A, B, scale) per layer while it is on ``model``, or why it cannot batch.
+
+    Batchable: every module it replaced is mlx-lm's plain ``LoRALinear`` around
+    the base's own ``Linear`` or ``QuantizedLinear``.
+    """
+    import mlx.nn as nn
+    from mlx_lm.tuner.lora import LoRALinear
+
+    if adapter.fine_tune_type != "lora":
+        return None, f"a {adapter.fine_tune_type} adapter"
+    layers: dict[str, tuple[Any, Any, float]] = {}
+    for name, module in model.named_modules():
+        if name not in base or module is base[name]:
+            continue
+        if type(module) is not LoRALinear or module.linear is not base[name]:
+            return None, f"an adapter with {type(module).__name__} layers"
+        if not isinstance(base[name], nn.Linear | nn.QuantizedLinear):  # type: ignore[attr-defined]
+            return None, f"an adapter on a {type(base[name]).__name__}"
+        layers[name] = (module.lora_a, module.lora_b, float(module.scale))
+    return AdapterLayers(layers), None

@@ -33,12 +33,16 @@ Every mlx-lm call of the engine's batching lives in this module: its
 
 from __future__ import annotations
 
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
 
+from trio_mlx._errors import NotFound
+from trio_mlx._multilora import AdapterStack
 from trio_mlx._output import RowEvent, RowOutput, merge_events
 from trio_mlx._params import SamplingParams
 from trio_mlx._prompt_cache import PromptCache
@@ -184,6 +188,10 @@ class _Row:
     parked: tuple[list[Any], list[int]] | None = None
     error: BaseException | None = None
 
+    @property
+    def adapter(self) -> str | None:
+        return self.spec.params.adapter
+
 
 #: mlx-lm's ``max_tokens`` for every row: the lane finishes rows itself (``RowOutput``).
 _UNBOUNDED = 1 << 40
@@ -196,8 +204,43 @@ class _Dead:
     row_id: int
     #: Keep its KV cache for the prompt cache when it is removed.
     store: bool
+    #: Its prompt cache key (the adapter it ran under is part of it).
+    key: Hashable = "base"
     #: Decode steps since it died (tokens its cache holds past its last real one).
     age: int = 0
+
+
+class _RowModel:
+    """The model as the lane's ``BatchGenerator`` sees it: each forward call first
+    sets the adapter slot of each of its rows (see :mod:`trio_mlx._multilora`).
+
+    mlx-lm makes every forward call from a method of the batch object whose
+    ``uids`` list is that call's row order (``PromptProcessingBatch.prompt``
+    for prefill, ``GenerationBatch._step`` for decode); that list is read from
+    the caller, so each call gets its own rows' adapters whatever mlx-lm's
+    ordering. A caller without ``uids`` of the call's batch size fails the call
+    (loudly) rather than guess.
+    """
+
+    def __init__(self, model: Any, lane: BatchLane) -> None:
+        self._model = model
+        self._lane = lane
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        stack = self._lane._active_stack
+        if stack is not None:
+            caller = sys._getframe(1).f_locals.get("self")
+            uids = getattr(caller, "uids", None)
+            if not isinstance(uids, list) or len(uids) != inputs.shape[0]:
+                raise RuntimeError(
+                    "cannot tell the rows of this mlx-lm forward call: per-row adapters need "
+                    "the calling batch's uids"
+                )
+            stack.set_rows([self._lane._slot(uid, stack) for uid in uids])
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
 
 
 class _Guarded:
@@ -292,8 +335,14 @@ class BatchLane:
     #: Compute every constrained row's grammar mask of a decode step together
     #: (:class:`~trio_mlx._structured.GrammarBatch`); False: each row's processor alone.
     grammar_batch: bool = True
+    #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
+    adapter_stack: Callable[[], AdapterStack] | None = None
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
+    #: Rows inserted into the batch per adapter name (base rows are not counted here).
+    adapter_rows: Counter[str] = attrs.field(init=False, factory=Counter)
+    #: The stack whose layers are on the model during the current ``next()`` (else None).
+    _active_stack: AdapterStack | None = attrs.field(init=False, default=None)
     _generator: Any = attrs.field(init=False, default=None)
     _rows: dict[int, _Row] = attrs.field(init=False, factory=dict)
     _by_uid: dict[int, int] = attrs.field(init=False, factory=dict)
@@ -310,8 +359,10 @@ class BatchLane:
     def _new_generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
 
+        # Every forward call goes through _RowModel, which sets per-row adapter slots.
+        model = _RowModel(self.model, self)
         generator = BatchGenerator(
-            self.model,
+            model,
             completion_batch_size=self.max_batch,
             prefill_batch_size=min(self.max_batch, self.prefill_batch_size),
             prefill_step_size=self.prefill_step_size,
@@ -319,7 +370,7 @@ class BatchLane:
         # The decode batch every row joins (mlx-lm extends this one object): with the
         # grammar hook, so constrained rows' masks are computed together each step.
         if self.grammar_batch:
-            generation = _generation_class().empty(self.model, generator.sampler)
+            generation = _generation_class().empty(model, generator.sampler)
             generation.grammar = self.grammar
             generator._generation_batch = generation
         return generator
@@ -328,6 +379,29 @@ class BatchLane:
     def rows(self) -> int:
         """Rows in the lane, parked ones included (dead ones not)."""
         return len(self._rows)
+
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a row in the lane (in the batch or parked) runs under the adapter ``name``."""
+        return any(row.adapter == name for row in self._rows.values())
+
+    def _stack(self) -> AdapterStack | None:
+        return self.adapter_stack() if self.adapter_stack is not None else None
+
+    def _slot(self, uid: int, stack: AdapterStack) -> int:
+        """The adapter slot of the generator's row ``uid`` (0: base; a dead row decodes as base)."""
+        row_id = self._by_uid.get(uid)
+        if row_id is None:
+            return 0
+        name = self._rows[row_id].adapter
+        return 0 if name is None else stack.slots[name]
+
+    def _key(self, row: _Row) -> Hashable:
+        """The row's prompt cache key: a prefix computed under one adapter serves only it."""
+        if row.adapter is None:
+            return self.cache_key
+        stack = self._stack()
+        mount = stack.mounts.get(row.adapter) if stack is not None else None
+        return (self.cache_key, "adapter", row.adapter, mount)
 
     @property
     def dead_rows(self) -> int:
@@ -423,7 +497,7 @@ class BatchLane:
         if not dead:
             return
         keep = [uid for uid, d in dead.items() if d.store]
-        entries = []
+        entries: dict[Hashable, list[tuple[list[int], list[Any]]]] = {}
         if keep and self.prompt_cache is not None:
             from mlx_lm.models.cache import trim_prompt_cache
 
@@ -433,10 +507,11 @@ class BatchLane:
                 if age:
                     trim_prompt_cache(cache, age)
                     tokens = tokens[:-age]
-                entries.append((list(tokens), cache))
+                entries.setdefault(dead[uid].key, []).append((list(tokens), cache))
         self._generator.remove(list(dead))
-        if entries and self.prompt_cache is not None:
-            self.prompt_cache.store_many(self.cache_key, entries)
+        if self.prompt_cache is not None:
+            for key, stored in entries.items():
+                self.prompt_cache.store_many(key, stored)
 
     def _kill(self, ids: Sequence[int], *, store: bool) -> None:
         """Rows stop at once (no more events); their KV slots go with the next compaction."""
@@ -444,7 +519,9 @@ class BatchLane:
             row = self._rows.pop(row_id, None)
             if row is not None and row.uid is not None:
                 self._by_uid.pop(row.uid, None)
-                self._dead[row.uid] = _Dead(row_id, store and self.prompt_cache is not None)
+                self._dead[row.uid] = _Dead(
+                    row_id, store and self.prompt_cache is not None, self._key(row)
+                )
 
     def close(self) -> None:
         """Drop every row and release the generator (on the MLX thread, at shutdown)."""
@@ -497,6 +574,12 @@ class BatchLane:
         return events
 
     def _insert(self, spec: RowSpec) -> int:
+        adapter = spec.params.adapter
+        if adapter is not None:
+            stack = self._stack()
+            if stack is None or adapter not in stack.slots:
+                raise NotFound(f"no adapter named {adapter!r} is mounted", param="adapter")
+            self.adapter_rows[adapter] += 1
         row = _Row(
             spec,
             RowOutput(spec.id, spec.params, self._eos_ids, self.tokenizer.detokenizer),
@@ -513,7 +596,7 @@ class BatchLane:
         cache, rest = None, prompt
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch(
-                self.cache_key, prompt, min_prefix=self.cache_min_prefix, share=True
+                self._key(row), prompt, min_prefix=self.cache_min_prefix, share=True
             )
         done = len(prompt) - len(rest)
         (uid,) = self._generator.insert(
@@ -553,8 +636,21 @@ class BatchLane:
 
     def _decode(self) -> list[RowEvent]:
         start = time.perf_counter()
+        stack = self._stack()
+        if stack is not None and not (
+            stack.modules and any(row.adapter is not None for row in self._rows.values())
+        ):
+            stack = None
         try:
-            _prompt_responses, responses = self._generator.next()
+            if stack is None:
+                _prompt_responses, responses = self._generator.next()
+            else:
+                with stack.on(self.model):
+                    self._active_stack = stack
+                    try:
+                        _prompt_responses, responses = self._generator.next()
+                    finally:
+                        self._active_stack = None
         except Exception as exc:
             # The generator's state is unknown now: start a fresh one.
             events = self.fail_all(exc)

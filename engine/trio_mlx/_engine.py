@@ -22,7 +22,13 @@ from trio_mlx._actor import Actor, EngineStatistics, Phase, Request, failure
 from trio_mlx._adapters import AdapterRegistry
 from trio_mlx._arbiter import ArbiterPolicy
 from trio_mlx._batch import BatchLane, RowSpec
-from trio_mlx._errors import EngineClosed, InvalidGrammar, InvalidRequest, NotFound
+from trio_mlx._errors import (
+    AdapterConflict,
+    EngineClosed,
+    InvalidGrammar,
+    InvalidRequest,
+    NotFound,
+)
 from trio_mlx._gate import choose_lane
 from trio_mlx._output import RowEvent
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
@@ -305,6 +311,7 @@ async def open_engine(
     chat_template: str | None = None,
     grammar_timeout: float = COMPILE_TIMEOUT,
     max_unread_tokens: int | None = 1024,
+    max_loras: int | None = 8,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -330,6 +337,8 @@ async def open_engine(
     does not read: past that many unread tokens (each top log-probability
     alternative counting as one more) the request is cancelled and its stream
     raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
+    ``max_loras`` bounds the adapters mounted at once (a mount past it raises
+    :class:`~trio_mlx.AdapterConflict`; ``None``: no bound).
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -348,6 +357,8 @@ async def open_engine(
         raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
     if prompt_cache_bytes < 0:
         raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
+    if max_loras is not None and (not isinstance(max_loras, int) or max_loras < 1):
+        raise InvalidRequest("max_loras must be >= 1", param="max_loras")
     if max_unread_tokens is not None and max_unread_tokens < 1:
         raise InvalidRequest("max_unread_tokens must be >= 1", param="max_unread_tokens")
     path = _resolve_model(model)
@@ -383,7 +394,7 @@ async def open_engine(
     async with trio.open_nursery() as nursery:
         try:
             engine: Engine = await nursery.start(
-                _serve, policy, Path(path).name, load, max_unread_tokens
+                _serve, policy, Path(path).name, load, max_unread_tokens, max_loras
             )
             engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:
@@ -407,6 +418,7 @@ async def _serve(
     model_id: str,
     load: Callable[[], _Loaded],
     max_unread: int | None,
+    max_loras: int | None,
     *,
     task_status: trio.TaskStatus[Engine],
 ) -> None:
@@ -415,7 +427,8 @@ async def _serve(
     worker.start()
     try:
         loaded = await worker.run(load)
-        registry = AdapterRegistry()
+        registry = AdapterRegistry(max_loras=max_loras)
+        loaded.lane.adapter_stack = lambda: registry.stack
         engine = Engine(model_id, loaded, registry)
         actor = Actor(
             policy,
@@ -734,15 +747,34 @@ class Engine:
         folder = AdapterRegistry.check_path(folder)
         if name in self._registry:
             raise InvalidRequest(f"an adapter named {name!r} is already mounted", param="name")
+        self._registry.check_room()
         model = self._loaded.model
         await self._job(lambda: self._registry.mount(model, name, folder))
 
     async def unmount_adapter(self, name: str) -> None:
-        """Unmount the adapter ``name`` (waits for requests using it to finish first)."""
+        """Unmount the adapter ``name``.
+
+        A serial request using it has finished by then (the unmount is an
+        exclusive job). If rows of the batch (running or parked) run under it,
+        the unmount is refused with :class:`AdapterConflict` (409): nothing is
+        unmounted, try again once they end. Requests naming it that still wait
+        for a place in the batch fail with NotFound.
+        """
         if name not in self._registry:
             raise NotFound(f"no adapter named {name!r} is mounted", param="adapter")
-        model = self._loaded.model
-        await self._job(lambda: self._registry.unmount(model, name))
+        model, lane = self._loaded.model, self._loaded.lane
+
+        def unmount() -> None:
+            if lane.uses_adapter(name):
+                raise AdapterConflict(
+                    f"the adapter {name!r} is in use by rows of the batch; "
+                    "unmount it once they end",
+                    param="name",
+                    code="adapter_in_use",
+                )
+            self._registry.unmount(model, name)
+
+        await self._job(unmount)
 
     async def _job(self, work: Callable[[], T]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -776,14 +808,17 @@ class Engine:
         self._check_logit_bias(params)
         params = self._sampler_safe(params)
         constraint = await self._constraint(params) if params.constrained else None
+        adapter_reason = None
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
-            if params.adapter not in self._registry:
-                raise NotFound(f"no adapter named {params.adapter!r} is mounted", param="adapter")
+            adapter_reason = self._registry.serial_reason(params.adapter)
         if params.kv_bits is not None:
             self._check_kv_group(params.kv_group_size)
         lane = choose_lane(
-            params, max_batch=self._loaded.lane.max_batch, caches_merge=self._loaded.caches_merge
+            params,
+            max_batch=self._loaded.lane.max_batch,
+            caches_merge=self._loaded.caches_merge,
+            adapter_reason=adapter_reason,
         )
         request_id = self._actor.new_id()
         request = Request(

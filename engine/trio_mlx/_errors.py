@@ -7,6 +7,7 @@ embedding programs catch them by type.
 from __future__ import annotations
 
 __all__ = [
+    "AdapterConflict",
     "EngineClosed",
     "EngineOverloaded",
     "GenerationFailed",
@@ -60,6 +61,17 @@ class NotFound(TrioMLXError):
     status_code = 404
     error_type = "not_found_error"
     default_code = "not_found"
+
+
+class AdapterConflict(TrioMLXError):
+    """An adapter mount or unmount that conflicts with the engine's state (409).
+
+    Too many adapters mounted (``max_loras``), or an unmount of an adapter
+    that rows in the batch (running or parked) still use.
+    """
+
+    status_code = 409
+    default_code = "adapter_conflict"
 
 
 class EngineOverloaded(TrioMLXError):

@@ -25,11 +25,19 @@ class Lane:
 BATCH = Lane("batch")
 
 
-def choose_lane(params: SamplingParams, *, max_batch: int, caches_merge: bool) -> Lane:
+def choose_lane(
+    params: SamplingParams,
+    *,
+    max_batch: int,
+    caches_merge: bool,
+    adapter_reason: str | None = None,
+) -> Lane:
     """Batch everything mlx-lm's ``BatchGenerator`` can batch per row; the rest runs alone.
 
     ``caches_merge`` is mlx-lm's test: every cache of ``make_prompt_cache(model)``
-    has ``merge``.
+    has ``merge``. ``adapter_reason`` says why the mounted adapter that
+    ``params.adapter`` names cannot batch (None: it is a plain LoRA adapter the
+    batch stacks, see :mod:`trio_mlx._multilora`).
     """
     if max_batch <= 1:
         return Lane("serial", "max_batch=1")
@@ -39,6 +47,6 @@ def choose_lane(params: SamplingParams, *, max_batch: int, caches_merge: bool) -
         return Lane("serial", "seed")
     if params.kv_bits is not None:
         return Lane("serial", "kv_bits")
-    if params.adapter is not None:
-        return Lane("serial", "adapter")
+    if params.adapter is not None and adapter_reason is not None:
+        return Lane("serial", f"adapter: {adapter_reason}")
     return BATCH

@@ -120,6 +120,13 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--adapter-dir", default=None, help="POST /v1/adapters mounts only adapters in here"
     )
     parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most adapters mounted at once; one more is refused with 409 (default: 8)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("TRIO_MLX_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: env TRIO_MLX_API_KEY)",

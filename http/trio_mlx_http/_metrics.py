@@ -92,6 +92,15 @@ class _EngineCollector:
             lane, _, outcome = key.partition(":")
             requests.add_metric([lane, outcome], count)
         yield requests
+        by_adapter = CounterMetricFamily(
+            "trio_mlx_adapter_requests",
+            "Engine requests ended that named an adapter, by lane and adapter.",
+            labels=["lane", "adapter"],
+        )
+        for key, count in sorted(stats.adapter_requests.items()):
+            lane, _, adapter = key.partition(":")
+            by_adapter.add_metric([lane, adapter], count)
+        yield by_adapter
         # One series per state, 1 for the current one (Prometheus' "state set" idiom).
         state = GaugeMetricFamily(
             "trio_mlx_arbiter_state", "1 for the arbiter's current state.", labels=["state"]

@@ -36,6 +36,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "parallel",
         "prompt_cache_bytes",
         "grammar_timeout",
+        "max_loras",
     ):
         value = getattr(args, name, None)
         if value is not None:
