@@ -128,6 +128,7 @@ async def test_legacy_completions_take_response_format_too(client: openai.AsyncO
         max_tokens=120,
         extra_body={"response_format": _response_format(PERSON)},
     )
+    assert reply.choices[0].finish_reason == "stop", reply
     jsonschema.validate(json.loads(reply.choices[0].text), PERSON)
 
 
