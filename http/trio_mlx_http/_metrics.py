@@ -10,7 +10,7 @@ drift from the engine's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -83,24 +83,18 @@ class _EngineCollector:
         prompt.add_metric(["cached"], stats.cached_prompt_tokens)
         prompt.add_metric(["computed"], max(0, stats.prompt_tokens - stats.cached_prompt_tokens))
         yield prompt
-        requests = CounterMetricFamily(
+        yield _by_lane(
             "trio_mlx_engine_requests",
             "Engine requests ended, by lane and outcome.",
-            labels=["lane", "outcome"],
+            "outcome",
+            stats.requests,
         )
-        for key, count in sorted(stats.requests.items()):
-            lane, _, outcome = key.partition(":")
-            requests.add_metric([lane, outcome], count)
-        yield requests
-        by_adapter = CounterMetricFamily(
+        yield _by_lane(
             "trio_mlx_adapter_requests",
             "Engine requests ended that named an adapter, by lane and adapter.",
-            labels=["lane", "adapter"],
+            "adapter",
+            stats.adapter_requests,
         )
-        for key, count in sorted(stats.adapter_requests.items()):
-            lane, _, adapter = key.partition(":")
-            by_adapter.add_metric([lane, adapter], count)
-        yield by_adapter
         # One series per state, 1 for the current one (Prometheus' "state set" idiom).
         state = GaugeMetricFamily(
             "trio_mlx_arbiter_state", "1 for the arbiter's current state.", labels=["state"]
@@ -201,3 +195,12 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+def _by_lane(name: str, doc: str, label: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    """A counter family from the engine's ``"lane:value"`` keyed counts."""
+    family = CounterMetricFamily(name, doc, labels=["lane", label])
+    for key, count in sorted(counts.items()):
+        lane, _, value = key.partition(":")
+        family.add_metric([lane, value], count)
+    return family
