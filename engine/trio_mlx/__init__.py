@@ -6,7 +6,7 @@ The engine never imports the web stack (quart, hypercorn, trio_mlx_http).
 
 from trio_mlx._actor import EngineStatistics
 from trio_mlx._arbiter import ArbiterPolicy, ArbiterStatistics
-from trio_mlx._blas import BackendInfo, backend_info, maybe_reexec_with_fast_blas
+from trio_mlx._blas import BackendInfo, backend_info
 from trio_mlx._engine import Engine, GenerationStream, open_engine
 from trio_mlx._errors import (
     AdapterConflict,
@@ -48,6 +48,5 @@ __all__ = [
     "backend_info",
     "default_adapter_path",
     "default_model_path",
-    "maybe_reexec_with_fast_blas",
     "open_engine",
 ]

@@ -341,6 +341,6 @@ def _fast_blas(argv: Sequence[str] | None) -> None:
     before MLX is imported; the flag may sit before or after the command, so the scan is by hand.
     """
     if argv is None:
-        from trio_mlx import maybe_reexec_with_fast_blas
+        from trio_mlx_http._fast_blas import maybe_reexec_with_fast_blas
 
         maybe_reexec_with_fast_blas(opt_out="--no-fast-blas" in sys.argv[1:])
