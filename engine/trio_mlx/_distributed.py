@@ -560,11 +560,11 @@ def follow(
     Loads the same shard layout as rank 0 (rank 0's load settings arrive over
     the channel first), then executes rank 0's commands in order.
     """
-    from trio_mlx._engine import _load, _LoadSettings, _resolve_model
+    from trio_mlx._loading import LoadSettings, load, resolve_model
     from trio_mlx._serial import run_serial
 
     _ignore_stop_signals()
-    loaded = _load(_resolve_model(model), _LoadSettings(), distributed=True)
+    loaded = load(resolve_model(model), LoadSettings(), distributed=True)
     lane = loaded.lane
     channel = Channel(loaded.group)
     agree = _follower_agree(channel)
