@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from trio_mlx import _distributed
 from trio_mlx._actor import Actor, EngineStatistics, Phase, Request, failure
 from trio_mlx._adapters import AdapterRegistry
 from trio_mlx._arbiter import ArbiterPolicy
@@ -30,7 +29,7 @@ from trio_mlx._errors import (
     NotFound,
 )
 from trio_mlx._gate import choose_lane
-from trio_mlx._loading import Loaded, LoadSettings, check_adapter, load, load_error, resolve_model
+from trio_mlx._loading import Loaded, load, load_error, load_settings, resolve_model
 from trio_mlx._output import RowEvent
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
 from trio_mlx._serial import run_serial
@@ -129,7 +128,7 @@ async def open_engine(
     ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
     prompts prefilled together. ``parallel`` only matters when the process was
     started by ``mlx.launch`` as one of several ranks (see
-    :mod:`trio_mlx._distributed`): ``"tensor"`` or ``"pipeline"`` forces how
+    ``design/distributed.md``): ``"tensor"`` or ``"pipeline"`` forces how
     the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
     architecture supports it). ``chat_template`` (Jinja text) replaces the
     model's chat template, as ``mlx_lm.server --chat-template`` does.
@@ -164,33 +163,20 @@ async def open_engine(
         raise InvalidRequest("max_loras must be >= 1", param="max_loras")
     if max_unread_tokens is not None and max_unread_tokens < 1:
         raise InvalidRequest("max_unread_tokens must be >= 1", param="max_unread_tokens")
-    path = resolve_model(model)
-    check_adapter(adapter_path)
-    if prefill_step_size < 1 or prefill_batch_size < 1:
-        raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
         raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
     if not (isinstance(grammar_timeout, int | float) and grammar_timeout > 0):
         raise InvalidRequest("grammar_timeout must be > 0", param="grammar_timeout")
-    if parallel not in _distributed.PARALLEL:
-        raise InvalidRequest(
-            f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
-        )
-    settings = LoadSettings(
-        adapter_path=os.fspath(adapter_path) if adapter_path is not None else None,
+    path = resolve_model(model)
+    settings = load_settings(
+        adapter_path=adapter_path,
         max_batch=max_batch,
         prompt_cache_bytes=prompt_cache_bytes,
         prefill_step_size=prefill_step_size,
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
     )
-    loader = partial(
-        load,
-        path,
-        settings,
-        distributed=_distributed.launched(),
-        chat_template=chat_template,
-    )
+    loader = partial(load, path, settings, chat_template=chat_template)
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
     error: BaseException | None = None
@@ -244,17 +230,11 @@ async def _serve(
         engine._actor = actor
         if not loaded.grouping:
             actor.admit_group = 1  # the CPU admits arrivals at once (see Loaded.grouping)
-        if loaded.group is not None:
-            actor.ranks = int(loaded.group.size())
         worker.on_death = actor.on_worker_death
-        leader = loaded.leader
-        if leader is not None:
-            leader.on_lost = partial(worker.call_soon_in_trio, actor.close_nowait)
-            leader.watch()
         try:
             async with trio.open_nursery() as nursery:
-                if leader is not None:
-                    nursery.start_soon(_heartbeat, worker, leader)
+                if loaded.leader is not None:  # distributed rank 0: watchdog and heartbeat
+                    loaded.leader.attach(nursery, worker, actor)
                 await actor.run(engine, task_status=task_status)
                 nursery.cancel_scope.cancel()
         finally:
@@ -264,17 +244,6 @@ async def _serve(
     finally:
         with trio.CancelScope(shield=True):
             await worker.stop()
-
-
-async def _heartbeat(worker: Worker, leader: _distributed.Leader) -> None:
-    """Distributed rank 0: keep the followers hearing from it while idle."""
-    while not leader.closed:
-        await trio.sleep(leader.interval / 2)
-        if leader.quiet():
-            try:
-                await worker.run(leader.heartbeat)
-            except EngineClosed:  # the worker is gone; the actor closes the engine
-                return
 
 
 @attrs.define(eq=False)
@@ -679,7 +648,7 @@ class Engine:
         )
 
     def _refuse_distributed(self, what: str, param: str | None = None) -> None:
-        if self._loaded.group is not None:
+        if self._loaded.channel is not None:
             raise InvalidRequest(
                 f"distributed mode does not support {what}",
                 param=param,
@@ -756,21 +725,8 @@ class Engine:
         leader = loaded.leader
         if leader is None:
             return work
-
-        def mirrored() -> Any:
-            # The followers run the same generation; each token is agreed on.
-            leader.command("serial", spec)
-            try:
-                return run(prompt_cache=loaded.prompt_cache, agree=leader.agree)
-            except Exception:
-                # Followers waiting for this token's go/stop get a stop; one
-                # that failed alike ignores it.
-                leader.agree(False)
-                raise
-            finally:
-                leader.idle()
-
-        return mirrored
+        # Distributed: the followers run the same generation (no adapters there).
+        return partial(leader.run_serial, spec, partial(run, prompt_cache=loaded.prompt_cache))
 
     async def _shutdown(self, grace_period: float) -> None:
         self._actor.begin_close()

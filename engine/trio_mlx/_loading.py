@@ -30,6 +30,7 @@ __all__ = [
     "check_adapter",
     "load",
     "load_error",
+    "load_settings",
     "resolve_model",
     "set_chat_template",
 ]
@@ -45,9 +46,11 @@ class Loaded:
     caches_merge: bool
     lane: BatchLane
     prompt_cache: PromptCache | None
-    #: The ``mx.distributed`` group the model is sharded over (None: one process).
-    group: Any = None
-    #: Rank 0's end of the distributed command stream (None: one process, or a follower).
+    #: The channel over the ``mx.distributed`` group the model is sharded over
+    #: (None: one process).
+    channel: _distributed.Channel | None = None
+    #: Rank 0's end of the distributed command stream (None: one process, or a
+    #: follower): the engine attaches it to its actor and mirrors serial work through it.
     leader: _distributed.Leader | None = None
     #: The step planner's grouping (admission in groups, removal in bulk, prompt-cache
     #: entries only for long prefixes): on a GPU the host-side cost of each admission,
@@ -145,22 +148,53 @@ class LoadSettings:
     parallel: str = "auto"
 
 
+def load_settings(
+    *,
+    adapter_path: str | os.PathLike[str] | None,
+    max_batch: int,
+    prompt_cache_bytes: int,
+    prefill_step_size: int,
+    prefill_batch_size: int,
+    parallel: str,
+) -> LoadSettings:
+    """Check :func:`~trio_mlx.open_engine`'s loading arguments and bundle them."""
+    check_adapter(adapter_path)
+    if prefill_step_size < 1 or prefill_batch_size < 1:
+        raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
+    if parallel not in _distributed.PARALLEL:
+        raise InvalidRequest(
+            f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
+        )
+    return LoadSettings(
+        adapter_path=os.fspath(adapter_path) if adapter_path is not None else None,
+        max_batch=max_batch,
+        prompt_cache_bytes=prompt_cache_bytes,
+        prefill_step_size=prefill_step_size,
+        prefill_batch_size=prefill_batch_size,
+        parallel=parallel,
+    )
+
+
 def load(
     path: str,
     settings: LoadSettings,
     *,
-    distributed: bool = False,
+    distributed: bool | None = None,
     chat_template: str | None = None,
 ) -> Loaded:
-    """Load, check and warm the model (on the worker thread)."""
+    """Load, check and warm the model (on the worker thread).
+
+    ``distributed`` (default: whether ``mlx.launch`` started this process as one
+    of several ranks) loads this rank's shard with rank 0's ``settings``.
+    """
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
     lane_type: type[BatchLane] = BatchLane
-    group, channel = None, None
+    channel = None
     result: Any  # (model, tokenizer, config)
-    if distributed:
+    if _distributed.launched() if distributed is None else distributed:
         group = _distributed.group()
         if group is None:
             raise InvalidRequest("launched for distributed mode, but the group has one rank")
@@ -216,7 +250,7 @@ def load(
         lane.removal_delay = 0  # every dead row leaves at the end of its step
         lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
     return Loaded(
-        model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader, grouping
+        model, tokenizer, dict(config), caches_merge, lane, prompt_cache, channel, leader, grouping
     )
 
 
