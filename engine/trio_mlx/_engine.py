@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from trio_mlx._actor import Actor, EngineStatistics, Phase, Request, failure
+from trio_mlx._actor import Actor
 from trio_mlx._adapters import AdapterRegistry
 from trio_mlx._arbiter import ArbiterPolicy
 from trio_mlx._batch import RowSpec
@@ -32,6 +32,7 @@ from trio_mlx._gate import choose_lane
 from trio_mlx._loading import Loaded, load, load_error, load_settings, resolve_model
 from trio_mlx._output import RowEvent
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
+from trio_mlx._request import EngineStatistics, Phase, Request, failure
 from trio_mlx._serial import run_serial
 from trio_mlx._structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
 from trio_mlx._worker import Worker
@@ -218,16 +219,15 @@ async def _serve(
         loaded = await worker.run(load)
         registry = AdapterRegistry(max_loras=max_loras)
         loaded.lane.adapter_stack = lambda: registry.stack
-        engine = Engine(model_id, loaded, registry)
         actor = Actor(
             policy,
             worker,
             loaded.lane,
-            serial_work=engine._serial_work,
+            serial_work=partial(_serial_work, loaded, registry),
             adapters=lambda: registry.names,
             max_unread=max_unread,
         )
-        engine._actor = actor
+        engine = Engine(model_id, loaded, registry, actor)
         if not loaded.grouping:
             actor.admit_group = 1  # the CPU admits arrivals at once (see Loaded.grouping)
         worker.on_death = actor.on_worker_death
@@ -246,6 +246,41 @@ async def _serve(
             await worker.stop()
 
 
+def _serial_work(
+    loaded: Loaded,
+    registry: AdapterRegistry,
+    request: Request,
+    emit: Callable[[list[RowEvent]], None],
+    on_cached: Callable[[int], None],
+) -> Callable[[], Any]:
+    """The worker-side callable of a serial generation (the actor runs it as a job)."""
+    spec = request.spec
+    assert spec is not None
+
+    run = partial(
+        run_serial,
+        loaded.model,
+        loaded.tokenizer,
+        spec,
+        cancelled=request.cancel_flag,
+        emit=emit,
+        on_cached=on_cached,
+    )
+
+    def work() -> Any:
+        adapter = spec.params.adapter
+        if adapter is None:
+            return run(prompt_cache=loaded.prompt_cache)
+        with registry.use(loaded.model, adapter):
+            return run()
+
+    leader = loaded.leader
+    if leader is None:
+        return work
+    # Distributed: the followers run the same generation (no adapters there).
+    return partial(leader.run_serial, spec, partial(run, prompt_cache=loaded.prompt_cache))
+
+
 @attrs.define(eq=False)
 class Engine:
     """A loaded model served by one actor; use it through :func:`open_engine`."""
@@ -254,7 +289,7 @@ class Engine:
     model_id: str
     _loaded: Loaded
     _registry: AdapterRegistry
-    _actor: Actor = attrs.field(init=False)
+    _actor: Actor
     _encode_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(_TOKENIZE_THREADS)
     )
@@ -694,39 +729,6 @@ class Engine:
                 f"kv_group_size {group} does not divide the model's head size {head_dim}",
                 param="kv_group_size",
             )
-
-    def _serial_work(
-        self,
-        request: Request,
-        emit: Callable[[list[RowEvent]], None],
-        on_cached: Callable[[int], None],
-    ) -> Callable[[], Any]:
-        loaded, registry = self._loaded, self._registry
-        spec = request.spec
-        assert spec is not None
-
-        run = partial(
-            run_serial,
-            loaded.model,
-            loaded.tokenizer,
-            spec,
-            cancelled=request.cancel_flag,
-            emit=emit,
-            on_cached=on_cached,
-        )
-
-        def work() -> Any:
-            adapter = spec.params.adapter
-            if adapter is None:
-                return run(prompt_cache=loaded.prompt_cache)
-            with registry.use(loaded.model, adapter):
-                return run()
-
-        leader = loaded.leader
-        if leader is None:
-            return work
-        # Distributed: the followers run the same generation (no adapters there).
-        return partial(leader.run_serial, spec, partial(run, prompt_cache=loaded.prompt_cache))
 
     async def _shutdown(self, grace_period: float) -> None:
         self._actor.begin_close()
