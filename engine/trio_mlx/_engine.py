@@ -115,6 +115,7 @@ async def open_engine(
     grammar_timeout: float = COMPILE_TIMEOUT,
     max_unread_tokens: int | None = 1024,
     max_loras: int | None = 8,
+    _tune: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -142,6 +143,9 @@ async def open_engine(
     raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
     ``max_loras`` bounds the adapters mounted at once (a mount past it raises
     :class:`~trio_mlx.AdapterConflict`; ``None``: no bound).
+    ``_tune`` is for tests and benchmarks, not a stable API: it sets public
+    fields of the actor (burst and grouped-admission bounds, ``decision_hook``)
+    or of the batch lane (removal bounds) by name before the engine starts.
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -184,7 +188,7 @@ async def open_engine(
     async with trio.open_nursery() as nursery:
         try:
             engine: Engine = await nursery.start(
-                _serve, policy, Path(path).name, loader, max_unread_tokens, max_loras
+                _serve, policy, Path(path).name, loader, max_unread_tokens, max_loras, _tune
             )
             engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:
@@ -209,6 +213,7 @@ async def _serve(
     load: Callable[[], Loaded],
     max_unread: int | None,
     max_loras: int | None,
+    tune: Mapping[str, Any] | None,
     *,
     task_status: trio.TaskStatus[Engine],
 ) -> None:
@@ -230,6 +235,7 @@ async def _serve(
         engine = Engine(model_id, loaded, registry, actor)
         if not loaded.grouping:
             actor.admit_group = 1  # the CPU admits arrivals at once (see Loaded.grouping)
+        _apply_tuning(tune or {}, actor, loaded.lane)
         worker.on_death = actor.on_worker_death
         try:
             async with trio.open_nursery() as nursery:
@@ -244,6 +250,18 @@ async def _serve(
     finally:
         with trio.CancelScope(shield=True):
             await worker.stop()
+
+
+def _apply_tuning(tune: Mapping[str, Any], *targets: Any) -> None:
+    """Set each public field named in ``tune`` on the first of ``targets`` that has it."""
+    for name, value in tune.items():
+        owner = next(
+            (t for t in targets if not name.startswith("_") and name in attrs.fields_dict(type(t))),
+            None,
+        )
+        if owner is None:
+            raise TypeError(f"open_engine(_tune=...): no tunable field {name!r}")
+        setattr(owner, name, value)
 
 
 def _serial_work(
