@@ -324,13 +324,14 @@ class Actor:
     async def _loop(self, nursery: trio.Nursery) -> None:
         while not self._stopped:
             self._wake = trio.Event()
-            decision, self._handoff = self._handoff or self._decide(), None
+            decision, self._handoff = self._handoff, None
+            if decision is None:
+                self._chain_done = trio.Event()
+                decision = self._advance()
             match decision:
-                case Step():
+                case None:
                     # Decode runs as a chain of worker callbacks (see _step_finished);
                     # this task sleeps until the chain hands back another decision.
-                    self._chain_done = trio.Event()
-                    self._submit_step()
                     await self._chain_done.wait()
                     if self._chain_error is not None:
                         raise self._chain_error
@@ -344,6 +345,19 @@ class Actor:
                         continue
                     with trio.move_on_at(deadline if deadline is not None else float("inf")):
                         await self._wake.wait()
+
+    def _advance(self) -> Decision | None:
+        """Decide what comes next: the one place that does, for the actor task and the chain.
+
+        A ``Step`` is sent to the worker right here and None returned: the step
+        chain goes on (the result comes back to :meth:`_step_finished`, which
+        advances again). Any other decision is returned for the actor task.
+        """
+        decision = self._decide()
+        if isinstance(decision, Step):
+            self._submit_step()
+            return None
+        return decision
 
     def _decide(self) -> Decision:
         """Take the inbox to the arbiter and ask it what next.
@@ -492,9 +506,8 @@ class Actor:
         for event in events:
             self._route_row(event, now)
         self._arbiter.step_done(now)
-        decision = self._decide()
-        if isinstance(decision, Step):
-            self._submit_step()
+        decision = self._advance()
+        if decision is None:
             return
         # A Wait is not handed over: the actor task asks again after making a
         # fresh doorbell, so a submission that rings in between is not lost.
