@@ -311,3 +311,26 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
     waited = next(i for i, s in enumerate(steps) if 10 in s) - arrived
     assert waited >= len(long_prompt) // 16
     assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
+
+
+async def test_an_arrival_held_for_its_group_does_not_cut_the_burst(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path, max_batch=8, prompt_cache_bytes=0) as engine:
+        actor = engine._actor
+        actor.admit_group, actor.admit_fraction = 4, 1  # two decoding rows: groups of two
+        actor.admit_wait_steps, actor.admit_wait_seconds = 10**6, 3600.0
+        actor.burst_steps, actor.burst_seconds = 40, 3600.0  # bursts end by count or news only
+        long = SamplingParams(max_tokens=2000, logit_bias=NO_EOS)
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(engine.complete, PROMPT, long)
+            await wait_until(lambda: engine.statistics().generated_tokens >= 2)
+            base = engine.statistics()
+            nursery.start_soon(engine.complete, PROMPTS[0], long)  # held: one of a group of two
+            await wait_until(lambda: engine.statistics().steps >= base.steps + 3)
+            stats = engine.statistics()
+            assert stats.admissions == base.admissions, "held until a second arrival"
+            # Every burst since ran its 40 steps for both rows: none was cut short.
+            grown = stats.generated_tokens - base.generated_tokens
+            assert grown >= 2 * 40 * 3
+            assert grown % (2 * 40) == 0
+            nursery.cancel_scope.cancel()

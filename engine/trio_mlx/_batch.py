@@ -456,7 +456,9 @@ class BatchLane:
     #: them (rows x the longest chunk); also the chunk a long prompt is cut
     #: into. None: no bound beyond mlx-lm's (``prefill_step_size`` per prompt,
     #: ``prefill_batch_size`` prompts). See ``_feed``.
-    prefill_budget: int | None = None
+    prefill_budget: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
     #: Remove dead rows once there are at least live / removal_fraction of them (0: never by count).
