@@ -334,3 +334,38 @@ async def test_an_arrival_held_for_its_group_does_not_cut_the_burst(tiny_model_p
             assert grown >= 2 * 40 * 3
             assert grown % (2 * 40) == 0
             nursery.cancel_scope.cancel()
+
+
+def test_a_row_parked_again_before_its_first_step_back_continues_exactly(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=30, logit_bias=NO_EOS)
+    specs = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+
+    def run(park: bool) -> dict[int, list[int]]:
+        lane = BatchLane(model, tokenizer, max_batch=4)
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+
+        def take(result: Any) -> None:
+            for e in result.events:
+                assert e.error is None
+                tokens[e.id].extend(e.token_ids)
+
+        take(lane.step(specs))
+        for k in range(100):
+            if not lane.rows:
+                break
+            if park and k == 6:
+                lane.park([1])
+                take(lane.step(resumes=[1]))
+                # The case under test: row 1 is back in the batch, not stepped yet.
+                assert lane._fresh
+                lane.park([1])
+                take(lane.step(resumes=[1]))
+            else:
+                take(lane.step())
+        assert not lane.rows
+        return tokens
+
+    assert run(park=True) == run(park=False)

@@ -290,7 +290,8 @@ def _generation_class() -> Any:
     extra forward pass for the arrivals alone. What that step emits for a
     fresh row is its prompt's last token: the lane drops it (``fresh``). A
     fresh row's grammar processor runs alone on that step (it has not seen
-    the prompt yet), as on mlx-lm's own first step.
+    the prompt yet), as on mlx-lm's own first step. Arrivals into an empty
+    batch take mlx-lm's first step at once (there is no pass to share).
     """
     global _GENERATION_CLASS
     if _GENERATION_CLASS is not None:
@@ -304,7 +305,12 @@ def _generation_class() -> Any:
 
         def extend(self, batch: Any) -> None:
             if getattr(batch, "unstepped", False):
-                self.fresh.update(batch.uids)
+                if self.uids:
+                    self.fresh.update(batch.uids)
+                else:
+                    # Nothing decodes: no pass to share, so the arrivals' own first
+                    # step now (mlx-lm's), and an idle engine's TTFT stays as it was.
+                    batch._step()
             super().extend(batch)  # type: ignore[no-untyped-call]
 
         def _step(self) -> Any:
