@@ -357,9 +357,13 @@ def _prompt_class() -> Any:
     * ``generate``: rows whose prompt is prefilled join the decode batch
       *unstepped* (see :func:`_generation_class`), without a forward pass of
       their own.
+    * ``split`` of every row (a group whose prefill ended together): the
+      batch is handed over as it is; mlx-lm deep-copies its caches and then
+      filters both halves.
 
-    ``split`` (mlx-lm's) copies a batch through ``self.__class__``, so every
-    batch split off the lane's prompt batch is one of these.
+    ``split`` (mlx-lm's, for part of the rows) copies a batch through
+    ``self.__class__``, so every batch split off the lane's prompt batch is
+    one of these.
     """
     global _PROMPT_CLASS
     if _PROMPT_CLASS is not None:
@@ -392,6 +396,18 @@ def _prompt_class() -> Any:
                 for layer in self.prompt_cache:
                     layer.finalize()
                 mx.async_eval([layer.state for layer in self.prompt_cache])  # type: ignore[no-untyped-call]
+
+        def split(self, indices: list[int]) -> Any:
+            if len(set(indices)) < len(self.uids):
+                return super().split(indices)
+            # The whole batch moves on (a group prefilled together): hand it over
+            # as it is instead of mlx-lm's deep copy of its caches and two filters.
+            moved = self.__class__.__new__(self.__class__)
+            moved.__dict__.update(self.__dict__)
+            self.uids, self.prompt_cache, self.tokens = [], [], []
+            self.samplers, self.logits_processors, self.max_tokens = [], [], []
+            self.stop_sequences = []
+            return moved
 
         def generate(self, tokens: list[list[int]]) -> Any:
             if any(len(t) > 1 for t in tokens):
