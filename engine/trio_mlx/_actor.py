@@ -251,13 +251,13 @@ class Actor:
     #: Set by the doorbell, read by the MLX thread: a burst stops at the next step boundary.
     _news: threading.Event = attrs.field(init=False, factory=threading.Event)
     #: Grouped admission (see _admit_now): rows admitted while others decode
-    #: wait for up to ``admit_group`` of them (at most a quarter of the decoding
+    #: wait for up to ``admit_group`` of them (at most an eighth of the decoding
     #: rows), but never more than ``admit_wait_steps`` decode steps or
     #: ``admit_wait_seconds`` (plus the burst in flight, <= 20 ms) after the
     #: first arrived: the most grouping adds to a row's time to first token.
     admit_group: int = 16
     #: The group is at most 1/admit_fraction of the decoding rows.
-    admit_fraction: int = 4
+    admit_fraction: int = 8
     admit_wait_steps: int = 32
     admit_wait_seconds: float = 0.25
     #: Rows decoding in the lane after the last step (from the lane's result).
@@ -524,7 +524,7 @@ class Actor:
         throughput on the H200, grouping 16 cost 22% (shared/measured). So
         while rows decode, arrivals are collected until there are
         ``admit_group`` of them (no more than mlx-lm prefills in one pass, nor
-        a quarter of the decoding rows), or the first has waited ``admit_wait_steps`` decode
+        an eighth of the decoding rows), or the first has waited ``admit_wait_steps`` decode
         steps or ``admit_wait_seconds``. An idle lane admits at once.
         """
         pending = len(self._inserts)
