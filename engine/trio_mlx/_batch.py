@@ -6,7 +6,10 @@ Every row carries its own sampler (``make_sampler``) and logits processors
 call is one worker call: it removes cancelled rows, inserts admitted and
 resumed ones, runs one ``BatchGenerator.next()`` (or a short burst of them,
 see :meth:`BatchLane.step`) and returns every row's
-:class:`~trio_mlx._output.RowEvent` at once.
+:class:`~trio_mlx._output.RowEvent` at once. Admitted rows reach mlx-lm's
+prompt batch within ``prefill_budget`` tokens per step (``_feed``); its prefill
+is queued, not waited for, and rows that finish it join the decode batch
+without a forward pass of their own (``_prompt_class``, ``_generation_class``).
 
 Rows are finished by the lane, not by mlx-lm (``RowOutput`` applies
 ``max_tokens``, EOS and stop strings; mlx-lm gets no stop tokens and an
@@ -25,10 +28,13 @@ Parking (preemption) takes a row's KV cache out with
 ``remove(..., return_prompt_caches=True)``. Decode is pipelined, so that
 cache already holds the last emitted token: it is trimmed by one and the row
 is re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``, which
-continues token for token like an uninterrupted run.
+continues token for token like an uninterrupted run. (A row back in the batch
+but not stepped yet holds no last token: nothing is trimmed then.)
 
 Every mlx-lm call of the engine's batching lives in this module: its
-``BatchGenerator`` API moves between minor releases.
+``BatchGenerator`` API moves between minor releases, and the lane's subclasses
+read and set private fields of its prompt and decode batches (pinned to
+mlx-lm <0.33, as the prompt cache's trie is).
 """
 
 from __future__ import annotations
