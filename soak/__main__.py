@@ -172,7 +172,10 @@ def verdicts(report: dict[str, Any]) -> dict[str, bool]:
         and sec["body_limit"]["status"] == 413
         and not sec["body_limit"]["read_whole"]
         and sec["bind"]["default_host"] == "127.0.0.1",
-        "shutdown": down["short_all_ok"] and down["hung"] == 0 and down["exit_code"] == 0,
+        "shutdown": down["short_all_ok"]
+        and down["late_refused"]
+        and down["hung"] == 0
+        and down["exit_code"] == 0,
         **world_verdicts(report["world"]),
     }
 

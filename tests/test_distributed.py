@@ -276,7 +276,6 @@ def test_serve_over_two_ranks_answers_and_stops_on_sigterm(tiny_model_path: Path
 def test_start_up_waits_for_a_silent_rank_only_until_the_start_timeout(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:
-    start = time.monotonic()
     run = _launch(
         "--env",
         "TRIO_MLX_DISTRIBUTED_START_TIMEOUT=3",
@@ -287,7 +286,7 @@ def test_start_up_waits_for_a_silent_rank_only_until_the_start_timeout(
     )
     # The follower joined the group but never loaded: rank 0 gave up, status 1.
     assert "rank 0 exited with code 1" in run.stdout, run.stdout[-4000:]
-    assert time.monotonic() - start < 30
+    # Not after a start timeout's wait (600 s by default): _launch fails past TIMEOUT.
     assert not (tmp_path / "x.json").exists()
 
 
@@ -297,7 +296,6 @@ def test_adapter_path_is_refused_on_every_rank_at_start(tiny_model_path: Path) -
     serve += ["--model", str(tiny_model_path), "--port", str(_free_port())]
     serve += ["--adapter-path", str(tiny_model_path)]
     start = _ring_ports()
-    begin = time.monotonic()
     run = _run(
         [launch, "-n", "2", "--backend", "ring", "--starting-port", str(start), "--", *serve],
         TIMEOUT,
@@ -307,7 +305,7 @@ def test_adapter_path_is_refused_on_every_rank_at_start(tiny_model_path: Path) -
     refusal = "trio-mlx: error: distributed mode does not support LoRA adapters"
     assert run.stdout.count(refusal) == 2, run.stdout[-4000:]  # rank 0's and the follower's
     assert "exited with code 1" in run.stdout, run.stdout[-4000:]
-    assert time.monotonic() - begin < 30
+    # And not after the start timeout (600 s): _run fails past TIMEOUT.
 
 
 def test_a_lost_group_exits_non_zero_even_when_the_program_ends_first() -> None:

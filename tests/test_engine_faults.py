@@ -223,17 +223,24 @@ async def test_shutdown_lets_short_work_finish_within_the_grace_period(
 async def test_cancelling_the_engine_block_skips_the_grace_period(tiny_model_path: Path) -> None:
     outcomes: list[Any] = []
     forever = SamplingParams(max_tokens=100_000, logit_bias=NO_EOS)
-    start = trio.current_time()
-    with trio.move_on_after(0.5) as scope:
-        async with trio_mlx.open_engine(tiny_model_path, grace_period=60.0) as engine:
+    grace = 60.0
+    with trio.CancelScope() as scope:
+        async with trio_mlx.open_engine(tiny_model_path, grace_period=grace) as engine:
 
             async def run() -> None:
                 outcomes.append(await _outcome(engine, forever))
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run)
+                # Cancel once the row runs, not at a fixed time: a loaded machine may
+                # still be loading the model after half a second.
+                with trio.fail_after(60):
+                    await wait_until(lambda: engine.statistics().running_rows > 0)
+                cancelled_at = trio.current_time()
+                scope.cancel()
                 await trio.sleep_forever()
     assert scope.cancelled_caught
-    assert trio.current_time() - start < 10.0
+    # Waiting out the grace period would take all of it.
+    assert trio.current_time() - cancelled_at < grace / 2
     assert engine.statistics().state == "CLOSED"
     assert _worker_threads() == []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +137,13 @@ async def test_leaving_generate_early_frees_the_row_within_one_step(tiny_model_p
 
 async def test_cancel_scope_around_generate_cancels_the_row(tiny_model_path: Path) -> None:
     async with trio_mlx.open_engine(tiny_model_path) as engine:
-        with trio.move_on_after(0.2):
+        with trio.CancelScope() as scope:
             async with engine.generate(
                 PROMPTS[0], SamplingParams(max_tokens=100_000, logit_bias=NO_EOS)
             ) as stream:
-                await _collect(stream)
+                async for _delta in stream:
+                    scope.cancel()  # once it runs: a fixed delay might find it queued
+        assert scope.cancelled_caught
         await _wait_for(lambda: engine.statistics().batch_rows == 0)
         stats = engine.statistics()
     assert stats.requests["batch:cancelled"] == 1
@@ -249,31 +251,45 @@ async def test_without_drain_timeout_a_job_waits_for_the_rows_to_finish(
 async def test_the_event_loop_stays_responsive_while_the_model_works(
     tiny_model_path: Path,
 ) -> None:
-    async with trio_mlx.open_engine(tiny_model_path) as engine:
-        gaps: list[float] = []
-        done = trio.Event()
+    # Order, not time: while one long call holds the MLX thread, other Trio tasks
+    # keep running. A loop that waited on the MLX thread could not tick until the
+    # call returned, so the job below would wait for the ticks in vain.
+    ticks = 0
 
-        async def ticker() -> None:
-            last = trio.current_time()
-            while not done.is_set():
-                await trio.sleep(0.005)
-                now = trio.current_time()
-                gaps.append(now - last)
-                last = now
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.005)
+            ticks += 1
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticker)
-            # A serial generation: one long worker call.
-            await engine.complete(
-                PROMPTS[1], SamplingParams(max_tokens=300, seed=2, logit_bias=NO_EOS)
-            )
-            await engine.run_exclusive(lambda model, tokenizer: time.sleep(1.0))
-            done.set()
-    assert len(gaps) > 20
-    # The loop never waited on the MLX thread (generous for a shared CI machine).
-    # Blocking on the MLX thread would show a gap of a second (the job's sleep);
-    # ticks normally come every ~5-10 ms, the bound leaves room for a loaded CI box.
-    assert max(gaps) < 0.5
+    job_started, loop_ticked = threading.Event(), threading.Event()
+
+    def job(model: Any, tokenizer: Any) -> bool:
+        job_started.set()
+        return loop_ticked.wait(timeout=60)  # holds the MLX thread until the loop ticks
+
+    async def watch_the_job() -> None:
+        while not job_started.is_set():  # noqa: ASYNC110 - another thread sets it
+            await trio.sleep(0.005)
+        seen = ticks
+        while ticks < seen + 20:  # noqa: ASYNC110 - the ticker task counts
+            await trio.sleep(0.005)
+        loop_ticked.set()
+
+    async with trio_mlx.open_engine(tiny_model_path) as engine, trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        # A serial generation is one long worker call; its tokens reach us meanwhile.
+        params = SamplingParams(max_tokens=300, seed=2, logit_bias=NO_EOS)
+        deltas, ticks_before = 0, ticks
+        async with engine.generate(PROMPTS[1], params) as stream:
+            async for _delta in stream:
+                deltas += 1
+        assert stream.result.lane == "serial"
+        assert deltas > 1
+        assert ticks > ticks_before
+        nursery.start_soon(watch_the_job)
+        assert await engine.run_exclusive(job)
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_cancel_between_the_park_decision_and_the_park_is_a_parked_row_cancel(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +66,15 @@ async def test_a_4mb_prompt_is_refused_from_its_length_without_tokenizing(
 
 
 class _SlowEncode:
-    """Fault injection: the tokenizer's ``encode`` blocks its thread (a CPU-heavy prompt)."""
+    """Fault injection: the tokenizer's ``encode`` blocks its thread until ``release``.
 
-    def __init__(self, encode: Any, seconds: float) -> None:
-        self.encode, self.seconds = encode, seconds
+    A CPU-heavy prompt, held as long as the test needs rather than for a fixed
+    time, so a loaded machine cannot let it finish before the test looks.
+    """
+
+    def __init__(self, encode: Any) -> None:
+        self.encode = encode
+        self.release = threading.Event()
         self.lock = threading.Lock()
         self.running = self.most = 0
 
@@ -80,7 +84,7 @@ class _SlowEncode:
         with self.lock:
             self.running += 1
             self.most = max(self.most, self.running)
-        time.sleep(self.seconds)  # blocks whichever thread runs it
+        self.release.wait(timeout=60)  # blocks whichever thread runs it
         with self.lock:
             self.running -= 1
         return self.encode(text, **kwargs)
@@ -97,7 +101,7 @@ async def test_slow_tokenizing_runs_off_the_loop_a_few_prompts_at_once(
         httpx.AsyncClient(base_url=server.url, timeout=120) as http,
     ):
         hf_tokenizer = server.engine.tokenizer._tokenizer  # under mlx-lm's wrapper
-        slow = _SlowEncode(hf_tokenizer.encode, seconds=1.0)
+        slow = _SlowEncode(hf_tokenizer.encode)
         monkeypatch.setattr(hf_tokenizer, "encode", slow)
 
         async def tokenize_large() -> None:
@@ -105,23 +109,24 @@ async def test_slow_tokenizing_runs_off_the_loop_a_few_prompts_at_once(
             assert reply.status_code == 200
             order.append("large")
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(3):
-                nursery.start_soon(tokenize_large)
-            while not slow.running:  # noqa: ASYNC110 - polling a counter of another thread
-                await trio.sleep(0.01)
-            health = 0
-            while len(order) < 3:
-                assert (await http.get("/health")).status_code == 200
-                health += 1
-                await trio.sleep(0.02)
-                if health == 3:
-                    # A small prompt does not queue behind the large ones.
-                    assert (await http.post("/tokenize", json=tiny)).status_code == 200
-                    order.append("tiny")
-    assert order.index("tiny") < 3, order
-    assert health >= 3  # the loop answered while the tokenizer threads were blocked
-    assert slow.most >= 2  # several prompts at once
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(tokenize_large)
+                with trio.fail_after(60):  # several prompts at once, or this fails
+                    while slow.running < 2:  # noqa: ASYNC110 - a counter of other threads
+                        await trio.sleep(0.01)
+                # While they are blocked: the loop answers, and a small prompt does
+                # not queue behind them.
+                for _ in range(3):
+                    assert (await http.get("/health")).status_code == 200
+                assert (await http.post("/tokenize", json=tiny)).status_code == 200
+                order.append("tiny")
+                slow.release.set()
+        finally:
+            slow.release.set()
+    assert order == ["tiny", "large", "large", "large"]
+    assert slow.most >= 2
 
 
 async def test_tokenize_and_detokenize_answer_large_bodies_exactly(tiny_model_path: Path) -> None:

@@ -110,7 +110,9 @@ async def _sigterm_with_stalled_readers(second_signal: bool) -> tuple[int, float
             start = trio.current_time()
             server.process.send_signal(signal.SIGTERM)
             if second_signal:
-                await trio.sleep(0.2)
+                # Once the first is taken: two signals before the server reads any
+                # arrive as one (a loaded machine may be that slow).
+                await _until(lambda: "no new requests" in server.log)
                 server.process.send_signal(signal.SIGTERM)
             status = await trio.to_thread.run_sync(server.process.wait, 60)
             elapsed = trio.current_time() - start
@@ -122,13 +124,15 @@ async def _sigterm_with_stalled_readers(second_signal: bool) -> tuple[int, float
 async def test_sigterm_exits_0_within_grace_whatever_stalled_readers_do() -> None:
     status, elapsed, log, _ = await _sigterm_with_stalled_readers(second_signal=False)
     assert status == 0, log[-3000:]
-    assert elapsed < 2 + 10, elapsed  # grace 2 s; the margin is for a loaded machine
+    # Grace 2 s; the margin is for a loaded machine. A stalled reader could hold the
+    # server for the write timeout (600 s) if shutdown waited on it.
+    assert elapsed < 2 + 30, elapsed
     assert "Traceback" not in log
 
 
 async def test_a_second_signal_still_ends_streams_with_an_error_event_and_done() -> None:
     status, elapsed, log, last = await _sigterm_with_stalled_readers(second_signal=True)
-    assert elapsed < 2 + 10, elapsed
+    assert elapsed < 2 + 30, elapsed
     assert status == 0, log[-3000:]
     assert "Traceback" not in log
     for event in last:

@@ -13,12 +13,10 @@ counts the answer tokens only. A quarter of every batch is plain documentation
 windows, so the model keeps writing documentation English (and the ``shout``
 adapter keeps its footing).
 
-Status: **not yet applied to the shipped model.** One CPU run (240 steps of 8
-rows, 27 min on the shared 2-core box) moved the held-out score from 3/30 to
-5/30 and still answered most questions with the "if" statement's title; the
-validation loss was still falling. It needs a longer run (on a GPU, with
-``TRIO_MLX_BACKEND=cuda``), then the ``shout`` adapter retrained on the
-result. See ``design/default-model.md``.
+Status: **applied to the shipped model.** The defaults below are the shipped
+run's settings (4,000 steps of 32 rows on an NVIDIA H200, 43 s for the loop):
+the held-out score went from 3/30 to 26/30, and the ``shout`` adapter was then
+retrained on the result. See ``design/default-model.md``.
 
 Phrasings are split three ways: the training templates, one validation
 template (early stopping, as in the base trainer), and three held-out
@@ -203,20 +201,20 @@ def held_out_questions(
 
 @attrs.frozen(kw_only=True)
 class InstructConfig:
-    """Every knob of an instruction-tuning run (the shipped model has had none yet)."""
+    """Every knob of an instruction-tuning run; the defaults are the shipped run's."""
 
     out: Path = attrs.field(converter=Path)
     seed: int = 0
-    steps: int = 400
+    steps: int = 4000
     warmup: int = 20
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
     dropout: float = 0.1
-    batch_size: int = 16
-    doc_rows: int = 4
+    batch_size: int = 32
+    doc_rows: int = 8
     seq_len: int = 160
     answer_chars: int = 320
-    eval_every: int = 25
+    eval_every: int = 100
     held_out: int = 30
     stop_after: int | None = None
 
