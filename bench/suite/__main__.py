@@ -211,6 +211,12 @@ class Suite:
         # Enough client processes that none is busy (see client CPU in the report).
         clients = max(2, min(8, (os.cpu_count() or 2) // 2))
         self.profile = {**PROFILES[args.profile], "client_processes": clients}
+        if args.batches:
+            self.profile["batches"] = [int(b) for b in args.batches.split(",")]
+        if args.concurrency:
+            cs = [int(c) for c in args.concurrency.split(",")]
+            self.profile["traffic"] = {**self.profile["traffic"], "concurrency": cs}
+        self.traffic_parts = set(args.traffic.split(","))
         self.env = model_env()
         self.out = Path(args.out) if args.out else ROOT / "bench" / "results" / args.machine
         self.results: dict[str, Any] = {
@@ -442,7 +448,7 @@ class Suite:
                 with starters[name]() as server:
                     self._warm(server, {**p, "concurrency": cs})
                     rows = data["servers"].setdefault(name, [])
-                    for c in cs:
+                    for c in cs if "closed" in self.traffic_parts else ():
                         row = traffic.closed(server, p, c)
                         rows.append(row)
                         bare = data["bare"].get(str(c), {})
@@ -454,6 +460,17 @@ class Suite:
                                  f"GPU {report._num(row['gpu_busy_pct'])}%, worker "
                                  f"{report._num(row.get('worker_busy'), 2)}")  # fmt: skip
                         self.write()
+                    if "long" in self.traffic_parts:
+                        row = traffic.long_arrival(server, p, max(cs))
+                        data.setdefault("long", {})[name] = row
+                        self.log(f"  {name} C={max(cs)} with {row['long_arrivals']} long prompts: "
+                                 f"ITL p50 {report.ms(row['itl_p50_s'])} ms, during long p99 "
+                                 f"{report.ms(row['itl_during_long_p99_s'])} ms (x"
+                                 f"{report._num(row['during_p99_over_p50'], 1)}), long TTFT "
+                                 f"{', '.join(report.ms(x) for x in row['long_ttft_s'])} ms")  # fmt: skip
+                        self.write()
+                    if "open" not in self.traffic_parts:
+                        continue
                     if capacity is None:
                         # Capacity for the open loop's prompt mix: a closed loop at the
                         # largest C with prompts drawn from the same spread.
@@ -536,6 +553,13 @@ def main() -> None:
                         "responsiveness, prompt_cache, memory, structured, "
                         "traffic")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/MACHINE/")
+    parser.add_argument("--batches", help="comma-separated B for the overhead part "
+                        "(default: the profile's)")  # fmt: skip
+    parser.add_argument("--concurrency", help="comma-separated C for the traffic part "
+                        "(default: the profile's)")  # fmt: skip
+    parser.add_argument("--traffic", default="closed,long,open",
+                        help="the traffic part's measures: closed (closed loops per C), long "
+                        "(long prompts among C - 1 streams), open (Poisson arrivals)")  # fmt: skip
     parser.set_defaults(profile="full")
     args = parser.parse_args()
     if args.machine is None:
