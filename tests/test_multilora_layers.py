@@ -98,3 +98,20 @@ def test_every_method_adds_each_rows_own_adapter(method: str, length: int) -> No
 def test_an_unknown_method_is_refused() -> None:
     with pytest.raises(ValueError, match="method must be one of"):
         AdapterStack.build(_Net().module, [], "loop")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_bfloat16_layer_keeps_its_dtype_with_float32_adapters(method: str) -> None:
+    import mlx.core as mx
+
+    net = _Net().module
+    net.set_dtype(mx.bfloat16)
+    stack = AdapterStack.build(net, [("a", 1, _lora(1, 4, [0], 2.0))], method)
+    x = mx.random.normal((3, 1, 16), key=mx.random.key(3)).astype(mx.bfloat16)
+    base = net.layers[0](x)
+    with stack.on(net):
+        stack.set_rows([1, 0, 1])
+        y = net.layers[0](x)
+    assert y.dtype == mx.bfloat16
+    assert mx.array_equal(y[1], base[1]).item()  # the base row: the base layer's output
+    assert not mx.array_equal(y[0], base[0]).item()

@@ -57,9 +57,9 @@ _COMMON: dict[str, Any] = {
         "batches": [8, 32],
         "max_tokens": 48,
         "prompt_len": 16,
-        "rounds": 2,
+        "rounds": 3,
         "serial_requests": 8,
-        "steps": 12,
+        "steps": 24,
         "methods": ["grouped", "gather", "sorted", "dense"],
     },
 }

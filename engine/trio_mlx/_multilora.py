@@ -207,12 +207,30 @@ def _parent(model: Any, name: str) -> tuple[Any, Any]:
     return node, int(last) if isinstance(node, list) else last
 
 
-def _layer_weights(entries: Sequence[tuple[Any, Any, float] | None], method: str) -> dict[str, Any]:
+def _stack_dtype(base: Any, method: str) -> Any:
+    """The dtype of a layer's stacked A and B: the one the base layer computes in (its
+    weight's, or a quantized layer's scales'), except where MLX's CPU ``gather_mm``
+    takes float32 only."""
+    import mlx.core as mx
+
+    dtype = getattr(base, "scales", base.weight).dtype
+    if not mx.issubdtype(dtype, mx.floating):
+        return mx.float32
+    on_cpu = mx.default_device() == mx.cpu
+    return mx.float32 if method in ("gather", "sorted") and on_cpu else dtype
+
+
+def _layer_weights(
+    entries: Sequence[tuple[Any, Any, float] | None], method: str, dtype: Any
+) -> dict[str, Any]:
     """What ``method`` needs of one layer's adapters (``entries``: slot 1.., None: untouched).
 
     Each adapter's scale is folded into its B once here (``(x A)(s B)``, not
-    ``s ((x A) B)``): one op less per layer and step. The two differ in the last
-    bits only; the batch-vs-alone token tests hold with it.
+    ``s ((x A) B)``): one op less per layer and step. A and B are kept in the
+    ``dtype`` (:func:`_stack_dtype`; mlx-lm saves adapters in float32, and against
+    a bfloat16 model mixed dtypes would add two casts per layer and step). In
+    float32 the two forms differ in the last bits only; the batch-vs-alone
+    token tests hold with it.
     """
     import mlx.core as mx
 
@@ -220,10 +238,12 @@ def _layer_weights(entries: Sequence[tuple[Any, Any, float] | None], method: str
     in_dims, out_dims = present[0][0].shape[0], present[0][1].shape[1]
     if method == "grouped":
         each: list[tuple[Any, Any]] = [(None, out_dims)]
-        each += [(None, out_dims) if e is None else (e[0], e[1] * e[2]) for e in entries]
+        each += [
+            (None, out_dims) if e is None else (e[0].astype(dtype), (e[1] * e[2]).astype(dtype))
+            for e in entries
+        ]
         return {"each": each}
     rank = max(e[0].shape[1] for e in present)
-    dtype = present[0][0].dtype
     a_rows, b_rows = [], []
     for entry in entries:
         if entry is None:
@@ -232,8 +252,8 @@ def _layer_weights(entries: Sequence[tuple[Any, Any, float] | None], method: str
             continue
         a, b, scale = entry
         pad = rank - a.shape[1]
-        a_rows.append(mx.pad(a, [(0, 0), (0, pad)]))
-        b_rows.append(mx.pad(b * scale, [(0, pad), (0, 0)]))
+        a_rows.append(mx.pad(a.astype(dtype), [(0, 0), (0, pad)]))
+        b_rows.append(mx.pad((b * scale).astype(dtype), [(0, pad), (0, 0)]))
     if method == "dense":
         return {
             "a": mx.concatenate(a_rows, axis=1),
@@ -285,7 +305,8 @@ class AdapterStack:
             return stack
         base = dict(model.named_modules())
         for layer in sorted({layer for _, _, a in adapters for layer in a.layers}):
-            weights = _layer_weights([a.layers.get(layer) for _, _, a in adapters], method)
+            entries = [a.layers.get(layer) for _, _, a in adapters]
+            weights = _layer_weights(entries, method, _stack_dtype(base[layer], method))
             stack.modules[layer] = _CLASS(base[layer], method, weights, stack._current)
         mx.eval([m.parameters() for m in stack.modules.values()])
         for layer, module in stack.modules.items():
