@@ -533,6 +533,9 @@ class Suite:
                 self.not_run(f"multilora {r['part']} on {model.name}: {r['error']}")
             elif r["job"] == "multilora_methods":
                 self.log(f"  B={r['batch']} {r['case']} {r['method'] or 'base'}: {r['ms']:.2f} ms")
+            elif r["job"] == "multilora_engine_methods":
+                rate = r["result"]["decode_tok_s"] or 0
+                self.log(f"  B={r['batch']} {r['case']}, {r['method']}: {rate:,.0f} tok/s")
             else:
                 rate = r["result"]["decode_tok_s" if r["job"] == "multilora_rows" else "e2e_tok_s"]
                 label = r.get("case") or f"{r['requests']} requests, {r['lane']} lane"

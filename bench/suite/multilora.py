@@ -14,6 +14,8 @@ in a worker process (:func:`job`):
   its adapter put on and taken off, the path adapter requests took before), end
   to end; and 8 base requests both ways, which bounds what batching can gain on
   the machine at all.
+* **engine by method**: the rows over 4 adapters (and half base) again, the
+  stack rebuilt with each of ``trio_mlx._multilora.METHODS`` in turn.
 * **methods**: the model's decode step (a bare forward over a KV cache, one
   ``mx.eval`` per step) with the stacked layers of each
   ``trio_mlx._multilora.METHODS``, for the same row mixes, against the base
@@ -183,8 +185,49 @@ def _engine_part(job: dict[str, Any], adapters: list[Path], tokenizer: Any) -> N
                 name, lane = key.split(":")
                 emit({"job": "multilora_serial", "requests": name, "lane": lane,
                       "rows": serial_n, "result": _best(got, "e2e_tok_s")})  # fmt: skip
+            if job["methods"]:
+                await _by_method(lora, adapters, prompts, job, bias)
 
     trio.run(main)
+
+
+async def _by_method(
+    engine: Any,
+    adapters: list[Path],
+    prompts: dict[int, list[list[int]]],
+    job: dict[str, Any],
+    bias: dict[int, float] | None,
+) -> None:
+    """Engine decode tok/s of the rows over 4 adapters (and half base) under each method.
+
+    The registry's method applies to the stacks it builds next, so the last
+    adapter is mounted again after each change (reaching into the engine's
+    registry: a measurement knob, not an API).
+    """
+    from bench.suite.inproc import emit
+
+    from trio_mlx._multilora import DEFAULT_METHOD
+
+    name, path = f"a{len(adapters) - 1}", adapters[-1]
+
+    async def restack(method: str) -> None:
+        engine._registry.method = method
+        await engine.unmount_adapter(name)
+        await engine.mount_adapter(name, path)
+
+    runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for _ in range(job["rounds"]):
+        for method in job["methods"]:
+            await restack(method)
+            for b, rows in prompts.items():
+                for label, k, share in CASES[3:]:
+                    names = spread(b, k, share)
+                    got = await _rows(engine, rows, names, job["max_tokens"], bias)
+                    runs.setdefault((b, label, method), []).append(got)
+    await restack(DEFAULT_METHOD)
+    for (b, label, method), got in runs.items():
+        emit({"job": "multilora_engine_methods", "batch": b, "case": label, "method": method,
+              "result": _best(got, "decode_tok_s")})  # fmt: skip
 
 
 def _step_ms(
@@ -293,8 +336,10 @@ def collect(records: list[dict[str, Any]], model: str, settings: dict[str, Any])
     serial = [r for r in records if r["job"] == "multilora_serial"]
     methods = [r for r in records if r["job"] == "multilora_methods"]
     errors = [r for r in records if r["job"] == "multilora_error"]
+    engine_methods = [r for r in records if r["job"] == "multilora_engine_methods"]
     return {"model": model, "settings": settings, "default_method": DEFAULT_METHOD,
-            "rows": rows, "serial": serial, "methods": methods, "errors": errors}  # fmt: skip
+            "rows": rows, "serial": serial, "engine_methods": engine_methods,
+            "methods": methods, "errors": errors}  # fmt: skip
 
 
 def _num(value: Any) -> str:
@@ -303,6 +348,26 @@ def _num(value: Any) -> str:
 
 def _x(a: Any, b: Any) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _engine_methods_md(data: dict[str, Any], base: dict[int, Any]) -> list[str]:
+    records = data.get("engine_methods") or []
+    if not records:
+        return []
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    rate = {(r["batch"], r["case"], r["method"]): r["result"]["decode_tok_s"] for r in records}
+    lines = [
+        "",
+        "The same engine, the stack rebuilt with each method in turn (rounds interleaved): "
+        "decode tok/s, and in brackets against the all-base rows above.",
+        "",
+        "| B | rows | " + " | ".join(methods) + " |",
+        "| ---: | --- | " + " | ".join("---:" for _ in methods) + " |",
+    ]
+    for b, case in dict.fromkeys((r["batch"], r["case"]) for r in records):
+        cells = [f"{_num(rate[b, case, m])} ({_x(rate[b, case, m], base.get(b))})" for m in methods]
+        lines.append(f"| {b} | {case} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(results: dict[str, Any]) -> list[str]:
@@ -351,6 +416,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         for name, label in (("adapter", f"{n} over {ADAPTERS} adapters"), ("base", f"{n} base")):
             b, a = by.get((name, "batch")), by.get((name, "serial"))
             lines.append(f"| {label} | {_num(b)} | {_num(a)} | {_x(b, a)} |")
+    lines += _engine_methods_md(data, base)
     if data["methods"]:
         methods = list(dict.fromkeys(r["method"] for r in data["methods"] if r["method"]))
         ms = {(r["batch"], r["case"], r["method"]): r["ms"] for r in data["methods"]}
