@@ -114,7 +114,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "memory": {"requests": 1000, "mark": 100, "concurrency": 16, "max_tokens": 32,
                    "max_prompt_words": 256, "serial_every": 10},
         "prompt_cache": {"prefix_words": 3000, "trials": 2},
-        "multilora": {"batches": [8, 32], "max_tokens": 128, "prompt_len": 32, "rounds": 3,
+        "multilora": {"batches": [8, 32], "max_tokens": 128, "prompt_len": 32, "rounds": 2,
                       "serial_requests": 8, "steps": 32,
                       "methods": ["grouped", "gather", "sorted", "dense"]},
         "traffic": {"concurrency": [1, 8, 32, 64, 128], "duration": 10.0, "warm": 2.0,
