@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.suite import multilora
+
 
 def _num(value: Any, digits: int = 0) -> str:
     if value is None:
@@ -357,6 +359,7 @@ def markdown(results: dict[str, Any]) -> str:
         _memory_md,
         _cache_md,
         _structured_md,
+        multilora.markdown,
         _traffic_md,
     ):
         lines += section(results)
