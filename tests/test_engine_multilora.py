@@ -13,6 +13,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, make_adapter, wait_until
 from trio_mlx import AdapterConflict, NotFound, SamplingParams, default_adapter_path
+from trio_mlx._multilora import METHODS
 
 pytestmark = pytest.mark.model
 
@@ -76,8 +77,9 @@ def alone(adapters: dict[str, Path]) -> dict[tuple[str, str | None], list[int]]:
     return results
 
 
+@pytest.mark.parametrize("method", METHODS)
 async def test_eight_rows_over_three_adapters_and_the_base_equal_each_run_alone(
-    adapters: dict[str, Path], alone: dict[tuple[str, str | None], list[int]]
+    adapters: dict[str, Path], alone: dict[tuple[str, str | None], list[int]], method: str
 ) -> None:
     # The adapters change the output (else equality would prove nothing).
     for prompt in ("The quick brown fox jumps", "Once upon a time"):
@@ -85,7 +87,9 @@ async def test_eight_rows_over_three_adapters_and_the_base_equal_each_run_alone(
         assert len(outputs) == 2  # each of these prompts runs under two different adapters
     results: dict[int, list[int]] = {}
     async with trio_mlx.open_engine(max_batch=8, prompt_cache_bytes=0) as engine:
+        engine._registry.method = method  # every way to compute the stacked layers
         await _mount_all(engine, adapters)
+        assert engine._registry.stack.method == method
         before = engine.statistics()
 
         async def one(i: int) -> None:
@@ -185,6 +189,25 @@ async def test_the_prompt_cache_never_crosses_adapters(
     for (tokens, _), name in zip(results, names, strict=True):
         assert tokens == fresh[name], name
     assert len({tuple(fresh[n]) for n in (None, "shout", "wide")}) == 3
+
+
+async def test_a_name_unmounted_and_mounted_again_starts_with_an_empty_prompt_cache(
+    adapters: dict[str, Path],
+) -> None:
+    prompt = "Once upon a time " * 40
+    async with trio_mlx.open_engine(max_batch=4) as engine:
+        await engine.mount_adapter("x", adapters["wide"])
+        await engine.complete(prompt, _params("x", 6))
+        again = await engine.complete(prompt, _params("x", 6))
+        assert again.result.cached_tokens > 0
+        await engine.unmount_adapter("x")
+        # The same name, other weights: nothing computed under the old ones is reused.
+        await engine.mount_adapter("x", adapters["deep"])
+        fresh = await engine.complete(prompt, _params("x", 6))
+        await engine.mount_adapter("deep", adapters["deep"])
+        deep = await engine.complete(prompt, _params("deep", 6))
+    assert fresh.result.cached_tokens == 0
+    assert list(fresh.token_ids) == list(deep.token_ids) != list(again.token_ids)
 
 
 async def test_max_loras_bounds_the_mounted_adapters_with_a_conflict(

@@ -48,7 +48,7 @@ row = st.tuples(
 job = st.tuples(st.just(-1), st.just(0), st.none(), st.sampled_from([0.002, 0.01, 0.03]))
 
 
-async def _check_schedule(model: Path, ops: list[tuple[Any, ...]]) -> None:
+async def _check_schedule(model: Path, ops: list[tuple[Any, ...]], budget: int | None) -> None:
     solo = await _solo_tokens(model)
     got: dict[int, tuple[str, list[int]]] = {}
     async with trio_mlx.open_engine(
@@ -59,6 +59,7 @@ async def _check_schedule(model: Path, ops: list[tuple[Any, ...]]) -> None:
         actor.admit_group, actor.admit_fraction, actor.admit_wait_steps = 3, 1, 6
         actor.admit_wait_seconds = 0.05
         actor.lane.removal_delay, actor.lane.removal_fraction = 4, 2
+        actor.lane.prefill_budget = budget  # small: prompts are prefilled in chunks
 
         async def run(i: int, prompt: int, size: int, cancel: int | None, delay: float) -> None:
             await trio.sleep(delay)
@@ -98,11 +99,14 @@ async def _check_schedule(model: Path, ops: list[tuple[Any, ...]]) -> None:
 @settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(ops=st.lists(st.one_of(row, row, row, job), min_size=1, max_size=12))
-def test_rows_grouped_removed_in_bulk_cancelled_and_parked_equal_their_solo_runs(
-    tiny_model_path: Path, ops: list[tuple[Any, ...]]
+@given(
+    ops=st.lists(st.one_of(row, row, row, job), min_size=1, max_size=12),
+    budget=st.sampled_from([None, 5, 24]),
+)
+def test_rows_grouped_chunked_removed_in_bulk_cancelled_and_parked_equal_their_solo_runs(
+    tiny_model_path: Path, ops: list[tuple[Any, ...]], budget: int | None
 ) -> None:
-    trio.run(_check_schedule, tiny_model_path, ops)
+    trio.run(_check_schedule, tiny_model_path, ops, budget)
 
 
 async def test_arrivals_while_rows_decode_are_admitted_as_one_group(
@@ -156,8 +160,12 @@ def test_a_cancelled_row_stops_at_once_and_is_freed_within_the_removal_delay(
     params = SamplingParams(max_tokens=200, logit_bias=NO_EOS)
     ids = [1, 2, 3]
     lane.step([RowSpec(i, tuple(tokenizer.encode(PROMPTS[i - 1])), params) for i in ids])
-    while not all(e.token_ids for e in lane.step().events if e.id in ids):
-        pass
+    started: set[int] = set()
+    for _ in range(10):  # prefill, then the rows' first decode step
+        started |= {e.id for e in lane.step().events if e.token_ids}
+        if started == set(ids):
+            break
+    assert started == set(ids)
     result = lane.step(removes=[2])
     assert {e.id for e in result.events} == {1, 3}, "no output after the cancel"
     assert lane.rows == 2
@@ -234,3 +242,130 @@ def test_a_row_dead_for_some_steps_is_cached_without_the_tokens_decoded_after_it
     second, cached = run(2)
     assert cached >= len(prompt) - 1
     assert second == first
+
+
+class _Forwards:
+    """The model, recording the shape of every forward call's input."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.shapes: list[tuple[int, int]] = []
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.shapes.append((int(inputs.shape[0]), int(inputs.shape[1])))
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _run_lane(
+    lane: BatchLane, first: list[RowSpec], later: list[RowSpec]
+) -> tuple[dict[int, list[int]], list[set[int]]]:
+    """``first`` decode a while, then ``later`` arrive; every row's tokens and each step's rows."""
+    tokens: dict[int, list[int]] = {}
+    steps: list[set[int]] = []
+
+    def step(specs: list[RowSpec]) -> None:
+        events = lane.step(specs).events
+        assert all(e.error is None for e in events)
+        steps.append({e.id for e in events if e.token_ids})
+        for e in events:
+            tokens.setdefault(e.id, []).extend(e.token_ids)
+
+    step(first)
+    for _ in range(4):
+        step([])
+    step(later)
+    for _ in range(200):
+        if not lane.rows:
+            break
+        step([])
+    assert not lane.rows
+    return tokens, steps
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_pass(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=40, logit_bias=NO_EOS)
+    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
+    long_prompt = tuple(tokenizer.encode(PROMPTS[3]))
+    assert len(long_prompt) > 60
+    first = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+    later = [RowSpec(10, long_prompt, short)] + [
+        RowSpec(11 + i, tuple(tokenizer.encode(PROMPTS[i])), short) for i in (0, 1, 2)
+    ]
+    whole, _ = _run_lane(BatchLane(model, tokenizer, max_batch=8), first, later)
+    forwards = _Forwards(model)
+    lane = BatchLane(forwards, tokenizer, max_batch=8)
+    lane.prefill_budget = 16
+    chunked, steps = _run_lane(lane, first, later)
+    assert chunked == whole, "chunked prefill changes no token"
+    prefills = [rows * width for rows, width in forwards.shapes if width > 1]
+    assert max(prefills) <= 16, "no forward pass prefills past the budget (padding counted)"
+    assert len(prefills) >= len(long_prompt) // 16
+    # The running rows got a token in every step while the long prompt was prefilled.
+    arrived = 5  # the step call that inserted ``later``
+    waited = next(i for i, s in enumerate(steps) if 10 in s) - arrived
+    assert waited >= len(long_prompt) // 16
+    assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
+
+
+async def test_an_arrival_held_for_its_group_does_not_cut_the_burst(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path, max_batch=8, prompt_cache_bytes=0) as engine:
+        actor = engine._actor
+        actor.admit_group, actor.admit_fraction = 4, 1  # two decoding rows: groups of two
+        actor.admit_wait_steps, actor.admit_wait_seconds = 10**6, 3600.0
+        actor.burst_steps, actor.burst_seconds = 40, 3600.0  # bursts end by count or news only
+        long = SamplingParams(max_tokens=2000, logit_bias=NO_EOS)
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(engine.complete, PROMPT, long)
+            await wait_until(lambda: engine.statistics().generated_tokens >= 2)
+            base = engine.statistics()
+            nursery.start_soon(engine.complete, PROMPTS[0], long)  # held: one of a group of two
+            await wait_until(lambda: engine.statistics().steps >= base.steps + 3)
+            stats = engine.statistics()
+            assert stats.admissions == base.admissions, "held until a second arrival"
+            # Every burst since ran its 40 steps for both rows: none was cut short.
+            grown = stats.generated_tokens - base.generated_tokens
+            assert grown >= 2 * 40 * 3
+            assert grown % (2 * 40) == 0
+            nursery.cancel_scope.cancel()
+
+
+def test_a_row_parked_again_before_its_first_step_back_continues_exactly(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=30, logit_bias=NO_EOS)
+    specs = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+
+    def run(park: bool) -> dict[int, list[int]]:
+        lane = BatchLane(model, tokenizer, max_batch=4)
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+
+        def take(result: Any) -> None:
+            for e in result.events:
+                assert e.error is None
+                tokens[e.id].extend(e.token_ids)
+
+        take(lane.step(specs))
+        for k in range(100):
+            if not lane.rows:
+                break
+            if park and k == 6:
+                lane.park([1])
+                take(lane.step(resumes=[1]))
+                # The case under test: row 1 is back in the batch, not stepped yet.
+                assert lane._fresh
+                lane.park([1])
+                take(lane.step(resumes=[1]))
+            else:
+                take(lane.step())
+        assert not lane.rows
+        return tokens
+
+    assert run(park=True) == run(park=False)

@@ -339,6 +339,38 @@ async def test_mounting_past_max_loras_is_409_and_metrics_count_adapter_requests
     assert 'trio_mlx_adapter_requests_total{adapter="one",lane="batch"} 1.0' in metrics
 
 
+async def test_unmounting_an_adapter_that_a_streaming_row_uses_is_409_and_changes_nothing(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    adapters = tmp_path / "adapters"
+    make_adapter(tiny_model_path, adapters / "one")
+    settings = Settings(adapter_dir=adapters)
+    # drain_timeout=0: the unmount job parks the row at once, so it is still the row's.
+    async with (
+        live_server(tiny_model_path, settings, drain_timeout=0) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        mounted = await http.post("/v1/adapters", json={"name": "one", "path": "one"})
+        assert mounted.status_code == 201, mounted.text
+        body = {"model": "one", "prompt": "Hello", "max_tokens": 2000, "stream": True,
+                "logit_bias": NO_EOS}  # fmt: skip
+        async with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    break  # the row decodes under the adapter
+            refused = await http.delete("/v1/adapters/one")
+            error = _expect_error(refused, 409, "name")
+            assert error["code"] == "adapter_in_use"
+            listed = (await http.get("/v1/adapters")).json()["data"]
+            assert [a["id"] for a in listed] == ["one"]
+            rest = [line async for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        finish = json.loads(rest[-2][6:])["choices"][0]["finish_reason"]
+        assert finish == "length"  # parked for the refused job, resumed, ran to its end
+        assert (await http.delete("/v1/adapters/one")).json()["deleted"] is True
+
+
 async def test_cors_preflight_needs_no_key_and_responses_carry_the_origin(
     tiny_model_path: Path,
 ) -> None:

@@ -14,6 +14,10 @@ Runs, side by side in one run, and writes ``bench/results/<machine>/``
 8. continuous traffic: closed-loop clients at many C and open-loop Poisson
    arrivals through both servers, against bare loops whose rows arrive together
    and staggered (:mod:`bench.suite.traffic`).
+9. several LoRA adapters in one batch: decode tok/s with rows over 1, 2 and 4
+   adapters vs all-base rows, the batch lane vs the serial lane for the same
+   requests, and the per-step cost of each way to compute the adapted layers
+   (:mod:`bench.suite.multilora`; only when ``--only`` names it).
 
 A part of trio-mlx that is not there yet (the engine API, ``trio-mlx serve``) is
 reported as "not run: ..." and never replaced by made-up numbers. MLX work runs
@@ -49,6 +53,15 @@ _COMMON: dict[str, Any] = {
     # More rounds than the overhead part: the best of each side counts, and a
     # shared machine's load swings the rounds widely.
     "structured_rounds": 5,
+    "multilora": {
+        "batches": [8, 32],
+        "max_tokens": 48,
+        "prompt_len": 16,
+        "rounds": 3,
+        "serial_requests": 8,
+        "steps": 24,
+        "methods": ["grouped", "gather", "sorted", "dense"],
+    },
 }
 PROFILES: dict[str, dict[str, Any]] = {
     "quick": {
@@ -101,6 +114,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "memory": {"requests": 1000, "mark": 100, "concurrency": 16, "max_tokens": 32,
                    "max_prompt_words": 256, "serial_every": 10},
         "prompt_cache": {"prefix_words": 3000, "trials": 2},
+        "multilora": {"batches": [8, 32], "max_tokens": 128, "prompt_len": 32, "rounds": 2,
+                      "serial_requests": 8, "steps": 32,
+                      "methods": ["grouped", "gather", "sorted", "dense"]},
         "traffic": {"concurrency": [1, 8, 32, 64, 128], "duration": 10.0, "warm": 2.0,
                     "max_tokens": 128, "bare_seconds": 6.0, "bare_warm": 2.0,
                     "fractions": [0.5, 0.8, 1.0], "open_duration": 15.0,
@@ -211,6 +227,12 @@ class Suite:
         # Enough client processes that none is busy (see client CPU in the report).
         clients = max(2, min(8, (os.cpu_count() or 2) // 2))
         self.profile = {**PROFILES[args.profile], "client_processes": clients}
+        if args.batches:
+            self.profile["batches"] = [int(b) for b in args.batches.split(",")]
+        if args.concurrency:
+            cs = [int(c) for c in args.concurrency.split(",")]
+            self.profile["traffic"] = {**self.profile["traffic"], "concurrency": cs}
+        self.traffic_parts = set(args.traffic.split(","))
         self.env = model_env()
         self.out = Path(args.out) if args.out else ROOT / "bench" / "results" / args.machine
         self.results: dict[str, Any] = {
@@ -264,6 +286,10 @@ class Suite:
             self.write()
         if wanted("structured") and self.engine:
             self.structured(models[0])
+            self.write()
+        # Opt-in: as long as the rest of the GPU profile, which must fit one device call.
+        if only is not None and "multilora" in only and self.engine:
+            self.multilora(models[0])
             self.write()
         if wanted("traffic"):
             self.traffic(models[0])
@@ -450,7 +476,7 @@ class Suite:
                 with starters[name]() as server:
                     self._warm(server, {**p, "concurrency": cs})
                     rows = data["servers"].setdefault(name, [])
-                    for c in cs:
+                    for c in cs if "closed" in self.traffic_parts else ():
                         row = traffic.closed(server, p, c)
                         rows.append(row)
                         bare = data["bare"].get(str(c), {})
@@ -462,6 +488,17 @@ class Suite:
                                  f"GPU {report._num(row['gpu_busy_pct'])}%, worker "
                                  f"{report._num(row.get('worker_busy'), 2)}")  # fmt: skip
                         self.write()
+                    if "long" in self.traffic_parts:
+                        row = traffic.long_arrival(server, p, max(cs))
+                        data.setdefault("long", {})[name] = row
+                        self.log(f"  {name} C={max(cs)} with {row['long_arrivals']} long prompts: "
+                                 f"ITL p50 {report.ms(row['itl_p50_s'])} ms, during long p99 "
+                                 f"{report.ms(row['itl_during_long_p99_s'])} ms (x"
+                                 f"{report._num(row['during_p99_over_p50'], 1)}), long TTFT "
+                                 f"{', '.join(report.ms(x) for x in row['long_ttft_s'])} ms")  # fmt: skip
+                        self.write()
+                    if "open" not in self.traffic_parts:
+                        continue
                     if capacity is None:
                         # Capacity for the open loop's prompt mix: a closed loop at the
                         # largest C with prompts drawn from the same spread.
@@ -509,6 +546,27 @@ class Suite:
                      f"constrained {con['decode_tok_s'] or 0:,.0f} tok/s")  # fmt: skip
         self.results["structured"] = {"model": model.name, "rows": rows, "compile": compiles}
 
+    def multilora(self, model: Model) -> None:
+        """Part 9: rows under several LoRA adapters (see :mod:`bench.suite.multilora`)."""
+        from bench.suite import multilora
+
+        m = self.profile["multilora"]
+        self.log(f"9. several LoRA adapters in one batch on {model.name}: B = {m['batches']}")
+        records = run_job(_job("multilora", model, **m), self.env, self.log, self.results["notes"])
+        for r in records:
+            if r["job"] == "multilora_error":
+                self.not_run(f"multilora {r['part']} on {model.name}: {r['error']}")
+            elif r["job"] == "multilora_methods":
+                self.log(f"  B={r['batch']} {r['case']} {r['method'] or 'base'}: {r['ms']:.2f} ms")
+            elif r["job"] == "multilora_engine_methods":
+                rate = r["result"]["decode_tok_s"] or 0
+                self.log(f"  B={r['batch']} {r['case']}, {r['method']}: {rate:,.0f} tok/s")
+            else:
+                rate = r["result"]["decode_tok_s" if r["job"] == "multilora_rows" else "e2e_tok_s"]
+                label = r.get("case") or f"{r['requests']} requests, {r['lane']} lane"
+                self.log(f"  B={r.get('batch', r.get('rows'))} {label}: {rate or 0:,.0f} tok/s")
+        self.results["multilora"] = multilora.collect(records, model.name, m)
+
     def bound(self, model: Model) -> None:
         if self.args.profile != "gpu":
             return
@@ -542,8 +600,15 @@ def main() -> None:
     )
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory, structured, "
-                        "traffic")  # fmt: skip
+                        "multilora, traffic")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/MACHINE/")
+    parser.add_argument("--batches", help="comma-separated B for the overhead part "
+                        "(default: the profile's)")  # fmt: skip
+    parser.add_argument("--concurrency", help="comma-separated C for the traffic part "
+                        "(default: the profile's)")  # fmt: skip
+    parser.add_argument("--traffic", default="closed,long,open",
+                        help="the traffic part's measures: closed (closed loops per C), long "
+                        "(long prompts among C - 1 streams), open (Poisson arrivals)")  # fmt: skip
     parser.set_defaults(profile="full")
     args = parser.parse_args()
     if args.machine is None:

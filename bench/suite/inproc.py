@@ -12,6 +12,7 @@ JSON line per job result. Jobs:
   each finished row replaced at once, as streaming clients do.
 * ``structured``: ``engine.generate`` at each B with every row constrained to a JSON
   schema vs unconstrained, alternating; and the compile time of 20 schemas.
+* ``multilora``: rows under several LoRA adapters (:mod:`bench.suite.multilora`).
 
 Bare and engine runs alternate per B for ``rounds`` rounds and the best round of
 each counts: load on a shared machine only ever slows a round down. The overhead
@@ -346,9 +347,10 @@ def engine_closed(job: dict[str, Any]) -> None:
         async with trio_mlx.open_engine(job["model"], max_batch=max(job["batches"])) as engine:
             actor = engine._actor
             for variant in job["variants"]:
-                # A variant sets planner knobs (actor: admit_*, lane: removal_*).
+                # A variant sets planner knobs (actor: admit_*, lane: removal_*, prefill_*).
                 for key, value in variant.items():
-                    setattr(actor.lane if key.startswith("removal") else actor, key, value)
+                    lane_knob = key.startswith(("removal", "prefill"))
+                    setattr(actor.lane if lane_knob else actor, key, value)
                 for b in job["batches"]:
                     tokens = 0
                     rng = random.Random(b)
@@ -440,8 +442,11 @@ def emit(record: dict[str, Any]) -> None:
 def main(argv: Sequence[str]) -> None:
     """Run the job given as a JSON argument."""
     job = json.loads(argv[0])
+    from bench.suite import multilora
+
     kinds = {"overhead": overhead, "memory": memory, "structured": structured,
-             "closed": closed_loop, "engine_closed": engine_closed}  # fmt: skip
+             "closed": closed_loop, "engine_closed": engine_closed,
+             "multilora": multilora.job}  # fmt: skip
     kinds[job["kind"]](job)
 
 

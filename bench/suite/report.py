@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.suite import multilora
+
 
 def _num(value: Any, digits: int = 0) -> str:
     if value is None:
@@ -251,6 +253,26 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
         pairs = zip(servers["trio-mlx"], servers["mlx_lm.server"], strict=False)
         vs = ", ".join(f"C={a['concurrency']}: {_ratio(a['tok_s'], b['tok_s'])}" for a, b in pairs)
         lines += ["", f"trio-mlx / mlx_lm.server tok/s: {vs}"]
+    if data.get("long"):
+        lines += [
+            "",
+            f"Long arrivals: C - 1 closed-loop streams as above while {t['long_prompts']} prompts "
+            f"of {t['long_words']} words arrive one at a time; `during long`: the streams' gaps "
+            "per token while a long prompt waited for its first token; the goal is its p99 <= 3x "
+            "the streams' ITL p50.",
+            "",
+            "| server | C | tok/s | ITL p50 | ITL p99 | during long p50 | during long p99 | p99 / ITL p50 | long TTFT | GPU busy % | worker busy | failed |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        ]
+        for name, row in data["long"].items():
+            longs = ", ".join(ms(x) for x in row.get("long_ttft_s", []))
+            lines.append(
+                f"| {name} | {row['concurrency']} | {_num(row['tok_s'])} | {ms(row['itl_p50_s'])} | "
+                f"{ms(row['itl_p99_s'])} | {ms(row['itl_during_long_p50_s'])} | "
+                f"{ms(row['itl_during_long_p99_s'])} | {_num(row.get('during_p99_over_p50'), 1)} | "
+                f"{longs} | {_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
+                f"{row['failed']} |"
+            )
     if data.get("open"):
         lines += [
             "",
@@ -347,6 +369,7 @@ def markdown(results: dict[str, Any]) -> str:
         _memory_md,
         _cache_md,
         _structured_md,
+        multilora.markdown,
         _traffic_md,
     ):
         lines += section(results)

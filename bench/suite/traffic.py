@@ -2,6 +2,9 @@
 
 * closed loop: C streaming clients, each sending its next request when the last
   ends, for ``duration`` s, through every server;
+* long arrivals: C - 1 closed-loop streams while long prompts arrive one at a
+  time; the streams' inter-token latency while each is prefilled, against
+  their median;
 * open loop: Poisson arrivals at fractions of trio-mlx's measured capacity,
   prompt lengths drawn log-uniformly from a spread plus a few long prompts;
   inter-token latency of the running streams while a long prompt arrives;
@@ -208,18 +211,7 @@ def open_loop(server: Server, p: dict[str, Any], rate: float, seed: int) -> dict
     records = out.pop("_records")
     out.pop("_go")
     long = [r for r in records if r.get("words") == t["long_words"] and r.get("first")]
-    during: list[float] = []
-    for lr in long:
-        for r in records:
-            if r is lr or not r.get("times"):
-                continue
-            per_chunk = (r.get("tokens") or 0) / len(r["times"])
-            ts = r["times"]
-            during.extend(
-                (b - a) / per_chunk
-                for a, b in itertools.pairwise(ts)
-                if per_chunk and b > lr["start"] and a < lr["first"]
-            )
+    during = _during(records, long)
     out["itl_during_long_p50_s"] = percentile(during, 50)
     out["itl_during_long_p99_s"] = percentile(during, 99)
     out["long_ttft_s"] = [lr["first"] - lr["start"] for lr in long]
@@ -228,6 +220,59 @@ def open_loop(server: Server, p: dict[str, Any], rate: float, seed: int) -> dict
     out["exact_tokens"] = all(
         r.get("tokens") == t["max_tokens"] for r in records if r.get("status") == 200
     )
+    return out
+
+
+def _during(records: Sequence[dict[str, Any]], long: Sequence[dict[str, Any]]) -> list[float]:
+    """Per-token gaps of the other streams that overlap a long prompt's wait for its first token."""
+    during: list[float] = []
+    for lr in long:
+        for r in records:
+            if r is lr or not r.get("times"):
+                continue
+            per_chunk = (r.get("tokens") or 0) / len(r["times"])
+            during.extend(
+                (b - a) / per_chunk
+                for a, b in itertools.pairwise(r["times"])
+                if per_chunk and b > lr["start"] and a < lr["first"]
+            )
+    return during
+
+
+def long_arrival(server: Server, p: dict[str, Any], c: int) -> dict[str, Any]:
+    """C - 1 closed-loop streams, and ``long_prompts`` long prompts arriving one at a time.
+
+    The issue's latency goal: the running streams' inter-token latency p99
+    while a long prompt is prefilled (from its arrival to its first token)
+    at most 3x their median over the whole window.
+    """
+    t = p["traffic"]
+    n, start, end = t["long_prompts"], t["warm"], t["duration"]
+    offsets = [round(start + (end - start) * k / (n + 1), 3) for k in range(1, n + 1)]
+    specs = [
+        {"url": server.url, "model": server.model, "logit_bias": p.get("logit_bias"),
+         "prompt_words": p["prompt_words"], "mode": "closed", "streams": k,
+         "duration": end, "max_tokens": t["max_tokens"], "seed": 7000 + i, "record_times": True}
+        for i, k in enumerate(split_streams(max(1, c - 1), max(1, p["client_processes"] - 1)))
+    ]  # fmt: skip
+    specs.append(
+        {"url": server.url, "model": server.model, "logit_bias": p.get("logit_bias"),
+         "mode": "schedule", "schedule": [[at, t["long_words"], t["max_tokens"]] for at in offsets],
+         "seed": 7999, "record_times": True, "timeout": 300.0}
+    )  # fmt: skip
+    out = _measure(server, specs, (start, end))
+    records = out.pop("_records")
+    out.pop("_go")
+    long = [r for r in records if r.get("words") == t["long_words"] and r.get("first")]
+    during = _during(records, long)
+    out["itl_during_long_p50_s"] = percentile(during, 50)
+    out["itl_during_long_p99_s"] = percentile(during, 99)
+    base = out["itl_p50_s"]
+    p99 = out["itl_during_long_p99_s"]
+    out["during_p99_over_p50"] = p99 / base if p99 is not None and base else None
+    out["long_ttft_s"] = [lr["first"] - lr["start"] for lr in long]
+    out["long_arrivals"] = len(offsets)
+    out["concurrency"] = c
     return out
 
 

@@ -123,13 +123,13 @@ class Actor:
     #: Set by the doorbell, read by the MLX thread: a burst stops at the next step boundary.
     _news: threading.Event = attrs.field(init=False, factory=threading.Event)
     #: Grouped admission (see _admit_now): rows admitted while others decode
-    #: wait for up to ``admit_group`` of them (at most a quarter of the decoding
+    #: wait for up to ``admit_group`` of them (at most an eighth of the decoding
     #: rows), but never more than ``admit_wait_steps`` decode steps or
     #: ``admit_wait_seconds`` (plus the burst in flight, <= 20 ms) after the
     #: first arrived: the most grouping adds to a row's time to first token.
     admit_group: int = 16
     #: The group is at most 1/admit_fraction of the decoding rows.
-    admit_fraction: int = 4
+    admit_fraction: int = 8
     admit_wait_steps: int = 32
     admit_wait_seconds: float = 0.25
     #: Rows decoding in the lane after the last step (from the lane's result).
@@ -172,7 +172,7 @@ class Actor:
         request.submitted = trio.current_time()
         self._requests[request.id] = request
         self._idle = trio.Event()
-        self._ring()
+        self._ring(interrupt=self._ends_burst(request))
 
     async def submit(self, request: Request) -> None:
         """Submit and wait until the actor accepts (queues) the request, or raise why not."""
@@ -410,7 +410,7 @@ class Actor:
         throughput on the H200, grouping 16 cost 22% (shared/measured). So
         while rows decode, arrivals are collected until there are
         ``admit_group`` of them (no more than mlx-lm prefills in one pass, nor
-        a quarter of the decoding rows), or the first has waited ``admit_wait_steps`` decode
+        an eighth of the decoding rows), or the first has waited ``admit_wait_steps`` decode
         steps or ``admit_wait_seconds``. An idle lane admits at once.
         """
         pending = len(self._inserts)
@@ -418,14 +418,36 @@ class Actor:
             return True
         if self._arbiter.state is not State.ADMITTING or self._arbiter.jobs_waiting:
             return True  # a drain waits for these rows: never hold them then
-        group = min(self.admit_group, self.lane.prefill_batch_size)
-        target = min(group, max(1, self._lane_live // self.admit_fraction))
-        if pending >= target:
+        if pending >= self._group_target():
             return True
         if self._held_steps >= self.admit_wait_steps:
             return True
         since = self._held_since
         return since is None or trio.current_time() - since >= self.admit_wait_seconds
+
+    def _group_target(self) -> int:
+        """Rows that make an admission group now (see _admit_now)."""
+        group = min(self.admit_group, self.lane.prefill_batch_size)
+        return min(group, max(1, self._lane_live // self.admit_fraction))
+
+    def _ends_burst(self, request: Request) -> bool:
+        """Whether a submission ends the burst in flight (the inbox is read between bursts).
+
+        A batch row that grouped admission would hold anyway waits for the
+        burst to end on its own (``burst_steps`` / ``burst_seconds``, or the
+        next finish or first token): ending it early would only cost a trip
+        through the Trio thread per arrival. A job, the arrival that completes
+        a group, and any arrival once the oldest held one is due end it.
+        """
+        if request.lane != "batch" or not self._lane_live or self.admit_group <= 1:
+            return True
+        if self._arbiter.state is not State.ADMITTING or self._arbiter.jobs_waiting:
+            return True
+        waiting = len(self._inserts) + self._inbox_send.statistics().current_buffer_used
+        if waiting >= self._group_target():
+            return True
+        since = self._held_since
+        return since is not None and trio.current_time() - since >= self.admit_wait_seconds
 
     def _submit_step(self) -> None:
         """Send one decode step, with the rows to remove, insert and resume, to the worker."""
@@ -668,6 +690,7 @@ class Actor:
         if not self._requests:
             self._idle.set()
 
-    def _ring(self) -> None:
+    def _ring(self, *, interrupt: bool = True) -> None:
         self._wake.set()
-        self._news.set()
+        if interrupt:
+            self._news.set()

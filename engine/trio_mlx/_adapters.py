@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 
 from trio_mlx._errors import AdapterConflict, GenerationFailed, InvalidRequest, NotFound
-from trio_mlx._multilora import AdapterLayers, AdapterStack
+from trio_mlx._multilora import DEFAULT_METHOD, AdapterLayers, AdapterStack
 
 __all__ = ["AdapterRegistry", "BaseModelChanged"]
 
@@ -117,6 +117,9 @@ class AdapterRegistry:
     _mounts: int = attrs.field(init=False, default=0)
     #: The batchable adapters, stacked for the batch lane (rebuilt at mount and unmount).
     stack: AdapterStack = attrs.field(init=False, factory=AdapterStack)
+    #: How the stacked layers compute their rows' updates (``_multilora.METHODS``);
+    #: the benchmark compares them, stacks built after a change use it.
+    method: str = DEFAULT_METHOD
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -177,6 +180,7 @@ class AdapterRegistry:
         self.stack = AdapterStack.build(
             model,
             [(n, a.mount, a.batch) for n, a in self._adapters.items() if a.batch is not None],
+            self.method,
         )
 
     def unmount(self, model: Any, name: str) -> None:

@@ -6,7 +6,10 @@ Every row carries its own sampler (``make_sampler``) and logits processors
 call is one worker call: it removes cancelled rows, inserts admitted and
 resumed ones, runs one ``BatchGenerator.next()`` (or a short burst of them,
 see :meth:`BatchLane.step`) and returns every row's
-:class:`~trio_mlx._output.RowEvent` at once.
+:class:`~trio_mlx._output.RowEvent` at once. Admitted rows reach mlx-lm's
+prompt batch within ``prefill_budget`` tokens per step (``_feed``); its prefill
+is queued, not waited for, and rows that finish it join the decode batch
+without a forward pass of their own (``_prompt_class``, ``_generation_class``).
 
 Rows are finished by the lane, not by mlx-lm (``RowOutput`` applies
 ``max_tokens``, EOS and stop strings; mlx-lm gets no stop tokens and an
@@ -25,17 +28,20 @@ Parking (preemption) takes a row's KV cache out with
 ``remove(..., return_prompt_caches=True)``. Decode is pipelined, so that
 cache already holds the last emitted token: it is trimmed by one and the row
 is re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``, which
-continues token for token like an uninterrupted run.
+continues token for token like an uninterrupted run. (A row back in the batch
+but not stepped yet holds no last token: nothing is trimmed then.)
 
 Every mlx-lm call of the engine's batching lives in this module: its
-``BatchGenerator`` API moves between minor releases.
+``BatchGenerator`` API moves between minor releases, and the lane's subclasses
+read and set private fields of its prompt and decode batches (pinned to
+mlx-lm <0.33, as the prompt cache's trie is).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -186,6 +192,9 @@ class _Row:
     last_token: int | None = None
     #: (cache, tokens in it) while parked; None when parked before its first token.
     parked: tuple[list[Any], list[int]] | None = None
+    #: While it waits to be prefilled (see ``BatchLane.prefill_budget``): its
+    #: prompt, the cached prefix's KV (or None) and the tokens still to prefill.
+    waiting: tuple[list[int], list[Any] | None, list[int]] | None = None
     error: BaseException | None = None
 
     @property
@@ -270,16 +279,25 @@ _GENERATION_CLASS: Any = None
 
 
 def _generation_class() -> Any:
-    """mlx-lm's ``GenerationBatch`` with a batch-level hook for grammar masks.
+    """mlx-lm's ``GenerationBatch`` with the lane's two hooks: grammar masks, unstepped rows.
 
-    Before each decode step it hands the step's input tokens and every live
-    constrained row's :class:`~trio_mlx._structured.GrammarProcessor` to the
-    lane's :class:`~trio_mlx._structured.GrammarBatch`, which then computes
-    all their masks at once when mlx-lm calls the first of them (one token
-    read-back and one parallel fill per step instead of one per row). A batch
-    without a constrained row steps exactly as mlx-lm's. Only decode steps
-    go through it: a row's first step (in the batch mlx-lm makes from the
-    prompts) uses the processor alone.
+    *Grammar masks.* Before each decode step it hands the step's input tokens
+    and every live constrained row's :class:`~trio_mlx._structured.GrammarProcessor`
+    to the lane's :class:`~trio_mlx._structured.GrammarBatch` (``grammar``; None:
+    off), which then computes all their masks at once when mlx-lm calls the
+    first of them (one token read-back and one parallel fill per step instead
+    of one per row). A batch without a constrained row steps exactly as
+    mlx-lm's.
+
+    *Unstepped rows.* Rows that finished their prefill join as *fresh*
+    (``_prompt_class``'s ``generate``): their next input is the prompt's last
+    token, not a sampled one, so the decode step that includes them computes
+    their first token along with everyone's next one, instead of mlx-lm's
+    extra forward pass for the arrivals alone. What that step emits for a
+    fresh row is its prompt's last token: the lane drops it (``fresh``). A
+    fresh row's grammar processor runs alone on that step (it has not seen
+    the prompt yet), as on mlx-lm's own first step. Arrivals into an empty
+    batch take mlx-lm's first step at once (there is no pass to share).
     """
     global _GENERATION_CLASS
     if _GENERATION_CLASS is not None:
@@ -288,12 +306,27 @@ def _generation_class() -> Any:
 
     class _Generation(GenerationBatch):
         grammar: GrammarBatch | None = None
+        #: Uids whose next emitted token is their prompt's last one (see above).
+        fresh: set[int]
+
+        def extend(self, batch: Any) -> None:
+            if getattr(batch, "unstepped", False):
+                if self.uids:
+                    self.fresh.update(batch.uids)
+                else:
+                    # Nothing decodes: no pass to share, so the arrivals' own first
+                    # step now (mlx-lm's), and an idle engine's TTFT stays as it was.
+                    batch._step()
+            super().extend(batch)  # type: ignore[no-untyped-call]
 
         def _step(self) -> Any:
             grammar = self.grammar
             rows: list[tuple[int, GrammarProcessor]] = []
             if grammar is not None and self._next_tokens is not None:
+                fresh = self.fresh
                 for e, processors in enumerate(self.logits_processors or ()):
+                    if fresh and self.uids[e] in fresh:
+                        continue
                     for p in processors or ():
                         if (
                             isinstance(p, _Guarded)
@@ -314,6 +347,125 @@ def _generation_class() -> Any:
     return _Generation
 
 
+_PROMPT_CLASS: Any = None
+
+
+def _prompt_class() -> Any:
+    """mlx-lm's ``PromptProcessingBatch`` as the lane prefills.
+
+    * ``prompt``: the same chunked prefill (right-padded, one forward per
+      chunk), but queued with ``mx.async_eval`` instead of waiting for it,
+      and without mlx-lm's ``mx.clear_cache()`` after each chunk: the host
+      builds the next decode step while the device prefills, and the
+      allocator keeps its buffers (on CUDA, dropping them costs a device
+      synchronisation now and fresh allocations in every later step; mlx-lm
+      still clears every 512 decode steps).
+    * ``generate``: rows whose prompt is prefilled join the decode batch
+      *unstepped* (see :func:`_generation_class`), without a forward pass of
+      their own.
+    * ``split`` of every row (a group whose prefill ended together): the
+      batch is handed over as it is; mlx-lm deep-copies its caches and then
+      filters both halves.
+
+    ``split`` (mlx-lm's, for part of the rows) copies a batch through
+    ``self.__class__``, so every batch split off the lane's prompt batch is
+    one of these.
+    """
+    global _PROMPT_CLASS
+    if _PROMPT_CLASS is not None:
+        return _PROMPT_CLASS
+    import mlx.core as mx
+    from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+
+    class _Prompt(PromptProcessingBatch):
+        def prompt(self, tokens: list[list[int]]) -> None:
+            if len(tokens) != len(self.uids):
+                raise ValueError("one token list per row of the prompt batch is needed")
+            if not tokens:
+                return
+            for held, more in zip(self.tokens, tokens, strict=True):
+                held += more  # what each row's cache holds once this runs
+            lengths = [len(t) for t in tokens]
+            width = max(lengths)
+            padding = [width - n for n in lengths]
+            padded = any(padding)
+            if padded:
+                for layer in self.prompt_cache:
+                    layer.prepare(lengths=lengths, right_padding=padding)
+            inputs = mx.array([t + [0] * (width - len(t)) for t in tokens])
+            for start in range(0, width, self.prefill_step_size):
+                self.model(
+                    inputs[:, start : start + self.prefill_step_size], cache=self.prompt_cache
+                )
+                mx.async_eval([layer.state for layer in self.prompt_cache])  # type: ignore[no-untyped-call]
+            if padded:
+                for layer in self.prompt_cache:
+                    layer.finalize()
+                mx.async_eval([layer.state for layer in self.prompt_cache])  # type: ignore[no-untyped-call]
+
+        def split(self, indices: list[int]) -> Any:
+            if len(set(indices)) < len(self.uids):
+                return super().split(indices)
+            # The whole batch moves on (a group prefilled together): hand it over
+            # as it is instead of mlx-lm's deep copy of its caches and two filters.
+            moved = self.__class__.__new__(self.__class__)
+            moved.__dict__.update(self.__dict__)
+            self.uids, self.prompt_cache, self.tokens = [], [], []
+            self.samplers, self.logits_processors, self.max_tokens = [], [], []
+            self.stop_sequences = []
+            return moved
+
+        def generate(self, tokens: list[list[int]]) -> Any:
+            if any(len(t) > 1 for t in tokens):
+                self.prompt([t[:-1] for t in tokens])
+            n = len(self.uids)
+            batch: Any = GenerationBatch(
+                model=self.model,
+                uids=[],
+                inputs=mx.array([t[-1] for t in tokens], dtype=mx.uint32),
+                prompt_cache=self.prompt_cache,
+                tokens=[],
+                samplers=[],
+                fallback_sampler=self.fallback_sampler,
+                logits_processors=[],
+                stop_sequences=[],
+                max_tokens=[],
+            )
+            # Filled in after construction: a GenerationBatch built with rows
+            # runs their first step at once, which is what this avoids.
+            batch.uids = self.uids
+            batch.tokens = self.tokens
+            batch.samplers = self.samplers
+            batch.logits_processors = self.logits_processors
+            batch.stop_sequences = self.stop_sequences
+            batch.max_tokens = self.max_tokens
+            batch._next_logprobs = [_no_logprobs()] * n
+            batch._token_context = [_token_buffer(t) for t in self.tokens]
+            batch._num_tokens = [0] * n
+            batch._matchers = [s.matcher() for s in self.stop_sequences]
+            batch.unstepped = True
+            self.uids, self.prompt_cache, self.tokens = [], [], []
+            self.samplers, self.logits_processors, self.max_tokens = [], [], []
+            self.stop_sequences = []
+            return batch
+
+    _PROMPT_CLASS = _Prompt
+    return _Prompt
+
+
+def _no_logprobs() -> Any:
+    """The placeholder logprobs of a fresh row's dropped first emission."""
+    import mlx.core as mx
+
+    return mx.zeros((1,))
+
+
+def _token_buffer(tokens: list[int]) -> Any:
+    from mlx_lm.models.cache import TokenBuffer
+
+    return TokenBuffer(tokens)  # type: ignore[no-untyped-call]
+
+
 @attrs.define(eq=False)
 class BatchLane:
     """The continuous batch. Construct and call only on the MLX thread."""
@@ -328,6 +480,13 @@ class BatchLane:
     #: Shortest cached prefix worth taking from the prompt cache (tokens): a
     #: shorter one (a chat template's shared header) is prefilled instead.
     cache_min_prefix: int = 64
+    #: Most prompt tokens prefilled per decode step, counted as mlx-lm pads
+    #: them (rows x the longest chunk); also the chunk a long prompt is cut
+    #: into. None: no bound beyond mlx-lm's (``prefill_step_size`` per prompt,
+    #: ``prefill_batch_size`` prompts). See ``_feed``.
+    prefill_budget: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
     #: Remove dead rows once there are at least live / removal_fraction of them (0: never by count).
@@ -351,6 +510,10 @@ class BatchLane:
     _eos_ids: frozenset[int] = attrs.field(init=False, factory=frozenset)
     #: The decode steps' shared grammar masks (see ``grammar_batch``).
     grammar: GrammarBatch = attrs.field(init=False, factory=GrammarBatch)
+    #: Rows waiting to be handed to the generator for prefill, in arrival order.
+    _waiting: deque[int] = attrs.field(init=False, factory=deque)
+    #: Generator uids in prefill -> prompt tokens it has still to prefill.
+    _prefilling: dict[int, int] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -367,13 +530,22 @@ class BatchLane:
             prefill_batch_size=min(self.max_batch, self.prefill_batch_size),
             prefill_step_size=self.prefill_step_size,
         )
-        # The decode batch every row joins (mlx-lm extends this one object): with the
-        # grammar hook, so constrained rows' masks are computed together each step.
-        if self.grammar_batch:
-            generation = _generation_class().empty(model, generator.sampler)
-            generation.grammar = self.grammar
-            generator._generation_batch = generation
+        # The decode batch every row joins and the prompt batch every arrival is
+        # prefilled in (mlx-lm extends these two objects): the lane's subclasses.
+        generation = _generation_class().empty(model, generator.sampler)
+        generation.grammar = self.grammar if self.grammar_batch else None
+        generation.fresh = set()
+        generator._generation_batch = generation
+        generator._prompt_batch = _prompt_class().empty(
+            model, generator.sampler, prefill_step_size=self.prefill_step_size
+        )
         return generator
+
+    @property
+    def _fresh(self) -> set[int]:
+        """Uids in the decode batch whose next emitted token is their prompt's last one."""
+        fresh: set[int] = self._generator._generation_batch.fresh
+        return fresh
 
     @property
     def rows(self) -> int:
@@ -449,7 +621,7 @@ class BatchLane:
                 self._drop(row_id)
                 events.append(RowEvent(row_id, error=exc))
         decoded = 0
-        if self._by_uid:
+        if self._by_uid or self._waiting:
             burst, decoded = self._burst(steps, seconds, interrupt)
             events.extend(burst)
         return self._result(events, cached, decoded)
@@ -476,7 +648,7 @@ class BatchLane:
             if (
                 news
                 or decoded >= steps
-                or not self._by_uid
+                or not (self._by_uid or self._waiting)
                 or time.perf_counter() - start >= seconds
                 or (interrupt is not None and interrupt())
             ):
@@ -509,6 +681,9 @@ class BatchLane:
                     tokens = tokens[:-age]
                 entries.setdefault(dead[uid].key, []).append((list(tokens), cache))
         self._generator.remove(list(dead))
+        self._fresh.difference_update(dead)
+        for uid in dead:
+            self._prefilling.pop(uid, None)
         if self.prompt_cache is not None:
             for key, stored in entries.items():
                 self.prompt_cache.store_many(key, stored)
@@ -528,6 +703,8 @@ class BatchLane:
         self._rows.clear()
         self._by_uid.clear()
         self._dead.clear()
+        self._waiting.clear()
+        self._prefilling.clear()
         self._generator.close()
         self._generator = self._new_generator()
         if self.prompt_cache is not None:
@@ -545,8 +722,13 @@ class BatchLane:
 
         self._compact()
         rows = [self._rows[i] for i in ids if i in self._rows]
+        for row in rows:
+            row.waiting = None  # not prefilled yet: it starts from its prompt again
+        if any(row.uid is None for row in rows):
+            self._waiting = deque(i for i in self._waiting if i not in set(ids))
         uids = [row.uid for row in rows if row.uid is not None]
         caches = self._generator.remove(uids, return_prompt_caches=True) if uids else {}
+        fresh = self._fresh
         kept = []
         for row in rows:
             if row.uid is None:
@@ -554,12 +736,18 @@ class BatchLane:
             del self._by_uid[row.uid]
             entry = caches.get(row.uid)
             row.parked = None
-            if row.output.generated > 0 and entry is not None:
+            if row.output.generated > 0 and entry is not None and row.last_token is not None:
                 cache, tokens = entry
-                for layer in cache:
-                    layer.trim(1)
+                if row.uid in fresh:
+                    # Not stepped since it was resumed: the cache ends before last_token.
+                    tokens = [*tokens, row.last_token]
+                else:
+                    for layer in cache:
+                        layer.trim(1)
                 kept.append(cache)
                 row.parked = (cache, list(tokens))
+            fresh.discard(row.uid)
+            self._prefilling.pop(row.uid, None)
             row.uid = None
         # Materialized now (one sync for all): a lazy slice would keep the batch's buffers alive.
         mx.eval([layer.state for cache in kept for layer in cache])
@@ -591,13 +779,67 @@ class BatchLane:
         return self._start(row)
 
     def _start(self, row: _Row) -> int:
-        """Insert a new (or restarted) row from its prompt; returns the cached tokens."""
+        """Queue a new (or restarted) row for prefill; returns the tokens the prompt cache serves."""
         prompt = list(row.spec.prompt)
         cache, rest = None, prompt
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch(
                 self._key(row), prompt, min_prefix=self.cache_min_prefix, share=True
             )
+        row.waiting = (prompt, cache, rest)
+        self._waiting.append(row.spec.id)
+        return len(prompt) - len(rest)
+
+    def _feed(self) -> list[RowEvent]:
+        """Hand waiting rows to the generator, oldest first, within ``prefill_budget``.
+
+        mlx-lm prefills every prompt of its prompt batch in the same forward
+        pass, right-padded to the longest chunk: a step costs the rows still
+        prefilling times ``min(chunk, longest left)`` tokens. A row joins while
+        that stays within the budget (one always may when none is
+        prefilling), so a long prompt is cut into chunks interleaved with
+        decode steps and short prompts are not padded to its length; the rest
+        wait for a later step, in order. Dead rows are compacted first (the
+        batch's KV is rebuilt when rows join anyway).
+        """
+        budget = self.prefill_budget
+        chunk = self.prefill_step_size if budget is None else min(budget, self.prefill_step_size)
+        self._generator.prefill_step_size = chunk
+        left = [n for n in self._prefilling.values() if n > 0]
+        room = self.prefill_batch_size - len(self._prefilling)
+        feed: list[_Row] = []
+        while self._waiting:
+            row = self._rows.get(self._waiting[0])
+            if row is None or row.waiting is None:
+                self._waiting.popleft()  # cancelled, failed or parked while it waited
+                continue
+            n = len(row.waiting[2]) - 1  # mlx-lm prefills all but the last token
+            if budget is not None and (left or feed):
+                more = [*left, n] if n > 0 else left
+                if room <= 0 or (more and len(more) * min(chunk, max(more)) > budget):
+                    break
+            self._waiting.popleft()
+            feed.append(row)
+            room -= 1
+            if n > 0:
+                left.append(n)
+        events: list[RowEvent] = []
+        if not feed:
+            return events
+        if self._dead:
+            self._compact()
+        for row in feed:
+            try:
+                self._insert_waiting(row)
+            except Exception as exc:
+                self._rows.pop(row.spec.id, None)
+                events.append(RowEvent(row.spec.id, error=exc))
+        return events
+
+    def _insert_waiting(self, row: _Row) -> None:
+        assert row.waiting is not None
+        prompt, cache, rest = row.waiting
+        row.waiting = None
         done = len(prompt) - len(rest)
         (uid,) = self._generator.insert(
             [rest],
@@ -609,7 +851,7 @@ class BatchLane:
         )
         row.uid = uid
         self._by_uid[uid] = row.spec.id
-        return done
+        self._prefilling[uid] = len(rest) - 1
 
     def _resume(self, row_id: int) -> None:
         row = self._rows[row_id]
@@ -635,6 +877,7 @@ class BatchLane:
             self._by_uid.pop(row.uid, None)
 
     def _decode(self) -> list[RowEvent]:
+        events = self._feed()
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (
@@ -653,15 +896,26 @@ class BatchLane:
                         self._active_stack = None
         except Exception as exc:
             # The generator's state is unknown now: start a fresh one.
-            events = self.fail_all(exc)
+            events.extend(self.fail_all(exc))
             self._dead.clear()
+            self._prefilling.clear()
             self._generator = self._new_generator()
             return events
         self.generator_seconds += time.perf_counter() - start
-        events = []
+        prefilling = self._prefilling
+        for progress in _prompt_responses:
+            if progress.end_of_prompt:
+                prefilling.pop(progress.uid, None)
+            elif progress.uid in prefilling:
+                done, total = progress.progress
+                prefilling[progress.uid] = max(0, total - done - 1)
         finished: list[int] = []
         failed: list[int] = []
+        fresh = self._fresh
         for response in responses:
+            if fresh and response.uid in fresh:
+                fresh.discard(response.uid)  # its prompt's last token (see _generation_class)
+                continue
             row_id = self._by_uid.get(response.uid)
             if row_id is None:
                 continue  # a dead row

@@ -1,20 +1,40 @@
-"""Several LoRA adapters in one batch: stacked weights and a per-row adapter index.
+"""Several LoRA adapters in one batch: stacked weights and a per-row adapter slot.
 
 Every mounted plain LoRA adapter (mlx-lm's ``LoRALinear`` on linear layers,
 what ``load_adapters`` makes of a ``fine_tune_type: lora`` adapter) is kept as
 its per-layer ``lora_a``, ``lora_b`` and ``scale``. :class:`AdapterStack`
-stacks them per adapted layer: slot 0 is the base (zeros), slot ``i`` the
-``i``-th mounted adapter, A and B zero-padded to the largest rank. A layer no
-adapter of the stack touches is not wrapped.
+stacks them per adapted layer: slot 0 is the base, slot ``i`` the ``i``-th
+mounted adapter. A layer no adapter of the stack touches is not wrapped.
 
 While the batch lane runs a forward call with at least one adapted row, each
-adapted layer is replaced by a :class:`MultiLoRALinear` that computes
-``base(x) + scale[i] * (x @ A[i]) @ B[i]`` for every row ``i`` at once with
-``mx.gather_mm`` (no Python loop over rows); the row indices come from
-:class:`RowIndex`, set by the lane right before each forward call. A forward
-call whose rows are all base sets no index and the layer is the base layer plus
-one attribute read. Outside those calls the model carries its base modules
-only (the serial lane and the base checksum see the plain model).
+adapted layer is replaced by a multi-LoRA layer that adds
+``(x @ A[i]) @ (scale[i] * B[i])`` to the base layer's output for every row
+``i`` at once, with no Python loop over rows. The lane sets the rows' slots
+right before each forward call (:meth:`AdapterStack.set_rows`); the stack turns
+them into a :class:`RowPlan` once per distinct row set (the rows of a decode
+batch change only when a row joins or leaves, so a plan serves many steps). How
+the layer computes the update is the stack's ``method`` (:data:`METHODS`; the
+per-step cost of each is measured by ``python -m bench.suite --only multilora``):
+
+* ``gather`` (the default): ``mx.gather_mm`` per row over A and B zero-padded
+  to the largest rank: two gathered matmuls and one add per layer, whatever the
+  number of adapters; base rows use slot 0 (zeros).
+* ``grouped``: the adapted rows, sorted by adapter once per plan; one pair of
+  plain matmuls per adapter that has rows, over its rows only, with that
+  adapter's own (unpadded) A and B; base rows cost nothing, but every adapter
+  in the batch adds ops.
+* ``sorted``: as ``gather`` over the adapted rows sorted by adapter, with
+  ``sorted_indices=True``; base rows cost nothing.
+* ``dense``: every adapter's A side by side (``in x n*r``) in one matmul, a 0/1
+  mask keeps each row's own adapter's columns, one multiply-add with the B's
+  stacked (``n*r x out``); every row pays for every mounted adapter.
+
+Decode steps are small: on the measured CPU and model, the number of ops per
+layer mattered more than the flops, which is why ``gather`` is the default.
+
+A forward call whose rows are all base sets no plan and the layer is the base
+layer plus one attribute read. Outside those calls the model carries its base
+modules only (the serial lane and the base checksum see the plain model).
 
 All calls run on the MLX thread.
 """
@@ -27,7 +47,13 @@ from typing import Any
 
 import attrs
 
-__all__ = ["AdapterLayers", "AdapterStack", "RowIndex", "multi_lora_linear"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "AdapterLayers", "AdapterStack", "RowPlan"]
+
+#: How a multi-LoRA layer computes its rows' updates (see the module's notes).
+METHODS = ("grouped", "gather", "sorted", "dense")
+DEFAULT_METHOD = "gather"
+#: Row plans a stack keeps (a decode batch and a few prefill groups at a time).
+_PLANS_KEPT = 8
 
 
 @attrs.frozen
@@ -37,11 +63,80 @@ class AdapterLayers:
     layers: Mapping[str, tuple[Any, Any, float]]
 
 
-@attrs.define(eq=False)
-class RowIndex:
-    """The adapter slot of every row of the forward call being built (None: all base)."""
+@attrs.frozen(eq=False)
+class RowPlan:
+    """How one forward call's rows map onto the stack's slots (built once per row set)."""
 
-    ids: Any = None
+    #: The slot of every row, in the call's row order (0: base).
+    slots: tuple[int, ...]
+    #: ``slots`` as an array (``gather``, ``dense``).
+    ids: Any
+    #: The adapted rows' positions, sorted by slot (None: already in that order, no base row).
+    order: Any
+    #: The adapted rows' slots in sorted order (``sorted``).
+    sorted_ids: Any
+    #: (slot, start, stop) of each slot's run in the sorted adapted rows (``grouped``).
+    groups: tuple[tuple[int, int, int], ...]
+    #: Per row, its position in [sorted adapted rows, one zero row] (None: no base row
+    #: and no reordering, the updates are already in row order).
+    restore: Any
+    #: Per mask width, the (rows, 1, width) 0/1 column mask of ``dense`` (filled lazily).
+    masks: dict[tuple[int, int, Any], Any] = attrs.field(factory=dict)
+
+    @classmethod
+    def build(cls, slots: Sequence[int]) -> RowPlan:
+        """The plan of a forward call whose rows have ``slots``."""
+        import mlx.core as mx
+
+        adapted = sorted((s, row) for row, s in enumerate(slots) if s)
+        positions = [row for _, row in adapted]
+        sorted_slots = [s for s, _ in adapted]
+        groups = []
+        start = 0
+        for i, slot in enumerate(sorted_slots):
+            if i + 1 == len(sorted_slots) or sorted_slots[i + 1] != slot:
+                groups.append((slot, start, i + 1))
+                start = i + 1
+        in_place = positions == list(range(len(slots)))
+        where = {row: i for i, row in enumerate(positions)}
+        restore = [where.get(row, len(positions)) for row in range(len(slots))]
+        return cls(
+            slots=tuple(slots),
+            ids=mx.array(list(slots), dtype=mx.uint32),
+            order=None if in_place else mx.array(positions, dtype=mx.uint32),
+            sorted_ids=mx.array(sorted_slots, dtype=mx.uint32),
+            groups=tuple(groups),
+            restore=None if in_place else mx.array(restore, dtype=mx.uint32),
+        )
+
+    def mask(self, adapters: int, rank: int, dtype: Any) -> Any:
+        """``dense``'s column mask: row ``i`` keeps the ``rank`` columns of its own adapter."""
+        import mlx.core as mx
+
+        key = (adapters, rank, dtype)
+        if key not in self.masks:
+            columns = mx.arange(adapters * rank) // rank + 1
+            mask = (self.ids[:, None] == columns[None, :]).astype(dtype)[:, None, :]
+            mx.eval(mask)
+            self.masks[key] = mask
+        return self.masks[key]
+
+
+@attrs.define(eq=False)
+class _Current:
+    """The plan of the forward call being built, shared by the stack's layers (None: all base)."""
+
+    plan: RowPlan | None = None
+
+
+def _restore(z: Any, plan: RowPlan) -> Any:
+    """Updates of the sorted adapted rows, put back in row order (base rows: zeros)."""
+    import mlx.core as mx
+
+    if plan.restore is None:
+        return z
+    zero = mx.zeros((1, *z.shape[1:]), dtype=z.dtype)
+    return mx.concatenate([z, zero])[plan.restore]
 
 
 def _multi_lora_class() -> type[Any]:
@@ -49,24 +144,53 @@ def _multi_lora_class() -> type[Any]:
     import mlx.nn as nn
 
     class _MultiLoRALinear(nn.Module):  # type: ignore[misc,name-defined]
-        def __init__(self, base: Any, a: Any, b: Any, scales: Any, index: RowIndex) -> None:
+        def __init__(self, base: Any, method: str, weights: dict[str, Any], current: _Current):
             super().__init__()
             self.base = base
-            self.stack_a = a
-            self.stack_b = b
-            self.scales = scales
-            self._index = index
+            self.method = method
+            self.weights = weights
+            self._current = current
 
         def __call__(self, x: Any) -> Any:
             y = self.base(x)
-            ids = self._index.ids
-            if ids is None:
+            plan = self._current.plan
+            if plan is None:
                 return y
-            z = mx.gather_mm(
-                mx.gather_mm(x, self.stack_a, rhs_indices=ids), self.stack_b, rhs_indices=ids
-            )
-            scale = self.scales[ids].astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
-            return y + (scale * z).astype(x.dtype)
+            if self.method == "dense" and self.weights["b"].dtype == y.dtype:
+                # One fused multiply-add where the dtypes allow it: fewer ops per layer.
+                return mx.addmm(y, self._masked(x, plan), self.weights["b"])
+            z = getattr(self, f"_{self.method}")(x, plan)
+            return y + (z if z.dtype == y.dtype else z.astype(y.dtype))
+
+        def _grouped(self, x: Any, plan: RowPlan) -> Any:
+            xs = x if plan.order is None else x[plan.order]
+            parts = []
+            for slot, start, stop in plan.groups:
+                a, b = self.weights["each"][slot]
+                if a is None:
+                    parts.append(mx.zeros((stop - start, *x.shape[1:-1], b), dtype=x.dtype))
+                else:
+                    parts.append((xs[start:stop] @ a) @ b)
+            z = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+            return _restore(z, plan)
+
+        def _gather(self, x: Any, plan: RowPlan) -> Any:
+            a, b = self.weights["a"], self.weights["b"]
+            return mx.gather_mm(mx.gather_mm(x, a, rhs_indices=plan.ids), b, rhs_indices=plan.ids)
+
+        def _sorted(self, x: Any, plan: RowPlan) -> Any:
+            a, b, ids = self.weights["a"], self.weights["b"], plan.sorted_ids
+            xs = x if plan.order is None else x[plan.order]
+            h = mx.gather_mm(xs, a, rhs_indices=ids, sorted_indices=True)
+            return _restore(mx.gather_mm(h, b, rhs_indices=ids, sorted_indices=True), plan)
+
+        def _masked(self, x: Any, plan: RowPlan) -> Any:
+            w = self.weights
+            h = x @ w["a"]
+            return h * plan.mask(w["count"], w["rank"], h.dtype)
+
+        def _dense(self, x: Any, plan: RowPlan) -> Any:
+            return self._masked(x, plan) @ self.weights["b"]
 
     return _MultiLoRALinear
 
@@ -83,12 +207,64 @@ def _parent(model: Any, name: str) -> tuple[Any, Any]:
     return node, int(last) if isinstance(node, list) else last
 
 
-def multi_lora_linear(base: Any, a: Any, b: Any, scales: Any, index: RowIndex) -> Any:
-    """A linear layer plus every stacked adapter's low-rank update, chosen per row."""
-    global _CLASS
-    if _CLASS is None:
-        _CLASS = _multi_lora_class()
-    return _CLASS(base, a, b, scales, index)
+def _stack_dtype(base: Any, method: str) -> Any:
+    """The dtype of a layer's stacked A and B: the one the base layer computes in (its
+    weight's, or a quantized layer's scales'), except where MLX's CPU ``gather_mm``
+    takes float32 only."""
+    import mlx.core as mx
+
+    dtype = getattr(base, "scales", base.weight).dtype
+    if not mx.issubdtype(dtype, mx.floating):
+        return mx.float32
+    on_cpu = mx.default_device() == mx.cpu
+    return mx.float32 if method in ("gather", "sorted") and on_cpu else dtype
+
+
+def _layer_weights(
+    entries: Sequence[tuple[Any, Any, float] | None], method: str, dtype: Any
+) -> dict[str, Any]:
+    """What ``method`` needs of one layer's adapters (``entries``: slot 1.., None: untouched).
+
+    Each adapter's scale is folded into its B once here (``(x A)(s B)``, not
+    ``s ((x A) B)``): one op less per layer and step. A and B are kept in the
+    ``dtype`` (:func:`_stack_dtype`; mlx-lm saves adapters in float32, and against
+    a bfloat16 model mixed dtypes would add two casts per layer and step). In
+    float32 the two forms differ in the last bits only; the batch-vs-alone
+    token tests hold with it.
+    """
+    import mlx.core as mx
+
+    present = [e for e in entries if e is not None]
+    in_dims, out_dims = present[0][0].shape[0], present[0][1].shape[1]
+    if method == "grouped":
+        each: list[tuple[Any, Any]] = [(None, out_dims)]
+        each += [
+            (None, out_dims) if e is None else (e[0].astype(dtype), (e[1] * e[2]).astype(dtype))
+            for e in entries
+        ]
+        return {"each": each}
+    rank = max(e[0].shape[1] for e in present)
+    a_rows, b_rows = [], []
+    for entry in entries:
+        if entry is None:
+            a_rows.append(mx.zeros((in_dims, rank), dtype=dtype))
+            b_rows.append(mx.zeros((rank, out_dims), dtype=dtype))
+            continue
+        a, b, scale = entry
+        pad = rank - a.shape[1]
+        a_rows.append(mx.pad(a.astype(dtype), [(0, 0), (0, pad)]))
+        b_rows.append(mx.pad((b * scale).astype(dtype), [(0, pad), (0, 0)]))
+    if method == "dense":
+        return {
+            "a": mx.concatenate(a_rows, axis=1),
+            "b": mx.concatenate(b_rows, axis=0),
+            "count": len(entries),
+            "rank": rank,
+        }
+    return {
+        "a": mx.stack([mx.zeros((in_dims, rank), dtype=dtype), *a_rows]),
+        "b": mx.stack([mx.zeros((rank, out_dims), dtype=dtype), *b_rows]),
+    }
 
 
 @attrs.define(eq=False)
@@ -99,52 +275,40 @@ class AdapterStack:
     slots: dict[str, int] = attrs.field(factory=dict)
     #: Adapter name -> a number unique to this mount (prompt cache keys use it).
     mounts: dict[str, int] = attrs.field(factory=dict)
-    #: Layer name -> its MultiLoRALinear (holding the base module).
+    #: Layer name -> its multi-LoRA layer (holding the base module).
     modules: dict[str, Any] = attrs.field(factory=dict)
-    index: RowIndex = attrs.field(factory=RowIndex)
+    method: str = DEFAULT_METHOD
+    _current: _Current = attrs.field(factory=_Current)
+    _plans: dict[tuple[int, ...], RowPlan] = attrs.field(factory=dict)
     #: (parent module or list, key, stacked layer, base layer) for each adapted layer.
     _sites: list[tuple[Any, Any, Any, Any]] = attrs.field(factory=list)
 
     @classmethod
-    def build(cls, model: Any, adapters: Sequence[tuple[str, int, AdapterLayers]]) -> AdapterStack:
+    def build(
+        cls,
+        model: Any,
+        adapters: Sequence[tuple[str, int, AdapterLayers]],
+        method: str = DEFAULT_METHOD,
+    ) -> AdapterStack:
         """Stack ``adapters`` (name, mount number, layers) for ``model`` (its base modules)."""
         import mlx.core as mx
 
-        stack = cls()
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, not {method!r}")
+        global _CLASS
+        if _CLASS is None:
+            _CLASS = _multi_lora_class()
+        stack = cls(method=method)
         stack.slots = {name: slot for slot, (name, _, _) in enumerate(adapters, start=1)}
         stack.mounts = {name: mount for name, mount, _ in adapters}
         if not adapters:
             return stack
         base = dict(model.named_modules())
-        names = sorted({layer for _, _, a in adapters for layer in a.layers})
-        for layer in names:
+        for layer in sorted({layer for _, _, a in adapters for layer in a.layers}):
             entries = [a.layers.get(layer) for _, _, a in adapters]
-            present = [e for e in entries if e is not None]
-            rank = max(e[0].shape[1] for e in present)
-            in_dims, out_dims = present[0][0].shape[0], present[0][1].shape[1]
-            dtype = present[0][0].dtype
-            a_rows = [mx.zeros((1, in_dims, rank), dtype=dtype)]
-            b_rows = [mx.zeros((1, rank, out_dims), dtype=dtype)]
-            scales = [0.0]
-            for entry in entries:
-                if entry is None:
-                    a_rows.append(mx.zeros((1, in_dims, rank), dtype=dtype))
-                    b_rows.append(mx.zeros((1, rank, out_dims), dtype=dtype))
-                    scales.append(0.0)
-                    continue
-                a, b, scale = entry
-                pad = rank - a.shape[1]
-                a_rows.append(mx.pad(a, [(0, 0), (0, pad)])[None])
-                b_rows.append(mx.pad(b, [(0, pad), (0, 0)])[None])
-                scales.append(float(scale))
-            stack.modules[layer] = multi_lora_linear(
-                base[layer],
-                mx.concatenate(a_rows),
-                mx.concatenate(b_rows),
-                mx.array(scales, dtype=mx.float32),
-                stack.index,
-            )
-        mx.eval([(m.stack_a, m.stack_b, m.scales) for m in stack.modules.values()])
+            weights = _layer_weights(entries, method, _stack_dtype(base[layer], method))
+            stack.modules[layer] = _CLASS(base[layer], method, weights, stack._current)
+        mx.eval([m.parameters() for m in stack.modules.values()])
         for layer, module in stack.modules.items():
             parent, key = _parent(model, layer)
             stack._sites.append((parent, key, module, base[layer]))
@@ -163,12 +327,19 @@ class AdapterStack:
         try:
             yield
         finally:
-            self.index.ids = None
+            self._current.plan = None
             for parent, key, _module, base in self._sites:
                 parent[key] = base
 
     def set_rows(self, slots: Sequence[int]) -> None:
         """The adapter slot of each row of the next forward call, in the call's row order."""
-        import mlx.core as mx
-
-        self.index.ids = mx.array(list(slots), dtype=mx.uint32) if any(slots) else None
+        key = tuple(slots)
+        if not any(key):
+            self._current.plan = None
+            return
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            plan = self._plans[key] = RowPlan.build(key)
+        self._current.plan = plan
