@@ -146,20 +146,18 @@ def _serve_option(posargs: list[str], name: str) -> object:
 def train_default_model(session: nox.Session) -> None:
     """Re-train the bundled default model in place (``TRIO_MLX_BACKEND=cuda`` for a GPU).
 
-    Options after ``--`` go to ``python -m trio_mlx.default_model.train``
+    Options after ``--`` go to ``python -m tools.train``
     (``--out DIR`` to write elsewhere). Retrain the adapter afterwards.
     """
     _install(session, "train")
-    session.run("python", "-m", "trio_mlx.default_model.train", *session.posargs, env=_model_env())
+    session.run("python", "-m", "tools.train", *session.posargs, env=_model_env())
 
 
 @nox.session(python=PYTHON, name="train-adapter")
 def train_adapter(session: nox.Session) -> None:
     """Re-train the bundled "shout" LoRA adapter in place on the bundled default model."""
     _install(session, "train")
-    session.run(
-        "python", "-m", "trio_mlx.default_model.train_adapter", *session.posargs, env=_model_env()
-    )
+    session.run("python", "-m", "tools.train_adapter", *session.posargs, env=_model_env())
 
 
 @nox.session(python=PYTHON)

@@ -9,7 +9,7 @@ are replicated). Two loops are measured, greedy, at batch sizes B:
   row is done: identical calls, so the collectives line up. Rank 0 times it.
 * ``engine``: ``trio_mlx.open_engine`` on rank 0 (it loads the sharded model
   itself when launched), B concurrent ``engine.generate`` streams; the other
-  ranks run ``trio_mlx._distributed.follow`` (they replay rank 0's lane
+  ranks run ``trio_mlx.distributed.follow`` (they replay rank 0's lane
   commands, so the same collectives run).
 
 Per B and round: wall time from submit to the last row done, each row's time to
@@ -576,7 +576,7 @@ def run(args: argparse.Namespace) -> None:
     modes = ["bare", "engine"] if args.mode == "both" else [args.mode]
 
     def follower_exit() -> None:
-        from trio_mlx._distributed import follow, follower_rank
+        from trio_mlx.distributed import follow, follower_rank
 
         if follower_rank() is not None:
             sys.exit(follow(str(model_path)))

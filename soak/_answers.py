@@ -16,8 +16,8 @@ from typing import Any
 
 import attrs
 
-#: Keeps a model from ending early: its EOS ids 0 and 2 banned.
-NO_EOS: dict[str, int] = {"0": -100, "2": -100}
+from trio_mlx_http.testing import NO_EOS, sse_events
+
 #: The bundled LoRA adapter, mounted under this name.
 ADAPTER = "shout"
 
@@ -145,19 +145,6 @@ def check_whole(spec: Spec, status: int, raw: bytes) -> Answer:
     return Answer("ok", status, payload["id"], tokens, eos_counted=eos)
 
 
-def sse_payloads(raw: bytes) -> list[Any]:
-    """Split a complete SSE body into its ``data:`` payloads (``"[DONE]"`` kept as text)."""
-    if not raw.endswith(b"\n\n"):
-        raise ValueError(f"truncated stream: {raw[-80:]!r}")
-    events: list[Any] = []
-    for block in raw[:-2].split(b"\n\n"):
-        if not block.startswith(b"data: ") or b"\n" in block:
-            raise ValueError(f"not one data line: {block[:80]!r}")
-        data = block[len(b"data: ") :]
-        events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return events
-
-
 def _stream_problem(spec: Spec, events: list[Any]) -> tuple[str, int, int, str | None, bool]:
     """(problem, tokens, duplicates, id, eos_counted) of a parsed stream."""
     if not events or events[-1] != "[DONE]" or events.count("[DONE]") != 1:
@@ -199,7 +186,7 @@ def check_stream(spec: Spec, status: int, raw: bytes) -> Answer:
         except ValueError:
             return Answer("bad", status, detail=f"not JSON: {raw[:200]!r}")
     try:
-        events = sse_payloads(raw)
+        events = sse_events(raw)
     except ValueError as error:
         return Answer("bad", status, detail=str(error))
     errors = [e for e in events if isinstance(e, dict) and "error" in e]

@@ -18,8 +18,8 @@ import httpx
 import trio
 
 from soak._answers import Answer, Spec, random_spec
-from soak._inprocess import live_server
 from soak.load import send
+from trio_mlx_http.testing import live_server
 
 
 class Flaky:

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import trio
 
-from soak._answers import NO_EOS
 from soak._server import metrics
+from trio_mlx_http.testing import NO_EOS
 
 #: The gauges that must all read 0 once every client is gone.
 ROWS = ("trio_mlx_running_rows", "trio_mlx_queued_rows", "trio_mlx_parked_rows")

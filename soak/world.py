@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import trio
 
-from soak._answers import NO_EOS
 from soak._server import ServerProcess
+from trio_mlx_http.testing import NO_EOS
 
 _HEALTH = b"GET /health HTTP/1.1\r\nhost: soak\r\n\r\n"
 

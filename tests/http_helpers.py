@@ -1,8 +1,8 @@
 """A live trio-mlx server for tests: the engine and Hypercorn in the test's nursery.
 
-The soak harness has the same needs, so the pieces live there: ``live_server``
-(urllib3's pattern: ``nursery.start(hypercorn.trio.serve, ...)`` binds port 0 and
-hands back the real address), the SSE body parser, and ``NO_EOS``.
+The pieces are public, in :mod:`trio_mlx_http.testing` (the soak harness uses them
+too): ``live_server`` (urllib3's pattern: ``nursery.start`` of the server binds
+port 0 and hands back the real address), the SSE body parser, and ``NO_EOS``.
 
 Here ``live_server`` also checks every body and stream event the OpenAI
 endpoints send against OpenAI's response schemas (``openai_schemas.py``): a
@@ -16,13 +16,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from soak._answers import NO_EOS
-from soak._answers import sse_payloads as sse_events
-from soak._inprocess import LiveServer
-from soak._inprocess import live_server as _live_server
-
 from openai_schemas import SchemaChecker
 from trio_mlx_http._settings import Settings
+from trio_mlx_http.testing import NO_EOS, LiveServer, sse_events
+from trio_mlx_http.testing import live_server as _live_server
 
 __all__ = ["NO_EOS", "LiveServer", "live_server", "sse_events"]
 

@@ -16,15 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_mlx import backend_info
-from trio_mlx._blas import (
-    GUARD_VAR,
-    HINT,
-    classify_blas,
-    find_fast_blas,
-    maybe_reexec_with_fast_blas,
-    plan_reexec,
-    preload_env,
-)
+from trio_mlx._blas import classify_blas, find_fast_blas, preload_env
+from trio_mlx_http._fast_blas import GUARD_VAR, HINT, maybe_reexec_with_fast_blas, plan_reexec
 
 ROOT = Path(__file__).parent.parent
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
@@ -221,7 +214,7 @@ def test_maybe_reexec_prints_one_hint_line_when_no_fast_blas(
     for key in ("LD_PRELOAD", GUARD_VAR, "TRIO_MLX_FAST_BLAS"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TRIO_MLX_BLAS", str(tmp_path / "absent.so"))
-    monkeypatch.setattr("trio_mlx._blas.bundled_reference_blas", lambda: REFERENCE)
+    monkeypatch.setattr("trio_mlx_http._fast_blas.bundled_reference_blas", lambda: REFERENCE)
     maybe_reexec_with_fast_blas()
     out, err = capsys.readouterr()
     assert (out, err) == ("", HINT + "\n")
@@ -475,3 +468,15 @@ def test_cli_main_called_in_process_never_reexecutes(
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("trio-mlx ")
+
+
+def test_embedding_programs_reach_the_reexec_through_the_http_package_without_mlx() -> None:
+    code = (
+        "import sys, trio_mlx, trio_mlx_http\n"
+        "f = trio_mlx_http.maybe_reexec_with_fast_blas\n"
+        "assert f.__module__ == 'trio_mlx_http._fast_blas', f.__module__\n"
+        "assert 'maybe_reexec_with_fast_blas' not in trio_mlx.__all__\n"
+        "assert 'mlx.core' not in sys.modules and 'quart' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from tools.train import PROMPT
+from tools.train_adapter import upper_share
 from trio_mlx import default_adapter_path, default_model_path
-from trio_mlx.default_model.train import PROMPT
-from trio_mlx.default_model.train_adapter import upper_share
 
 pytestmark = pytest.mark.model
 
@@ -149,10 +149,13 @@ def test_wheel_carries_the_model_and_the_adapter(tmp_path: Path) -> None:
         package_dir = directory.relative_to(default_model_path().parents[1])
         for file in directory.iterdir():
             assert f"trio_mlx/{package_dir.as_posix()}/{file.name}" in names
+    # The trainers are development tools (tools/), not shipped code.
+    assert not [name for name in names if name.endswith(("train.py", "instruct.py"))]
+    assert not [name for name in names if name.startswith("tools/")]
 
 
 def test_held_out_questions_are_phrased_unlike_any_training_question() -> None:
-    from trio_mlx.default_model.instruct import (
+    from tools.instruct import (
         HELD_OUT_TEMPLATES,
         TRAIN_TEMPLATES,
         VAL_TEMPLATE,

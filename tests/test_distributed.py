@@ -332,3 +332,20 @@ def test_a_lost_group_makes_the_command_line_exit_non_zero() -> None:
     )
     run = _run([sys.executable, "-c", program], TIMEOUT)
     assert run.returncode == 1, run.stdout
+
+
+def test_every_command_but_close_has_one_follower_handler() -> None:
+    from trio_mlx._distributed import Command
+    from trio_mlx._follower import HANDLERS
+
+    # CLOSE ends the follower's loop itself; every other command has its handler.
+    assert set(HANDLERS) == set(Command) - {Command.CLOSE}
+
+
+@pytest.mark.parametrize("message", [("nope", ()), "step", None, ("step",)])
+def test_a_follower_refuses_what_is_not_a_command(message: Any) -> None:
+    from trio_mlx._distributed import ProtocolError
+    from trio_mlx._follower import _decode
+
+    with pytest.raises(ProtocolError, match="not a command from rank 0"):
+        _decode(message)

@@ -117,11 +117,10 @@ async def _endless_row(engine: trio_mlx.Engine, seen: list[int], *, task_status:
 
 async def test_news_ends_an_endless_burst(tiny_model_path: Path) -> None:
     """With no step or time limit on bursts, submissions, cancels and jobs still get in."""
+    endless = {"burst_steps": 1_000_000, "burst_seconds": 1_000.0}
     async with trio_mlx.open_engine(
-        tiny_model_path, prompt_cache_bytes=0, drain_timeout=0.0
+        tiny_model_path, prompt_cache_bytes=0, drain_timeout=0.0, _tune=endless
     ) as engine:
-        engine._actor.burst_steps = 1_000_000
-        engine._actor.burst_seconds = 1_000.0
         seen: list[int] = []
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
@@ -141,3 +140,9 @@ async def test_news_ends_an_endless_burst(tiny_model_path: Path) -> None:
         stats = engine.statistics()
         assert stats.requests["batch:cancelled"] == 1
         assert stats.generated_tokens < 100_000
+
+
+async def test_tuning_an_unknown_field_is_refused(tiny_model_path: Path) -> None:
+    with pytest.raises(TypeError, match="no tunable field 'burst_step'"):
+        async with trio_mlx.open_engine(tiny_model_path, _tune={"burst_step": 1}):
+            pass  # pragma: no cover - the engine does not start

@@ -48,18 +48,27 @@ row = st.tuples(
 job = st.tuples(st.just(-1), st.just(0), st.none(), st.sampled_from([0.002, 0.01, 0.03]))
 
 
+#: Holds admitted rows until their group is complete (no step or time limit).
+HOLD: dict[str, Any] = {"admit_wait_steps": 10**6, "admit_wait_seconds": 3600.0}
+
+
 async def _check_schedule(model: Path, ops: list[tuple[Any, ...]], budget: int | None) -> None:
     solo = await _solo_tokens(model)
     got: dict[int, tuple[str, list[int]]] = {}
+    # Small bounds so that holding, grouping and deferred removal all happen; a small
+    # prefill budget: prompts are prefilled in chunks.
+    tune = {
+        "admit_group": 3,
+        "admit_fraction": 1,
+        "admit_wait_steps": 6,
+        "admit_wait_seconds": 0.05,
+        "removal_delay": 4,
+        "removal_fraction": 2,
+        "prefill_budget": budget,
+    }
     async with trio_mlx.open_engine(
-        model, max_batch=6, max_queue=16, drain_timeout=0.005, min_batch_steps=1
+        model, max_batch=6, max_queue=16, drain_timeout=0.005, min_batch_steps=1, _tune=tune
     ) as engine:
-        actor = engine._actor
-        # Small bounds so that holding, grouping and deferred removal all happen.
-        actor.admit_group, actor.admit_fraction, actor.admit_wait_steps = 3, 1, 6
-        actor.admit_wait_seconds = 0.05
-        actor.lane.removal_delay, actor.lane.removal_fraction = 4, 2
-        actor.lane.prefill_budget = budget  # small: prompts are prefilled in chunks
 
         async def run(i: int, prompt: int, size: int, cancel: int | None, delay: float) -> None:
             await trio.sleep(delay)
@@ -82,7 +91,7 @@ async def _check_schedule(model: Path, ops: list[tuple[Any, ...]], budget: int |
                     nursery.start_soon(run, i, *op)
             await wait_until(lambda: engine.statistics().batch_rows == 0)
         stats = engine.statistics()
-        dead = actor.lane.dead_rows
+        dead = engine._loaded.lane.dead_rows
     for i, (prompt, size, _cancel, _delay) in enumerate(ops):
         if prompt < 0:
             continue
@@ -115,10 +124,10 @@ async def test_arrivals_while_rows_decode_are_admitted_as_one_group(
     solo = await _solo_tokens(tiny_model_path)
     long = SamplingParams(max_tokens=400, logit_bias=NO_EOS)
     params = SamplingParams(max_tokens=LONGEST, logit_bias=NO_EOS)
-    async with trio_mlx.open_engine(tiny_model_path, max_batch=9, prompt_cache_bytes=0) as engine:
-        actor = engine._actor
-        actor.admit_group, actor.admit_fraction = 4, 1
-        actor.admit_wait_steps, actor.admit_wait_seconds = 10**6, 3600.0
+    tune = {"admit_group": 4, "admit_fraction": 1, **HOLD}
+    async with trio_mlx.open_engine(
+        tiny_model_path, max_batch=9, prompt_cache_bytes=0, _tune=tune
+    ) as engine:
         outputs: dict[int, list[int]] = {}
 
         async def one(i: int) -> None:
@@ -314,11 +323,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
 
 
 async def test_an_arrival_held_for_its_group_does_not_cut_the_burst(tiny_model_path: Path) -> None:
-    async with trio_mlx.open_engine(tiny_model_path, max_batch=8, prompt_cache_bytes=0) as engine:
-        actor = engine._actor
-        actor.admit_group, actor.admit_fraction = 4, 1  # two decoding rows: groups of two
-        actor.admit_wait_steps, actor.admit_wait_seconds = 10**6, 3600.0
-        actor.burst_steps, actor.burst_seconds = 40, 3600.0  # bursts end by count or news only
+    # Two decoding rows: groups of two; bursts end by count or news only.
+    tune = {
+        "admit_group": 4,
+        "admit_fraction": 1,
+        **HOLD,
+        "burst_steps": 40,
+        "burst_seconds": 3600.0,
+    }
+    async with trio_mlx.open_engine(
+        tiny_model_path, max_batch=8, prompt_cache_bytes=0, _tune=tune
+    ) as engine:
         long = SamplingParams(max_tokens=2000, logit_bias=NO_EOS)
         async with trio.open_nursery() as nursery:
             for _ in range(2):

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from soak._inprocess import live_server
 
 from http_helpers import NO_EOS, sse_events
 from openai_schemas import SchemaChecker, problems
+from trio_mlx_http.testing import live_server
 
 USER = [{"role": "user", "content": "Hi"}]
 

@@ -326,7 +326,15 @@ class Suite:
                 if eng and bare["decode_tok_s"] and eng["decode_tok_s"]
                 else None
             )
-            rows.append({"batch": record["batch"], "bare": bare, "engine": eng, "ratio": ratio})
+            rows.append(
+                {
+                    "batch": record["batch"],
+                    "bare": bare,
+                    "engine": eng,
+                    "ratio": ratio,
+                    "paired": record.get("paired"),
+                }
+            )
         self.results.setdefault("overhead", {})[model.name] = rows
 
     def servers(self, model: Model, *, first: bool, wanted: Any) -> None:

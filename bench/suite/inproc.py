@@ -15,13 +15,18 @@ JSON line per job result. Jobs:
 * ``multilora``: rows under several LoRA adapters (:mod:`bench.suite.multilora`).
 
 Bare and engine runs alternate per B for ``rounds`` rounds and the best round of
-each counts: load on a shared machine only ever slows a round down.
+each counts: load on a shared machine only ever slows a round down. The overhead
+part also reports medians over the rounds of each engine run against the bare run
+just before it: the throughput ratio, the CPU-per-token ratio, the engine's
+Trio-thread CPU per token and its MLX thread's busy share (what
+``bench/engine_vs_bare.py`` measured before it was folded in here).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -70,6 +75,7 @@ def bare_run(
     )
     rows: dict[int, list[tuple[float, int]]] = {}
     try:
+        cpu = time.process_time()
         start = time.perf_counter()
         uids = gen.insert([list(p) for p in prompts], max_tokens=[max_tokens] * batch)
         rows = {uid: [] for uid in uids}
@@ -81,10 +87,12 @@ def bare_run(
                 rows[r.uid].append((now, 1))
                 done += r.finish_reason is not None
         mx.synchronize()
+        cpu = time.process_time() - cpu
     finally:
         gen.close()
     result = rates(start, list(rows.values()))
     result["complete"] = all(len(row) == max_tokens for row in rows.values())
+    result["cpu_s_per_token"] = cpu / max(1, result["tokens"])
     return result
 
 
@@ -120,12 +128,23 @@ async def engine_run(
                 if delta.token_ids:
                     rows[i].append((time.perf_counter(), len(delta.token_ids)))
 
+    busy = engine.statistics().worker_busy_seconds
+    trio_cpu, cpu = time.thread_time(), time.process_time()
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
             nursery.start_soon(consume, i)
+    elapsed = time.perf_counter() - start
+    trio_cpu, cpu = time.thread_time() - trio_cpu, time.process_time() - cpu
     result = rates(start, rows)
     result["complete"] = all(sum(n for _, n in row) == max_tokens for row in rows)
+    # The engine's own cost, which a busy shared machine shows least noisily: CPU
+    # seconds per token (all threads), the Trio thread's CPU per token (actor,
+    # routing, consumers) and the share of the wall time the MLX thread ran calls.
+    tokens = max(1, result["tokens"])
+    result["cpu_s_per_token"] = cpu / tokens
+    result["trio_cpu_us_per_token"] = trio_cpu / tokens * 1e6
+    result["worker_busy"] = (engine.statistics().worker_busy_seconds - busy) / elapsed
     return result
 
 
@@ -133,6 +152,19 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     key = "decode_tok_s" if all(r["decode_tok_s"] for r in runs) else "e2e_tok_s"
     best = max(runs, key=lambda r: r[key])
     return {**best, "rounds": [r[key] for r in runs]}
+
+
+def _paired(bare: list[dict[str, Any]], eng: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds, each engine run against the bare run just before it."""
+    key = "decode_tok_s" if all(r["decode_tok_s"] for r in bare + eng) else "e2e_tok_s"
+    return {
+        "ratio": statistics.median(e[key] / b[key] for b, e in zip(bare, eng, strict=True)),
+        "cpu_ratio": statistics.median(
+            e["cpu_s_per_token"] / b["cpu_s_per_token"] for b, e in zip(bare, eng, strict=True)
+        ),
+        "trio_cpu_us_per_token": statistics.median(e["trio_cpu_us_per_token"] for e in eng),
+        "worker_busy": statistics.median(e["worker_busy"] for e in eng),
+    }
 
 
 def overhead(job: dict[str, Any]) -> None:
@@ -159,7 +191,15 @@ def overhead(job: dict[str, Any]) -> None:
                 for _ in range(rounds):
                     bare.append(bare_run(model, prompts_for[b], max_tokens, bias))
                     eng.append(await engine_run(engine, prompts_for[b], max_tokens, bias))
-                emit({"job": "overhead", "batch": b, "bare": _best(bare), "engine": _best(eng)})
+                emit(
+                    {
+                        "job": "overhead",
+                        "batch": b,
+                        "bare": _best(bare),
+                        "engine": _best(eng),
+                        "paired": _paired(bare, eng),
+                    }
+                )
 
     if job.get("engine", True):
         trio.run(main)

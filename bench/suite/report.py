@@ -31,16 +31,26 @@ def _overhead_md(results: dict[str, Any]) -> list[str]:
         "Decode tokens/s in the steady state (every row decoding), best of the rounds; "
         "goal: engine/bare >= 0.97 at every B.",
         "",
-        "| model | B | bare tok/s | engine tok/s | engine/bare | bare e2e | engine e2e |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "The last four columns are medians over the rounds, each engine run against the "
+        "bare run just before it: tok/s ratio, CPU seconds per token ratio (all threads), "
+        "the engine's Trio-thread CPU per token (actor, routing, consumers) and the share "
+        "of the wall time its MLX thread ran calls.",
+        "",
+        "| model | B | bare tok/s | engine tok/s | engine/bare | bare e2e | engine e2e "
+        "| paired ratio | CPU/token ratio | Trio us/token | MLX thread busy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for model, rows in results.get("overhead", {}).items():
         for row in rows:
-            bare, eng = row["bare"], row["engine"] or {}
+            bare, eng, paired = row["bare"], row["engine"] or {}, row.get("paired") or {}
+            busy = paired.get("worker_busy")
             lines.append(
                 f"| {model} | {row['batch']} | {_num(bare['decode_tok_s'])} | "
                 f"{_num(eng.get('decode_tok_s'))} | {_ratio(eng.get('decode_tok_s'), bare['decode_tok_s'])} | "
-                f"{_num(bare['e2e_tok_s'])} | {_num(eng.get('e2e_tok_s'))} |"
+                f"{_num(bare['e2e_tok_s'])} | {_num(eng.get('e2e_tok_s'))} | "
+                f"{_num(paired.get('ratio'), 2)} | {_num(paired.get('cpu_ratio'), 2)} | "
+                f"{_num(paired.get('trio_cpu_us_per_token'), 1)} | "
+                f"{'-' if busy is None else f'{busy:.0%}'} |"
             )
     return [*lines, ""]
 

@@ -39,11 +39,10 @@ shuts down, the arbiter closes and every pending request ends with
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from types import MappingProxyType
 from typing import Any
@@ -71,140 +70,13 @@ from trio_mlx._batch import BatchLane, RowSpec, StepResult
 from trio_mlx._errors import (
     EngineClosed,
     EngineOverloaded,
-    GenerationFailed,
     ReaderStalled,
-    TrioMLXError,
 )
 from trio_mlx._output import RowEvent
+from trio_mlx._request import LANES, OUTCOMES, EngineStatistics, Phase, Request
 from trio_mlx._worker import Worker
 
-__all__ = ["Actor", "EngineStatistics", "Outbox", "Request"]
-
-LANES = ("batch", "serial", "job")
-OUTCOMES = ("finished", "cancelled", "failed", "rejected", "closed")
-
-
-class Phase(enum.Enum):
-    """Where a request is, as the actor sees it."""
-
-    INBOX = "inbox"
-    PENDING = "pending"
-    RUNNING = "running"
-    DONE = "done"
-
-
-@attrs.define(eq=False)
-class Outbox:
-    """A request's buffer of events; ``put`` never blocks.
-
-    ``unread`` counts what waits for the reader: a token, plus one per top
-    log-probability alternative it carries. The actor cancels a request whose
-    ``unread`` passes its limit (max_tokens bounds it otherwise).
-    """
-
-    _items: list[RowEvent] = attrs.field(init=False, factory=list)
-    _lot: trio.lowlevel.ParkingLot = attrs.field(init=False, factory=trio.lowlevel.ParkingLot)
-    closed: bool = attrs.field(init=False, default=False)
-    unread: int = attrs.field(init=False, default=0)
-
-    def put(self, event: RowEvent) -> None:
-        """Append an event and wake the reader."""
-        self._items.append(event)
-        self.unread += len(event.token_ids)
-        for logprob in event.logprobs or ():
-            self.unread += len(logprob.top)
-        self._lot.unpark_all()
-
-    @property
-    def ready(self) -> bool:
-        """Whether ``take`` has events, or the outbox is closed."""
-        return bool(self._items) or self.closed
-
-    def close(self) -> None:
-        """No more events will come; wake the reader."""
-        self.closed = True
-        self._lot.unpark_all()
-
-    def take(self) -> list[RowEvent]:
-        """Every event buffered so far."""
-        items, self._items = self._items, []
-        self.unread = 0
-        return items
-
-    async def wait(self) -> None:
-        """Wait until there is an event, or the outbox is closed."""
-        while not self._items and not self.closed:
-            await self._lot.park()
-
-
-@attrs.define(eq=False)
-class Request:
-    """One submitted item: a batch row, a serial generation or an exclusive job."""
-
-    id: int
-    lane: str
-    spec: RowSpec | None = None
-    work: Callable[[], Any] | None = None
-    outbox: Outbox = attrs.field(factory=Outbox)
-    cancel_flag: threading.Event = attrs.field(factory=threading.Event)
-    phase: Phase = Phase.INBOX
-    submitted: float = 0.0
-    first_token: float | None = None
-    finished_at: float | None = None
-    cached_tokens: int = 0
-    generated: int = 0
-    #: For jobs: the job's result, set when it ended.
-    result: outcome.Outcome[Any] | None = None
-    #: A serial generation's last event, delivered when its job has ended.
-    final: RowEvent | None = None
-    #: The lane has seen this row (it was part of a step).
-    inserted: bool = False
-    done: trio.Event = attrs.field(factory=trio.Event)
-    #: Set once the actor has taken the request from the inbox (``rejection`` says how).
-    accepted: trio.Event = attrs.field(factory=trio.Event)
-    rejection: BaseException | None = None
-
-
-@attrs.frozen
-class EngineStatistics:
-    """A frozen snapshot of the engine (tests and ``/metrics`` read this)."""
-
-    state: str
-    running_rows: int
-    queued_rows: int
-    parked_rows: int
-    waiting_jobs: int
-    #: 1 while an exclusive job (a serial generation, a mount, a user function) runs.
-    running_jobs: int
-    worker_alive: bool
-    #: Seconds the MLX thread spent running calls since the engine started.
-    worker_busy_seconds: float
-    #: Rows the batch lane held after the last step (running or parked, on the MLX thread).
-    batch_rows: int
-    adapters: tuple[str, ...]
-    #: Requests by ``"lane:outcome"`` (lanes batch, serial, job).
-    requests: Mapping[str, int]
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    generated_tokens: int
-    drains: int
-    preemptions: int
-    steps: int
-    arbiter: ArbiterStatistics
-    #: Processes the model is sharded over (1: one process; see distributed mode).
-    ranks: int = 1
-    #: Step calls that inserted new rows (grouped admission: fewer than rows admitted).
-    admissions: int = 0
-    #: MLX's allocator, in bytes: memory held by live arrays (weights, KV caches,
-    #: the prompt cache), freed buffers kept for reuse, and the high-water mark
-    #: of active memory (this process, rank 0 under distributed mode). 0 where unread.
-    mlx_active_memory: int = 0
-    mlx_cache_memory: int = 0
-    mlx_peak_memory: int = 0
-    #: Bytes the prompt cache counts for its entries (0 when it is off).
-    prompt_cache_bytes: int = 0
-    #: Ended requests that named an adapter, by ``"lane:adapter"`` (lanes batch, serial).
-    adapter_requests: Mapping[str, int] = attrs.field(factory=dict)
+__all__ = ["Actor"]
 
 
 @attrs.define(eq=False)
@@ -452,13 +324,14 @@ class Actor:
     async def _loop(self, nursery: trio.Nursery) -> None:
         while not self._stopped:
             self._wake = trio.Event()
-            decision, self._handoff = self._handoff or self._decide(), None
+            decision, self._handoff = self._handoff, None
+            if decision is None:
+                self._chain_done = trio.Event()
+                decision = self._advance()
             match decision:
-                case Step():
+                case None:
                     # Decode runs as a chain of worker callbacks (see _step_finished);
                     # this task sleeps until the chain hands back another decision.
-                    self._chain_done = trio.Event()
-                    self._submit_step()
                     await self._chain_done.wait()
                     if self._chain_error is not None:
                         raise self._chain_error
@@ -472,6 +345,19 @@ class Actor:
                         continue
                     with trio.move_on_at(deadline if deadline is not None else float("inf")):
                         await self._wake.wait()
+
+    def _advance(self) -> Decision | None:
+        """Decide what comes next: the one place that does, for the actor task and the chain.
+
+        A ``Step`` is sent to the worker right here and None returned: the step
+        chain goes on (the result comes back to :meth:`_step_finished`, which
+        advances again). Any other decision is returned for the actor task.
+        """
+        decision = self._decide()
+        if isinstance(decision, Step):
+            self._submit_step()
+            return None
+        return decision
 
     def _decide(self) -> Decision:
         """Take the inbox to the arbiter and ask it what next.
@@ -642,9 +528,8 @@ class Actor:
         for event in events:
             self._route_row(event, now)
         self._arbiter.step_done(now)
-        decision = self._decide()
-        if isinstance(decision, Step):
-            self._submit_step()
+        decision = self._advance()
+        if decision is None:
             return
         # A Wait is not handed over: the actor task asks again after making a
         # fresh doorbell, so a submission that rings in between is not lost.
@@ -809,12 +694,3 @@ class Actor:
         self._wake.set()
         if interrupt:
             self._news.set()
-
-
-def failure(error: BaseException) -> BaseException:
-    """The error a consumer sees for a failed request."""
-    if isinstance(error, TrioMLXError):
-        return error
-    failed = GenerationFailed(f"generation failed: {type(error).__name__}: {error}")
-    failed.__cause__ = error
-    return failed

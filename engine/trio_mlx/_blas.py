@@ -12,14 +12,13 @@ there, and the dynamic loader reads it only when a process starts; hence:
 
 * :func:`find_fast_blas` finds an optimized CBLAS on this machine,
 * :func:`preload_env` adds it to an environment (nox sessions use it),
-* :func:`plan_reexec` decides, from the environment alone, whether the CLI
-  should re-execute itself with the preload, and
-  :func:`maybe_reexec_with_fast_blas` does it (``os.execve``, same argv),
 * :func:`backend_info` reports what is active in this process: it asks the
   dynamic loader which library serves ``cblas_sgemm`` to ``libmlx.so``.
 
-Everything except :func:`backend_info` works without importing mlx: nox's own
-Python and the CLI use this module before MLX is loaded.
+Re-executing a process with the preload is start-up policy, not engine: it
+lives with the CLI (``trio_mlx_http._fast_blas``), which uses the finding half
+of this module. Everything except :func:`backend_info` works without importing
+mlx: nox's own Python and the CLI use this module before MLX is loaded.
 """
 
 from __future__ import annotations
@@ -30,46 +29,38 @@ import importlib.util
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Literal
 
 import attrs
 
 __all__ = [
+    "OPT_OUT_VAR",
     "BackendInfo",
-    "ReexecPlan",
+    "add_preload",
     "backend_info",
     "bundled_reference_blas",
     "classify_blas",
     "find_fast_blas",
-    "maybe_reexec_with_fast_blas",
-    "plan_reexec",
     "preload_env",
+    "preloads_fast_blas",
 ]
 
 
 BlasKind = Literal["reference", "openblas", "mkl", "accelerate", "unknown"]
 
-#: Set in the environment of the re-executed process, so it never re-executes again.
-GUARD_VAR = "TRIO_MLX_BLAS_REEXEC"
 #: ``0`` turns the whole mechanism off (no preload, no re-exec, no hint).
 OPT_OUT_VAR = "TRIO_MLX_FAST_BLAS"
 #: An explicit CBLAS to preload instead of the ones found at the usual places.
 OVERRIDE_VAR = "TRIO_MLX_BLAS"
 
 #: OpenBLAS threads: the core count (OpenBLAS's own default), unless set. Measured on
-#: 2 cores (bench/blas_decode.py): 1 thread decodes 0-15% faster at B=1 and 8 (the
+#: 2 cores (bench/experiments/blas_decode.py): 1 thread decodes 0-15% faster at B=1 and 8 (the
 #: Python thread, which builds the next step while MLX computes, competes with the
 #: second BLAS thread), equal at B=32; but the core count makes a 1024^3 matmul 2x,
 #: prefill 2x and a training step 1.35x faster. MLX's CPU backend runs its ops on
 #: one stream thread, so BLAS threads are the only parallelism it gets.
 OPENBLAS_THREADS_VAR = "OPENBLAS_NUM_THREADS"
-
-HINT = (
-    "trio-mlx: MLX is using its bundled reference BLAS (slow on CPU); "
-    "`apt-get install libopenblas0-pthread` makes it 4-5x faster "
-    "(TRIO_MLX_FAST_BLAS=0 silences this)"
-)
 
 #: Optimized CBLAS libraries at their usual places, best first: Debian/Ubuntu
 #: OpenBLAS (pthread, then OpenMP), Fedora/RHEL and Arch OpenBLAS, then MKL's
@@ -134,7 +125,8 @@ def _preloaded(environ: Mapping[str, str]) -> list[str]:
     return [p for p in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
 
 
-def _preloads_fast_blas(environ: Mapping[str, str]) -> bool:
+def preloads_fast_blas(environ: Mapping[str, str]) -> bool:
+    """Whether ``LD_PRELOAD`` in ``environ`` names an optimized BLAS (OpenBLAS or MKL)."""
     return any(classify_blas(p) in ("openblas", "mkl") for p in _preloaded(environ))
 
 
@@ -145,13 +137,14 @@ def preload_env(environ: dict[str, str]) -> dict[str, str]:
     BLAS is preloaded already. Otherwise also sets the thread count (keeping an
     explicit ``OPENBLAS_NUM_THREADS``) and, for MKL, the LP64 interface MLX calls.
     """
-    if environ.get(OPT_OUT_VAR, "1") == "0" or _preloads_fast_blas(environ):
+    if environ.get(OPT_OUT_VAR, "1") == "0" or preloads_fast_blas(environ):
         return environ
     path = find_fast_blas(environ)
-    return environ if path is None else _add_preload(environ, path)
+    return environ if path is None else add_preload(environ, path)
 
 
-def _add_preload(environ: dict[str, str], path: str) -> dict[str, str]:
+def add_preload(environ: dict[str, str], path: str) -> dict[str, str]:
+    """Put ``path`` first in ``environ``'s ``LD_PRELOAD``, with the thread settings it needs."""
     environ["LD_PRELOAD"] = ":".join([path, *_preloaded(environ)])
     environ.setdefault(OPENBLAS_THREADS_VAR, str(os.cpu_count() or 1))
     if classify_blas(path) == "mkl":
@@ -171,67 +164,6 @@ def bundled_reference_blas() -> str | None:
         if found:
             return found[0]
     return None
-
-
-@attrs.frozen
-class ReexecPlan:
-    """What :func:`maybe_reexec_with_fast_blas` does: ``exec`` with ``env``, print a ``hint``, or ``skip``."""
-
-    action: Literal["exec", "hint", "skip"]
-    reason: str
-    env: Mapping[str, str] | None = None
-
-
-def plan_reexec(
-    environ: Mapping[str, str],
-    *,
-    fast_blas: str | None,
-    bundled_reference: str | None,
-    platform: str = sys.platform,
-    opt_out: bool = False,
-) -> ReexecPlan:
-    """Decide, from the environment alone, whether to re-execute with ``fast_blas`` preloaded."""
-    if not platform.startswith("linux"):
-        return ReexecPlan("skip", "not Linux: MLX uses the platform's BLAS")
-    if opt_out or environ.get(OPT_OUT_VAR, "1") == "0":
-        return ReexecPlan("skip", "turned off (--no-fast-blas or TRIO_MLX_FAST_BLAS=0)")
-    if environ.get(GUARD_VAR):
-        return ReexecPlan("skip", "already re-executed once")
-    if _preloads_fast_blas(environ):
-        return ReexecPlan("skip", "an optimized BLAS is preloaded already")
-    if fast_blas is None:
-        if bundled_reference is None:
-            return ReexecPlan("skip", "no optimized BLAS found, and MLX bundles no reference one")
-        return ReexecPlan("hint", "no optimized BLAS found; MLX runs on its reference BLAS")
-    env = _add_preload(dict(environ), fast_blas)
-    env[GUARD_VAR] = "1"
-    return ReexecPlan("exec", f"preloading {fast_blas}", env)
-
-
-def maybe_reexec_with_fast_blas(
-    argv: Sequence[str] | None = None, *, opt_out: bool = False
-) -> None:
-    """Re-execute this process once with an optimized BLAS preloaded, when that helps.
-
-    ``argv`` is the interpreter's arguments (default ``sys.orig_argv[1:]``), so
-    ``trio-mlx ...`` and ``python -m trio_mlx_http ...`` re-run exactly as typed.
-    Returns only when there is nothing to do: after printing the one-line
-    install hint on a reference-BLAS machine, or when turned off.
-    """
-    plan = plan_reexec(
-        os.environ,
-        fast_blas=find_fast_blas(),
-        bundled_reference=bundled_reference_blas(),
-        opt_out=opt_out,
-    )
-    if plan.action == "hint":
-        print(HINT, file=sys.stderr)
-    if plan.action != "exec" or plan.env is None or not sys.executable:
-        return
-    args = list(sys.orig_argv[1:] if argv is None else argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *args], dict(plan.env))
 
 
 class _DlInfo(ctypes.Structure):

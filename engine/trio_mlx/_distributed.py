@@ -3,17 +3,26 @@
 Under ``mlx.launch`` every rank loads its shard (:func:`load_shard`: tensor
 parallel where the architecture has ``shard``, e.g. llama; pipeline parallel
 where it has ``model.pipeline``, e.g. qwen2; ``parallel`` picks).
-Rank 0 runs the engine as usual; every other rank runs :func:`follow`: no
-HTTP, no arbiter, just a loop that receives rank 0's worker commands and makes
-the same MLX calls in the same order, so the collectives inside the sharded
-model line up.
+Rank 0 runs the engine as usual; every other rank runs
+:func:`trio_mlx._follower.follow`: no HTTP, no arbiter, just a loop that
+receives rank 0's worker commands and makes the same MLX calls in the same
+order, so the collectives inside the sharded model line up.
+
+The seam: this module is all of distributed mode below the worker boundary.
+:func:`trio_mlx._loading.load` builds a :class:`MirroredLane` and rank 0's
+:class:`Leader`; the engine makes one call, :meth:`Leader.attach` (the
+watchdog, the heartbeat task, the lost-group hook), and hands serial work to
+:meth:`Leader.run_serial`. The actor and the arbiter never see it.
 
 The command stream
 ------------------
 Rank 0's :class:`Leader` broadcasts, on its MLX thread and before making the
-call itself, every state-changing call: the batch lane's step (inserts,
-resumes, removes and the burst length), park, discard, fail_all and close
-(:class:`MirroredLane`), and each serial generation (its :class:`RowSpec`).
+call itself, every state-changing call as a :class:`Command`: the batch lane's
+step (a :class:`StepPlan`: inserts, resumes, removes and the burst length),
+park, discard, fail_all and close (:class:`MirroredLane`), and each serial
+generation (its :class:`RowSpec`). On the wire a command is its short string
+value and its arguments (a step plan as its four fields), so a message stays
+as small as before the enum.
 A message is a pickle in a fixed 1 KiB frame summed with ``all_sum`` (one
 collective; a longer one takes a second), as ``mlx_lm.server`` shares its
 requests, on mlx-lm's generation stream: on one stream the channel's and the
@@ -59,6 +68,7 @@ when it is true.
 from __future__ import annotations
 
 import atexit
+import enum
 import logging
 import math
 import os
@@ -68,23 +78,35 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import attrs
+import trio
 
 from trio_mlx._batch import BatchLane, RowSpec, StepResult
+from trio_mlx._errors import EngineClosed
 from trio_mlx._output import RowEvent
+
+if TYPE_CHECKING:
+    from trio_mlx._actor import Actor
+    from trio_mlx._worker import Worker
 
 __all__ = [
     "PARALLEL",
     "Channel",
+    "Command",
     "GroupLost",
     "Leader",
     "MirroredLane",
-    "follow",
+    "ProtocolError",
+    "StepPlan",
+    "exit_status",
     "follower_rank",
     "launched",
     "load_shard",
+    "timeout",
+    "watch_follower",
 ]
 
 T = TypeVar("T")
@@ -115,6 +137,42 @@ SEED = 0
 #: their shards (seconds; ``TRIO_MLX_DISTRIBUTED_START_TIMEOUT`` overrides it):
 #: a rank that died before the first collective must not leave the rest waiting.
 START_TIMEOUT = 600.0
+
+
+class Command(enum.Enum):
+    """What rank 0 tells the followers; the value is what travels (a short string)."""
+
+    #: A batch-lane step: a :class:`StepPlan`.
+    STEP = "step"
+    #: ``BatchLane.park(ids)``, ``discard(ids)``, ``fail_all(error)``.
+    PARK = "park"
+    DISCARD = "discard"
+    FAIL_ALL = "fail_all"
+    #: A serial generation: its :class:`~trio_mlx._batch.RowSpec`.
+    SERIAL = "serial"
+    #: Whether the running serial generation takes its next token.
+    GO = "go"
+    #: A heartbeat (also: "is the group whole?" after a failed step).
+    PING = "ping"
+    #: The last command: the followers' loops end.
+    CLOSE = "close"
+
+
+@attrs.frozen
+class StepPlan:
+    """One batch-lane step command: what :meth:`BatchLane.step` admits, resumes and removes,
+    and how many decode steps the burst runs (fixed by rank 0 up front)."""
+
+    inserts: tuple[RowSpec, ...] = ()
+    resumes: tuple[int, ...] = ()
+    removes: tuple[int, ...] = ()
+    steps: int = 1
+
+    def run(self, lane: BatchLane) -> StepResult:
+        """Make this step on ``lane`` (every rank alike: no clock, no interrupt)."""
+        return BatchLane.step(
+            lane, self.inserts, self.resumes, self.removes, steps=self.steps, seconds=math.inf
+        )
 
 
 def _seconds(name: str, default: float) -> float:
@@ -299,7 +357,7 @@ class Channel:
 
             def give_up() -> None:
                 log.error("rank %d: the other ranks did not answer in %g s", self.rank, limit)
-                end_process(1)
+                _end_process(1)
 
             timer = threading.Timer(limit, give_up)
             timer.daemon = True
@@ -329,20 +387,25 @@ class Leader:
     interval: float = attrs.field(factory=lambda: min(HEARTBEAT, timeout() / 4))
     closed: bool = False
 
-    def command(self, name: str, *args: Any) -> None:
+    @property
+    def ranks(self) -> int:
+        """How many processes the model is sharded over."""
+        return int(self.channel.group.size())
+
+    def command(self, command: Command, *args: Any) -> None:
         """Broadcast a call that is about to run (the call is busy until :meth:`idle`)."""
         if self.closed:
             return
         self.busy_since = self.last_sent = time.perf_counter()
         try:
-            self.channel.send((name, args))
+            self.channel.send((command.value, args))
         except GroupLost as exc:
             self.lost(str(exc))
             raise
 
     def agree(self, go_on: bool) -> bool:
         """Tell the followers whether the running call goes on; returns ``go_on``."""
-        self.command("go", go_on)
+        self.command(Command.GO, go_on)
         return go_on
 
     def idle(self) -> None:
@@ -356,13 +419,13 @@ class Leader:
     def heartbeat(self) -> None:
         """A no-op command when nothing was sent for a while (MLX thread)."""
         if not self.closed and self.quiet():
-            self.command("ping")
+            self.command(Command.PING)
             self.idle()
 
     def close(self) -> None:
         """Send the last command: the followers' loops end."""
         if not self.closed:
-            self.command("close")
+            self.command(Command.CLOSE)
             self.closed = True
             self.idle()
 
@@ -382,6 +445,37 @@ class Leader:
             self.lost(f"a collective call has not returned in {bound:g} s")
 
         _watchdog("trio-mlx-watchdog", bound, lambda: self.busy_since, stuck, lambda: self.closed)
+
+    def attach(self, nursery: trio.Nursery, worker: Worker, actor: Actor) -> None:
+        """Join rank 0's engine: a lost group closes ``actor``; start the watchdog and heartbeat."""
+        actor.ranks = self.ranks
+        self.on_lost = partial(worker.call_soon_in_trio, actor.close_nowait)
+        self.watch()
+        nursery.start_soon(self.keep_alive, worker)
+
+    async def keep_alive(self, worker: Worker) -> None:
+        """Keep the followers hearing from an idle rank 0 (a Trio task; ends when closed)."""
+        while not self.closed:
+            await trio.sleep(self.interval / 2)
+            if self.quiet():
+                try:
+                    await worker.run(self.heartbeat)
+                except EngineClosed:  # the worker is gone; the actor closes the engine
+                    return
+
+    def run_serial(self, spec: RowSpec, run: Callable[..., T]) -> T:
+        """Run a serial generation ``run(agree=...)`` mirrored: the followers run it too,
+        and each token is agreed on (MLX thread)."""
+        self.command(Command.SERIAL, spec)
+        try:
+            return run(agree=self.agree)
+        except Exception:
+            # Followers waiting for this token's go/stop get a stop; one that
+            # failed alike ignores it.
+            self.agree(False)
+            raise
+        finally:
+            self.idle()
 
 
 def _watchdog(
@@ -410,16 +504,19 @@ def _watchdog(
 _lost_status: int | None = None
 
 
-def end_process(status: int) -> NoReturn:
-    """Flush the logs and standard streams, then end the process now (``os._exit``).
+def exit_status(status: int) -> int:
+    """The status a program that reports ``status`` exits with: ``status``, unless this
+    process gave its distributed group up; then that (non-zero) status."""
+    return status if _lost_status is None else _lost_status
 
-    It exits with ``status``, unless this process gave its distributed group
-    up: then with that (non-zero) status, whatever its program reported.
-    """
+
+def _end_process(status: int) -> NoReturn:
+    """Flush the logs and standard streams, then end the process now (``os._exit``)
+    with :func:`exit_status` of ``status``: a rank's watchdogs and lost-group exits."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(status if _lost_status is None else _lost_status)
+    os._exit(exit_status(status))
 
 
 def _exit_soon(status: int) -> None:
@@ -434,9 +531,9 @@ def _exit_soon(status: int) -> None:
 
     def later() -> None:
         time.sleep(EXIT_GRACE)
-        end_process(status)
+        _end_process(status)
 
-    atexit.register(end_process, status)
+    atexit.register(_end_process, status)
     threading.Thread(target=later, name="trio-mlx-group-lost", daemon=True).start()
 
 
@@ -445,7 +542,7 @@ class MirroredLane(BatchLane):
     """A batch lane whose every state change is broadcast first (rank 0, once ``leader`` is set).
 
     Followers hold the same class with ``leader`` None and are driven by
-    :func:`follow`. Rank 0 fixes each burst's length before it starts (see
+    :func:`trio_mlx._follower.follow`. Rank 0 fixes each burst's length before it starts (see
     the module's notes), from :attr:`step_seconds`.
     """
 
@@ -459,9 +556,9 @@ class MirroredLane(BatchLane):
             return 1
         return max(1, min(steps, int(seconds / self.step_seconds)))
 
-    def _command(self, name: str, *args: Any) -> None:
+    def _command(self, command: Command, *args: Any) -> None:
         if self.leader is not None:
-            self.leader.command(name, *args)
+            self.leader.command(command, *args)
 
     def _done(self, result: T) -> T:
         if self.leader is not None:
@@ -479,32 +576,32 @@ class MirroredLane(BatchLane):
         interrupt: Callable[[], bool] | None = None,
     ) -> StepResult:
         # ``interrupt`` is not followed: the followers could not see it.
-        args = (tuple(inserts), tuple(resumes), tuple(removes))
         if self.leader is not None:
             steps = self.burst_length(steps, seconds)
-        self._command("step", *args, steps)
+        plan = StepPlan(tuple(inserts), tuple(resumes), tuple(removes), steps)
+        self._command(Command.STEP, *attrs.astuple(plan, recurse=False))
         before = self.generator_seconds
-        result = BatchLane.step(self, *args, steps=steps, seconds=math.inf)
+        result = plan.run(self)
         if result.steps and not inserts and not resumes:  # decode steps only, no prefill
             took = (self.generator_seconds - before) / result.steps
             last = self.step_seconds
             self.step_seconds = took if last is None else 0.8 * last + 0.2 * took
         if self.leader is not None and any(event.error is not None for event in result.events):
             # A collective inside the model may have failed: check the group is whole.
-            self._command("ping")
+            self._command(Command.PING)
         return self._done(result)
 
     def discard(self, ids: Sequence[int]) -> int:
-        self._command("discard", tuple(ids))
+        self._command(Command.DISCARD, tuple(ids))
         return self._done(BatchLane.discard(self, ids))
 
     def park(self, ids: Sequence[int]) -> None:
-        self._command("park", tuple(ids))
+        self._command(Command.PARK, tuple(ids))
         BatchLane.park(self, ids)
         self._done(None)
 
     def fail_all(self, error: BaseException) -> list[RowEvent]:
-        self._command("fail_all", RuntimeError(str(error)))
+        self._command(Command.FAIL_ALL, RuntimeError(str(error)))
         return self._done(BatchLane.fail_all(self, error))
 
     def close(self) -> None:
@@ -514,93 +611,11 @@ class MirroredLane(BatchLane):
         BatchLane.close(self)
 
 
-def _follower_agree(channel: Channel) -> Callable[[bool], bool]:
-    def agree(go_on: bool) -> bool:
-        message = channel.receive()
-        if not (isinstance(message, tuple) and message and message[0] == "go"):
-            raise ProtocolError(f"expected rank 0's go/stop, got {message!r:.200}")
-        return bool(message[1][0])
-
-    return agree
-
-
-def _watch_follower(channel: Channel, bound: float) -> None:
+def watch_follower(channel: Channel, bound: float) -> None:
     """A follower that waits longer than ``bound`` for rank 0 exits with status 1."""
 
     def stuck() -> None:
         log.error("rank %d: nothing from rank 0 in %g s; exiting", channel.rank, bound)
-        end_process(1)
+        _end_process(1)
 
     _watchdog("trio-mlx-follower-watchdog", bound, lambda: channel.waiting_since, stuck)
-
-
-def _ignore_stop_signals() -> None:
-    """Ctrl-C reaches every rank of a terminal's ``mlx.launch``: a follower must
-    stay until rank 0 has finished its in-flight requests and sends ``close``
-    (or is gone, which the follower notices by itself)."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def note(signum: int, frame: Any) -> None:
-        log.info("signal %d: this rank ends when rank 0 closes the group", signum)
-
-    signal.signal(signal.SIGINT, note)
-    signal.signal(signal.SIGTERM, note)
-
-
-def follow(
-    model: str | os.PathLike[str] | None,
-    *,
-    on_ready: Callable[[], None] | None = None,
-) -> int:
-    """Run a follower rank until rank 0 closes its lane; returns an exit status.
-
-    Loads the same shard layout as rank 0 (rank 0's load settings arrive over
-    the channel first), then executes rank 0's commands in order.
-    """
-    from trio_mlx._engine import _load, _LoadSettings, _resolve_model
-    from trio_mlx._serial import run_serial
-
-    _ignore_stop_signals()
-    loaded = _load(_resolve_model(model), _LoadSettings(), distributed=True)
-    lane = loaded.lane
-    channel = Channel(loaded.group)
-    agree = _follower_agree(channel)
-    _watch_follower(channel, timeout())
-    if on_ready is not None:
-        on_ready()
-    while True:
-        try:
-            name, args = channel.receive()
-        except GroupLost:
-            log.exception("rank %d: lost rank 0", channel.rank)
-            return 1
-        try:
-            if name in ("ping", "go"):  # a heartbeat; a stop that ended a call early
-                continue
-            if name == "close":
-                BatchLane.close(lane)
-                return 0
-            if name == "step":
-                inserts, resumes, removes, steps = args
-                BatchLane.step(lane, inserts, resumes, removes, steps=steps, seconds=math.inf)
-            elif name == "serial":
-                (spec,) = args
-                run_serial(
-                    loaded.model,
-                    loaded.tokenizer,
-                    spec,
-                    cancelled=threading.Event(),
-                    emit=lambda events: None,
-                    prompt_cache=loaded.prompt_cache,
-                    agree=agree,
-                )
-            else:
-                getattr(BatchLane, name)(lane, *args)
-        except (ProtocolError, GroupLost):
-            log.exception("rank %d: out of step with rank 0", channel.rank)
-            return 1
-        except Exception:  # rank 0 saw the same error on the same command
-            log.exception("rank %d: command %s failed", channel.rank, name)

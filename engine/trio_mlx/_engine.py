@@ -17,11 +17,10 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from trio_mlx import _distributed
-from trio_mlx._actor import Actor, EngineStatistics, Phase, Request, failure
+from trio_mlx._actor import Actor
 from trio_mlx._adapters import AdapterRegistry
 from trio_mlx._arbiter import ArbiterPolicy
-from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._batch import RowSpec
 from trio_mlx._errors import (
     AdapterConflict,
     EngineClosed,
@@ -30,9 +29,10 @@ from trio_mlx._errors import (
     NotFound,
 )
 from trio_mlx._gate import choose_lane
+from trio_mlx._loading import Loaded, load, load_error, load_settings, resolve_model
 from trio_mlx._output import RowEvent
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
-from trio_mlx._prompt_cache import PromptCache
+from trio_mlx._request import EngineStatistics, Phase, Request, failure
 from trio_mlx._serial import run_serial
 from trio_mlx._structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
 from trio_mlx._worker import Worker
@@ -89,223 +89,12 @@ def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
     return chars <= _INLINE_PROMPT
 
 
-@attrs.define(eq=False)
-class _Loaded:
-    """What the worker thread built at start-up."""
-
-    model: Any
-    tokenizer: Any
-    config: dict[str, Any]
-    caches_merge: bool
-    lane: BatchLane
-    prompt_cache: PromptCache | None
-    #: The ``mx.distributed`` group the model is sharded over (None: one process).
-    group: Any = None
-    #: Rank 0's end of the distributed command stream (None: one process, or a follower).
-    leader: _distributed.Leader | None = None
-    #: The step planner's grouping (admission in groups, removal in bulk, prompt-cache
-    #: entries only for long prefixes): on a GPU the host-side cost of each admission,
-    #: removal and fetch dominates and grouping pays; on the CPU the compute dominates,
-    #: and a held arrival, a dead row or a prefilled token only wastes it.
-    grouping: bool = True
-
-
-#: Prompt tokens (padded) prefilled per decode step on a GPU (``BatchLane.prefill_budget``):
-#: a group of 16 chat arrivals of ~90 tokens fits in one pass, and a 4,000-token prompt
-#: takes three steps of at most 1,536 tokens instead of two of 2,048 (chosen, not measured).
-GPU_PREFILL_BUDGET = 1536
-#: The same on the CPU, where prefill costs its compute whatever the chunk: with the bundled
-#: model, C=4 streams and ~1,000-token prompts arriving, the streams' ITL p99 while one was
-#: prefilled was 141 ms (17.7x their median) unbounded, 67 ms (8.0x) at 512, 33 ms (4.1x)
-#: at 256; but at 256 arrivals of 155 tokens that come together are prefilled apart (4-9%
-#: more forward passes at C=16), at 512 not (+0.7%).
-CPU_PREFILL_BUDGET = 512
-
-
-def _resolve_model(model: str | os.PathLike[str] | None) -> str:
-    if model is None:
-        try:
-            from trio_mlx.default_model import default_model_path
-        except ImportError:  # pragma: no cover - the bundled model ships with the package
-            raise NotFound("no model given and trio_mlx has no bundled default model") from None
-        path = default_model_path()
-        if not (path / "config.json").is_file():
-            raise NotFound(f"no model given and the bundled default model is missing ({path})")
-        return str(path)
-    text = os.fspath(model)
-    if Path(text).exists():
-        if not (Path(text) / "config.json").is_file():
-            raise NotFound(f"{text} is not a model folder: it has no config.json", param="model")
-        return text
-    if _is_repo_id(text):
-        return text
-    raise NotFound(f"model {text!r} not found: no such folder", param="model")
-
-
-def _check_adapter(adapter_path: str | os.PathLike[str] | None) -> None:
-    """A missing adapter folder is named as the adapter, before the model loads."""
-    if adapter_path is not None and not Path(adapter_path).is_dir():
-        raise NotFound(
-            f"adapter {os.fspath(adapter_path)!r} not found: no such folder", param="adapter_path"
-        )
-
-
-def _is_repo_id(text: str) -> bool:
-    """Whether ``text`` names a Hugging Face repository (``owner/name``), not a path."""
-    return text.count("/") == 1 and not text.startswith(("/", ".", "~"))
-
-
-def _hub_reason(error: Exception) -> str:
-    """Why huggingface_hub could not fetch a model, in a few words."""
-    try:
-        from huggingface_hub import constants
-    except ImportError:  # pragma: no cover - mlx-lm depends on it
-        offline = False
-    else:
-        offline = bool(constants.HF_HUB_OFFLINE)
-    if offline:
-        return "HF_HUB_OFFLINE is set"
-    lines = str(error).strip().splitlines()
-    first = lines[0].removeprefix("Got: ").split(". ")[0] if lines else type(error).__name__
-    return first if len(first) <= 120 else first[:117] + "..."
-
-
-def _load_error(path: str, error: Exception) -> NotFound | None:
-    """The typed error for a model that could not be found or fetched (None: not one)."""
-    hub = type(error).__module__.split(".")[0] == "huggingface_hub"
-    if _is_repo_id(path) and not Path(path).exists() and (hub or isinstance(error, OSError)):
-        reason = _hub_reason(error)
-        found = NotFound(
-            f"cannot fetch model {path} from Hugging Face, and it is not in the local cache "
-            f"({reason})",
-            param="model",
-            code="model_not_downloadable",
-        )
-    elif isinstance(error, FileNotFoundError):
-        found = NotFound(f"cannot load the model at {path}: {error}", param="model")
-    else:
-        return None
-    found.__cause__ = error
-    return found
-
-
 def _mlx_memory() -> tuple[int, int, int]:
     """MLX's allocator counters (active, cache, peak bytes): plain reads, no MLX work,
     so safe off the MLX thread."""
     import mlx.core as mx
 
     return int(mx.get_active_memory()), int(mx.get_cache_memory()), int(mx.get_peak_memory())
-
-
-def _fuse_lora(model: Any) -> None:
-    from mlx.utils import tree_unflatten
-
-    fused = [(name, m.fuse()) for name, m in model.named_modules() if hasattr(m, "fuse")]
-    if fused:
-        model.update_modules(tree_unflatten(fused))
-
-
-@attrs.frozen
-class _LoadSettings:
-    """What shapes the loaded model and its lane; distributed ranks all take rank 0's."""
-
-    adapter_path: str | None = None
-    max_batch: int = 1
-    prompt_cache_bytes: int = 0
-    prefill_step_size: int = 2048
-    prefill_batch_size: int = 16
-    parallel: str = "auto"
-
-
-def _load(
-    path: str,
-    settings: _LoadSettings,
-    *,
-    distributed: bool = False,
-    chat_template: str | None = None,
-) -> _Loaded:
-    """Load, check and warm the model (on the worker thread)."""
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
-
-    lane_type: type[BatchLane] = BatchLane
-    group, channel = None, None
-    result: Any  # (model, tokenizer, config)
-    if distributed:
-        group = _distributed.group()
-        if group is None:
-            raise InvalidRequest("launched for distributed mode, but the group has one rank")
-        channel = _distributed.Channel(group)
-        # Every rank takes rank 0's settings: they shape the collectives (and a
-        # refusal below must end every rank, not leave the followers waiting).
-        settings = channel.share(settings, limit=_distributed.start_timeout())
-        if settings.adapter_path is not None:
-            raise InvalidRequest(
-                "distributed mode does not support LoRA adapters",
-                param="adapter_path",
-                code="unsupported_in_distributed_mode",
-            )
-        result = _distributed.load_shard(path, group, settings.parallel)
-        # Every rank has its shard: a barrier before the first step.
-        channel.share(None, limit=_distributed.start_timeout())
-        lane_type = _distributed.MirroredLane
-    else:
-        result = mlx_lm.load(path, adapter_path=settings.adapter_path, return_config=True)
-    model, tokenizer, config = result
-    prompt_cache_bytes = settings.prompt_cache_bytes
-    if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
-        # Pipeline stages hold different layers, so byte-capped caches would
-        # evict differently on each rank: the ranks' prompts would diverge.
-        prompt_cache_bytes = 0
-    if chat_template is not None:
-        _set_chat_template(tokenizer, chat_template)
-    if settings.adapter_path is not None:
-        _fuse_lora(model)
-    caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
-    lane = lane_type(
-        model,
-        tokenizer,
-        settings.max_batch,
-        prefill_step_size=settings.prefill_step_size,
-        prefill_batch_size=settings.prefill_batch_size,
-    )
-    warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
-    if caches_merge:
-        lane.step([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))])
-        while lane.rows:
-            lane.step()
-    else:
-        mx.eval(model(mx.array([warm]), cache=make_prompt_cache(model)))
-    prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
-    lane.prompt_cache = prompt_cache
-    leader = None
-    if channel is not None and channel.rank == 0:  # distributed: the lane is a MirroredLane
-        assert isinstance(lane, _distributed.MirroredLane)
-        leader = lane.leader = _distributed.Leader(channel)
-    grouping = mx.default_device() != mx.cpu
-    # A long prompt is prefilled a chunk per decode step: it never stalls the batch.
-    lane.prefill_budget = GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
-    if not grouping:
-        lane.removal_delay = 0  # every dead row leaves at the end of its step
-        lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
-    return _Loaded(
-        model, tokenizer, dict(config), caches_merge, lane, prompt_cache, group, leader, grouping
-    )
-
-
-def _set_chat_template(tokenizer: Any, template: str) -> None:
-    """Use ``template`` (Jinja text) for chat prompts; a template that cannot render is refused."""
-    tokenizer.chat_template = template
-    tokenizer.has_chat_template = True
-    try:
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=False
-        )
-    except Exception as exc:
-        raise InvalidRequest(
-            f"the chat template cannot render a message: {exc}", param="chat_template"
-        ) from None
 
 
 @asynccontextmanager
@@ -326,6 +115,7 @@ async def open_engine(
     grammar_timeout: float = COMPILE_TIMEOUT,
     max_unread_tokens: int | None = 1024,
     max_loras: int | None = 8,
+    _tune: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
@@ -340,7 +130,7 @@ async def open_engine(
     ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
     prompts prefilled together. ``parallel`` only matters when the process was
     started by ``mlx.launch`` as one of several ranks (see
-    :mod:`trio_mlx._distributed`): ``"tensor"`` or ``"pipeline"`` forces how
+    ``design/distributed.md``): ``"tensor"`` or ``"pipeline"`` forces how
     the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
     architecture supports it). ``chat_template`` (Jinja text) replaces the
     model's chat template, as ``mlx_lm.server --chat-template`` does.
@@ -353,6 +143,9 @@ async def open_engine(
     raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
     ``max_loras`` bounds the adapters mounted at once (a mount past it raises
     :class:`~trio_mlx.AdapterConflict`; ``None``: no bound).
+    ``_tune`` is for tests and benchmarks, not a stable API: it sets public
+    fields of the actor (burst and grouped-admission bounds, ``decision_hook``)
+    or of the batch lane (removal bounds) by name before the engine starts.
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -375,44 +168,31 @@ async def open_engine(
         raise InvalidRequest("max_loras must be >= 1", param="max_loras")
     if max_unread_tokens is not None and max_unread_tokens < 1:
         raise InvalidRequest("max_unread_tokens must be >= 1", param="max_unread_tokens")
-    path = _resolve_model(model)
-    _check_adapter(adapter_path)
-    if prefill_step_size < 1 or prefill_batch_size < 1:
-        raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
         raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
     if not (isinstance(grammar_timeout, int | float) and grammar_timeout > 0):
         raise InvalidRequest("grammar_timeout must be > 0", param="grammar_timeout")
-    if parallel not in _distributed.PARALLEL:
-        raise InvalidRequest(
-            f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
-        )
-    settings = _LoadSettings(
-        adapter_path=os.fspath(adapter_path) if adapter_path is not None else None,
+    path = resolve_model(model)
+    settings = load_settings(
+        adapter_path=adapter_path,
         max_batch=max_batch,
         prompt_cache_bytes=prompt_cache_bytes,
         prefill_step_size=prefill_step_size,
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
     )
-    load = partial(
-        _load,
-        path,
-        settings,
-        distributed=_distributed.launched(),
-        chat_template=chat_template,
-    )
+    loader = partial(load, path, settings, chat_template=chat_template)
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
     error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         try:
             engine: Engine = await nursery.start(
-                _serve, policy, Path(path).name, load, max_unread_tokens, max_loras
+                _serve, policy, Path(path).name, loader, max_unread_tokens, max_loras, _tune
             )
             engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:
-            error = _load_error(path, exc) or exc
+            error = load_error(path, exc) or exc
         else:
             try:
                 yield engine
@@ -430,9 +210,10 @@ async def open_engine(
 async def _serve(
     policy: ArbiterPolicy,
     model_id: str,
-    load: Callable[[], _Loaded],
+    load: Callable[[], Loaded],
     max_unread: int | None,
     max_loras: int | None,
+    tune: Mapping[str, Any] | None,
     *,
     task_status: trio.TaskStatus[Engine],
 ) -> None:
@@ -443,29 +224,23 @@ async def _serve(
         loaded = await worker.run(load)
         registry = AdapterRegistry(max_loras=max_loras)
         loaded.lane.adapter_stack = lambda: registry.stack
-        engine = Engine(model_id, loaded, registry)
         actor = Actor(
             policy,
             worker,
             loaded.lane,
-            serial_work=engine._serial_work,
+            serial_work=partial(_serial_work, loaded, registry),
             adapters=lambda: registry.names,
             max_unread=max_unread,
         )
-        engine._actor = actor
+        engine = Engine(model_id, loaded, registry, actor)
         if not loaded.grouping:
-            actor.admit_group = 1  # the CPU admits arrivals at once (see _Loaded.grouping)
-        if loaded.group is not None:
-            actor.ranks = int(loaded.group.size())
+            actor.admit_group = 1  # the CPU admits arrivals at once (see Loaded.grouping)
+        _apply_tuning(tune or {}, actor, loaded.lane)
         worker.on_death = actor.on_worker_death
-        leader = loaded.leader
-        if leader is not None:
-            leader.on_lost = partial(worker.call_soon_in_trio, actor.close_nowait)
-            leader.watch()
         try:
             async with trio.open_nursery() as nursery:
-                if leader is not None:
-                    nursery.start_soon(_heartbeat, worker, leader)
+                if loaded.leader is not None:  # distributed rank 0: watchdog and heartbeat
+                    loaded.leader.attach(nursery, worker, actor)
                 await actor.run(engine, task_status=task_status)
                 nursery.cancel_scope.cancel()
         finally:
@@ -477,15 +252,51 @@ async def _serve(
             await worker.stop()
 
 
-async def _heartbeat(worker: Worker, leader: _distributed.Leader) -> None:
-    """Distributed rank 0: keep the followers hearing from it while idle."""
-    while not leader.closed:
-        await trio.sleep(leader.interval / 2)
-        if leader.quiet():
-            try:
-                await worker.run(leader.heartbeat)
-            except EngineClosed:  # the worker is gone; the actor closes the engine
-                return
+def _apply_tuning(tune: Mapping[str, Any], *targets: Any) -> None:
+    """Set each public field named in ``tune`` on the first of ``targets`` that has it."""
+    for name, value in tune.items():
+        owner = next(
+            (t for t in targets if not name.startswith("_") and name in attrs.fields_dict(type(t))),
+            None,
+        )
+        if owner is None:
+            raise TypeError(f"open_engine(_tune=...): no tunable field {name!r}")
+        setattr(owner, name, value)
+
+
+def _serial_work(
+    loaded: Loaded,
+    registry: AdapterRegistry,
+    request: Request,
+    emit: Callable[[list[RowEvent]], None],
+    on_cached: Callable[[int], None],
+) -> Callable[[], Any]:
+    """The worker-side callable of a serial generation (the actor runs it as a job)."""
+    spec = request.spec
+    assert spec is not None
+
+    run = partial(
+        run_serial,
+        loaded.model,
+        loaded.tokenizer,
+        spec,
+        cancelled=request.cancel_flag,
+        emit=emit,
+        on_cached=on_cached,
+    )
+
+    def work() -> Any:
+        adapter = spec.params.adapter
+        if adapter is None:
+            return run(prompt_cache=loaded.prompt_cache)
+        with registry.use(loaded.model, adapter):
+            return run()
+
+    leader = loaded.leader
+    if leader is None:
+        return work
+    # Distributed: the followers run the same generation (no adapters there).
+    return partial(leader.run_serial, spec, partial(run, prompt_cache=loaded.prompt_cache))
 
 
 @attrs.define(eq=False)
@@ -494,9 +305,9 @@ class Engine:
 
     #: A name for the model (its directory name), e.g. for ``/v1/models``.
     model_id: str
-    _loaded: _Loaded
+    _loaded: Loaded
     _registry: AdapterRegistry
-    _actor: Actor = attrs.field(init=False)
+    _actor: Actor
     _encode_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(_TOKENIZE_THREADS)
     )
@@ -890,7 +701,7 @@ class Engine:
         )
 
     def _refuse_distributed(self, what: str, param: str | None = None) -> None:
-        if self._loaded.group is not None:
+        if self._loaded.channel is not None:
             raise InvalidRequest(
                 f"distributed mode does not support {what}",
                 param=param,
@@ -936,52 +747,6 @@ class Engine:
                 f"kv_group_size {group} does not divide the model's head size {head_dim}",
                 param="kv_group_size",
             )
-
-    def _serial_work(
-        self,
-        request: Request,
-        emit: Callable[[list[RowEvent]], None],
-        on_cached: Callable[[int], None],
-    ) -> Callable[[], Any]:
-        loaded, registry = self._loaded, self._registry
-        spec = request.spec
-        assert spec is not None
-
-        run = partial(
-            run_serial,
-            loaded.model,
-            loaded.tokenizer,
-            spec,
-            cancelled=request.cancel_flag,
-            emit=emit,
-            on_cached=on_cached,
-        )
-
-        def work() -> Any:
-            adapter = spec.params.adapter
-            if adapter is None:
-                return run(prompt_cache=loaded.prompt_cache)
-            with registry.use(loaded.model, adapter):
-                return run()
-
-        leader = loaded.leader
-        if leader is None:
-            return work
-
-        def mirrored() -> Any:
-            # The followers run the same generation; each token is agreed on.
-            leader.command("serial", spec)
-            try:
-                return run(prompt_cache=loaded.prompt_cache, agree=leader.agree)
-            except Exception:
-                # Followers waiting for this token's go/stop get a stop; one
-                # that failed alike ignores it.
-                leader.agree(False)
-                raise
-            finally:
-                leader.idle()
-
-        return mirrored
 
     async def _shutdown(self, grace_period: float) -> None:
         self._actor.begin_close()

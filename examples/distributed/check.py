@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 import trio_mlx
-from trio_mlx._distributed import follow, follower_rank
+from trio_mlx.distributed import follow, follower_rank
 
 #: Prompts as token ids: the outputs do not depend on a tokenizer's text handling.
 PROMPTS = [[1, 5, 9, 13], [2, 7], [3, 3, 3, 3, 3, 3], [11, 4, 8], [6], [10, 12, 14, 16, 18]]

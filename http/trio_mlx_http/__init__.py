@@ -11,6 +11,10 @@ own Trio program::
 
 The public names are imported on first use, so the ``trio-mlx`` command's
 ``--help`` (``trio_mlx_http._cli``) loads neither the web stack nor the engine.
+
+:func:`maybe_reexec_with_fast_blas` re-runs a program once with an optimized
+BLAS preloaded (Linux); an embedding program calls it first thing, before MLX
+is imported (``design/blas.md``).
 """
 
 from __future__ import annotations
@@ -21,15 +25,23 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trio_mlx import __version__
     from trio_mlx_http._app import create_app, shutdown_trigger
+    from trio_mlx_http._fast_blas import maybe_reexec_with_fast_blas
     from trio_mlx_http._settings import Settings
 
-__all__ = ["Settings", "__version__", "create_app", "shutdown_trigger"]
+__all__ = [
+    "Settings",
+    "__version__",
+    "create_app",
+    "maybe_reexec_with_fast_blas",
+    "shutdown_trigger",
+]
 
 #: Where each public name lives.
 _HOMES = {
     "Settings": "trio_mlx_http._settings",
     "__version__": "trio_mlx._version",
     "create_app": "trio_mlx_http._app",
+    "maybe_reexec_with_fast_blas": "trio_mlx_http._fast_blas",
     "shutdown_trigger": "trio_mlx_http._app",
 }
 

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     import trio
 
-    from trio_mlx import _distributed
+    from trio_mlx import distributed
     from trio_mlx_http import _run, _startup
 
     runner = _run.serve if args.command == "serve" else _run.generate
@@ -305,8 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # for 1 ms, a later run 3,152: within those runs' noise (design/engine.md).
     sys.setswitchinterval(SWITCH_INTERVAL)
     try:
-        if args.command == "serve" and _distributed.follower_rank() is not None:
-            status = _distributed.follow(args.model)  # a rank > 0 under mlx.launch
+        if args.command == "serve" and distributed.follower_rank() is not None:
+            status = distributed.follow(args.model)  # a rank > 0 under mlx.launch
         else:
             status = trio.run(runner, args)
     except KeyboardInterrupt:
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-def _exit_now(status: int) -> None:
+def _exit_now(status: int) -> NoReturn:
     """End a real command line without interpreter finalization.
 
     The engine's MLX thread is joined, but its C++ thread-local destructors run
@@ -328,9 +328,12 @@ def _exit_now(status: int) -> None:
     ``serve`` shutdowns). Everything is flushed first; nothing else is pending.
     A rank that gave its distributed group up exits non-zero whatever ``status``.
     """
-    from trio_mlx import _distributed
+    from trio_mlx import distributed
 
-    _distributed.end_process(status)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(distributed.exit_status(status))
 
 
 def _fast_blas(argv: Sequence[str] | None) -> None:
@@ -341,6 +344,6 @@ def _fast_blas(argv: Sequence[str] | None) -> None:
     before MLX is imported; the flag may sit before or after the command, so the scan is by hand.
     """
     if argv is None:
-        from trio_mlx import maybe_reexec_with_fast_blas
+        from trio_mlx_http._fast_blas import maybe_reexec_with_fast_blas
 
         maybe_reexec_with_fast_blas(opt_out="--no-fast-blas" in sys.argv[1:])

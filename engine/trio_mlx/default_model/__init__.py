@@ -1,10 +1,10 @@
 """The default model bundled with trio-mlx, and its demo adapters.
 
 ``pydoc-llama`` is a ~3.5M-parameter mlx-lm ``llama`` trained by
-:mod:`trio_mlx.default_model.train` on ``pydoc_data.topics`` (the Python
+``tools/train.py`` (in the repository) on ``pydoc_data.topics`` (the Python
 documentation every CPython ships), so the server produces readable text on a
 machine with no model downloads. ``adapters/shout`` is a LoRA adapter trained
-by :mod:`trio_mlx.default_model.train_adapter` that makes it write in capitals.
+by ``tools/train_adapter.py`` that makes it write in capitals.
 Both are package data: ``pip install`` carries them. See
 ``design/default-model.md`` for how they were trained and how well they do.
 """

@@ -8,7 +8,7 @@ prompt cache must hold about what it counts: before finished rows' caches were
 evaluated on store, MLX's active memory was 1.0-1.5 GB under a 36 MB count.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        python bench/engine_memory.py --cache-bytes 268435456
+        python bench/experiments/engine_memory.py --cache-bytes 268435456
     ... --cache-bytes 0   # the prompt cache off
 """
 
@@ -35,7 +35,7 @@ async def main(cache_bytes: int, requests: int, concurrency: int) -> None:
     import mlx.core as mx
 
     rng = random.Random(0)
-    readme = Path(__file__).parent.parent / "README.md"
+    readme = Path(__file__).parents[2] / "README.md"
     words = (await trio.Path(readme).read_text()).split()
     mib = 2**20
     async with trio_mlx.open_engine(None, max_batch=32, prompt_cache_bytes=cache_bytes) as engine:

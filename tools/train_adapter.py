@@ -1,4 +1,4 @@
-"""Train the "shout" LoRA adapter: ``python -m trio_mlx.default_model.train_adapter``.
+"""Train the "shout" LoRA adapter: ``python -m tools.train_adapter``.
 
 Theory of operation
 -------------------
@@ -12,7 +12,7 @@ only the upper-cased tokens.
 
 The base model is frozen and mlx-lm's ``linear_to_lora_layers`` puts LoRA on
 every linear layer of every block; the loop is the base trainer's
-(:func:`trio_mlx.default_model.train.fit`). The held-out blocks are the base
+(:func:`tools.train.fit`). The held-out blocks are the base
 model's (same seed, same split). The output directory is in mlx-lm's adapter
 format (``adapter_config.json`` + ``adapters.safetensors``), with a
 ``report.json`` (including the upper-case share of a greedy completion with
@@ -34,7 +34,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from trio_mlx.default_model.train import (
+from tools.train import (
     PROMPT,
     TrainConfig,
     add_config_options,
@@ -177,7 +177,7 @@ def train_adapter(config: AdapterConfig) -> dict[str, Any]:
         "num_layers": config.num_layers,
         "lora_parameters": lora_parameters,
         "base_model": config.model.name,
-        "trained_by": "python -m trio_mlx.default_model.train_adapter",
+        "trained_by": "python -m tools.train_adapter",
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
 
@@ -208,7 +208,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AdapterConfig:
     """Build an :class:`AdapterConfig` from the command line (every field is an option)."""
     from trio_mlx.default_model import default_adapter_path, default_model_path
 
-    parser = argparse.ArgumentParser(prog="python -m trio_mlx.default_model.train_adapter")
+    parser = argparse.ArgumentParser(prog="python -m tools.train_adapter")
     parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
     parser.add_argument("--out", type=Path, default=None, help="default: the bundled 'shout'")
     add_config_options(parser, AdapterConfig, skip=("model", "out"))

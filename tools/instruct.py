@@ -1,8 +1,8 @@
-"""Instruction-tune the bundled model: ``python -m trio_mlx.default_model.instruct``.
+"""Instruction-tune the bundled model: ``python -m tools.instruct``.
 
 Theory of operation
 -------------------
-The base model (:mod:`trio_mlx.default_model.train`) continues Python
+The base model (:mod:`tools.train`) continues Python
 documentation but does not answer: asked "What is a tuple?" it wanders. This
 step fine-tunes it, in place, on chat question/answer pairs built from the same
 ``pydoc_data.topics``: for each topic, questions in many phrasings about the
@@ -42,7 +42,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from trio_mlx.default_model.train import (
+from tools.train import (
     EOT,
     add_config_options,
     add_dropout,
@@ -372,7 +372,7 @@ def instruct(config: InstructConfig) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> InstructConfig:
     """Build an :class:`InstructConfig` from the command line (every field is an option)."""
-    parser = argparse.ArgumentParser(prog="python -m trio_mlx.default_model.instruct")
+    parser = argparse.ArgumentParser(prog="python -m tools.instruct")
     parser.add_argument("--out", type=Path, default=None, help="default: the bundled directory")
     parser.add_argument("--base", type=Path, default=None, help="copy this model to --out first")
     add_config_options(parser, InstructConfig, skip=("out",))

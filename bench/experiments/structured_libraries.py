@@ -1,7 +1,7 @@
 """Compare grammar libraries for structured output on one tokenizer (design/structured-output.md).
 
-    python bench/structured_libraries.py TOKENIZER_JSON [--libs llguidance,outlines-core]
-    python bench/structured_libraries.py TOKENIZER_JSON --train   # build it first (~2 min)
+    python bench/experiments/structured_libraries.py TOKENIZER_JSON [--libs llguidance,outlines-core]
+    python bench/experiments/structured_libraries.py TOKENIZER_JSON --train   # build it first (~2 min)
 
 ``--train`` writes a 151,646-token byte-level BPE (Qwen2.5's vocabulary size)
 trained on this Python's standard library and site-packages sources.
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.suite.schemas import FEATURES, SCHEMAS
 

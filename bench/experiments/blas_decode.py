@@ -2,7 +2,7 @@
 
 Run from the repository root (about 2-3 minutes on a 2-core machine)::
 
-    python bench/blas_decode.py            # or: --rounds 1 for a quicker, noisier run
+    python bench/experiments/blas_decode.py            # or: --rounds 1 for a quicker, noisier run
 
 It builds a random ~4M-parameter llama (``trio_mlx.testing.make_random_llama``,
 hidden 256, 4 layers, vocab 2048) once, then runs each side in its own Python

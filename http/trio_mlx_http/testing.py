@@ -1,12 +1,18 @@
-"""An in-process server (engine + Hypercorn in this Trio run), for scenarios that need the engine
-and for the HTTP tests.
+"""Test support for programs that serve trio-mlx over HTTP: a live server and an SSE parser.
 
-Fault injection goes through ``engine.run_exclusive``, so it needs the engine
-object itself; everything else in the harness talks to a subprocess.
+:func:`live_server` runs the engine and Hypercorn in the caller's Trio run, bound
+to 127.0.0.1 at a free port (urllib3's pattern: ``nursery.start`` of the server,
+port 0, the real address read back), so a test or a harness talks to a real
+server with a real client, and can still reach the :class:`~trio_mlx.Engine`
+(for fault injection through ``engine.run_exclusive``). :func:`sse_events`
+splits a complete ``text/event-stream`` body into its payloads, strictly: a
+truncated stream or a block that is not one ``data:`` line is an error.
+The project's tests and its soak harness both use this module.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +26,12 @@ from trio_mlx_http._app import create_app
 from trio_mlx_http._run import hypercorn_config, serve_http
 from trio_mlx_http._serve import ConnectionGuard, ConnectionLimits
 from trio_mlx_http._settings import Settings
+
+__all__ = ["NO_EOS", "LiveServer", "live_server", "sse_events"]
+
+#: A ``logit_bias`` that keeps the bundled model (and ``trio_mlx.testing``'s fixture
+#: model) from ending early: its EOS ids 0 and 2 banned.
+NO_EOS: dict[str, int] = {"0": -100, "2": -100}
 
 
 @attrs.frozen
@@ -45,9 +57,11 @@ async def live_server(
     wrap_asgi: Callable[[Any], Any] | None = None,
     **engine_options: Any,
 ) -> AsyncIterator[LiveServer]:
-    """Serve ``model`` on 127.0.0.1 at a free port for the block's duration.
+    """Serve ``model`` (``None``: the bundled one) on 127.0.0.1 at a free port for the block.
 
-    ``wrap_asgi`` (the tests' response checker) wraps the app's ASGI callable.
+    ``engine_options`` go to :func:`trio_mlx.open_engine`; ``wrap_asgi`` wraps the
+    app's ASGI callable (e.g. a checker of every response). Leaving the block
+    stops the server (``graceful_timeout`` for in-flight requests), then the engine.
     """
     async with trio_mlx.open_engine(model, **engine_options) as engine:
         app = create_app(engine, settings or Settings())
@@ -69,3 +83,20 @@ async def live_server(
                 yield LiveServer(binds[0], engine, shutdown, stopped, guard)
             finally:
                 shutdown.set()
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """Split a complete SSE body into its ``data:`` payloads (``"[DONE]"`` kept as text).
+
+    Raises:
+        ValueError: the body is truncated, or a block is not exactly one ``data:`` line.
+    """
+    if not raw.endswith(b"\n\n"):
+        raise ValueError(f"truncated stream: {raw[-80:]!r}")
+    events: list[Any] = []
+    for block in raw[:-2].split(b"\n\n"):
+        if not block.startswith(b"data: ") or b"\n" in block:
+            raise ValueError(f"not one data line: {block[:80]!r}")
+        data = block[len(b"data: ") :]
+        events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events

@@ -1,6 +1,6 @@
 """Per-step cost of structured output's grammar masks at a large vocabulary (CPU or GPU).
 
-    python bench/structured_mask.py MODEL_DIR [--batches 8,32] [--steps 48]
+    python bench/experiments/structured_mask.py MODEL_DIR [--batches 8,32] [--steps 48]
 
 Times what one decode step spends on the masks of B constrained rows (the 20
 schemas of ``bench/suite/schemas.py``, wrapped so no value ends), on fixed random
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 class MainProcessor:

@@ -6,7 +6,7 @@ A sharded llama step runs two all_sums per layer (attention out, MLP down) on
 one all_sum evaluated alone (a host round trip), and ``--chain`` all_sums in one
 graph (what a 32-layer step queues: 64), per collective.
 
-    mlx.launch -n 2 --backend nccl --python python3 -- bench/allsum_latency.py
+    mlx.launch -n 2 --backend nccl --python python3 -- bench/experiments/allsum_latency.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Train the bundled default model: ``python -m trio_mlx.default_model.train``.
+"""Train the bundled default model: ``python -m tools.train``.
 
 Theory of operation
 -------------------
@@ -497,7 +497,7 @@ def _default_out() -> Path:
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """Build a :class:`TrainConfig` from the command line (every field is an option)."""
-    parser = argparse.ArgumentParser(prog="python -m trio_mlx.default_model.train")
+    parser = argparse.ArgumentParser(prog="python -m tools.train")
     parser.add_argument("--out", type=Path, default=None, help="default: the bundled directory")
     add_config_options(parser, TrainConfig, skip=("out",))
     args = vars(parser.parse_args(argv))
