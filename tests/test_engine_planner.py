@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trio_mlx
+import trio_mlx.testing
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import SamplingParams
 from trio_mlx._batch import BatchLane, RowSpec
@@ -91,7 +92,7 @@ async def _check_schedule(model: Path, ops: list[tuple[Any, ...]], budget: int |
                     nursery.start_soon(run, i, *op)
             await wait_until(lambda: engine.statistics().batch_rows == 0)
         stats = engine.statistics()
-        dead = engine._loaded.lane.dead_rows
+        dead = trio_mlx.testing.dead_rows(engine)
     for i, (prompt, size, _cancel, _delay) in enumerate(ops):
         if prompt < 0:
             continue

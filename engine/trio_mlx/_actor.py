@@ -72,8 +72,9 @@ from trio_mlx._errors import (
     EngineOverloaded,
     ReaderStalled,
 )
+from trio_mlx._gate import LaneName
 from trio_mlx._output import RowEvent
-from trio_mlx._request import LANES, OUTCOMES, EngineStatistics, Phase, Request
+from trio_mlx._request import Ending, EngineStatistics, Phase, Request
 from trio_mlx._worker import Worker
 
 __all__ = ["Actor"]
@@ -162,12 +163,12 @@ class Actor:
     def submit_nowait(self, request: Request) -> None:
         """Put a request in the inbox, or raise EngineOverloaded / EngineClosed at once."""
         if self.closed:
-            self._counts[f"{request.lane}:rejected"] += 1
+            self._counts[f"{request.lane}:{Ending.REJECTED}"] += 1
             raise EngineClosed("the engine is closed")
         try:
             self._inbox_send.send_nowait(request)
         except trio.WouldBlock:
-            self._counts[f"{request.lane}:rejected"] += 1
+            self._counts[f"{request.lane}:{Ending.REJECTED}"] += 1
             raise EngineOverloaded("the engine's inbox is full", retry_after=1.0) from None
         request.submitted = trio.current_time()
         self._requests[request.id] = request
@@ -197,7 +198,7 @@ class Actor:
 
     def _accept(self, request: Request) -> None:
         now = trio.current_time()
-        if request.lane == "batch":
+        if request.lane is LaneName.BATCH:
             rejection = self._arbiter.submit_row(request.id, now)
         else:
             rejection = self._arbiter.submit_job(request.id, now)
@@ -207,12 +208,12 @@ class Actor:
                 self._tokens["prompt"] += len(request.spec.prompt)
         elif rejection is Rejection.CLOSED:
             request.rejection = EngineClosed("the engine is closed")
-            self._end(request, "rejected")
+            self._end(request, Ending.REJECTED)
         else:
             request.rejection = EngineOverloaded(
                 f"the engine's queue is full ({self.policy.max_queue} waiting)", retry_after=1.0
             )
-            self._end(request, "rejected")
+            self._end(request, Ending.REJECTED)
         request.accepted.set()
 
     def cancel_nowait(self, request: Request) -> None:
@@ -225,8 +226,8 @@ class Actor:
         request.cancel_flag.set()
         if request.phase is Phase.INBOX:
             # Never reached the arbiter; the actor skips it in the inbox.
-            self._end(request, "cancelled")
-        elif request.lane == "batch":
+            self._end(request, Ending.CANCELLED)
+        elif request.lane is LaneName.BATCH:
             if request.phase is Phase.RUNNING:
                 self._arbiter.row_ended(request.id, Outcome.CANCELLED, now)
                 self._forget_pending(request)
@@ -234,17 +235,17 @@ class Actor:
                 self._arbiter.cancel_row(request.id, now)
                 if request.inserted:
                     self._removes.append(request.id)
-            self._end(request, "cancelled")
+            self._end(request, Ending.CANCELLED)
         elif request.phase is Phase.PENDING:
             self._arbiter.cancel_job(request.id, now)
-            self._end(request, "cancelled")
+            self._end(request, Ending.CANCELLED)
         # A running job sees cancel_flag (a serial generation stops within a token).
         self._ring()
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot: arbiter state, counters, worker liveness."""
         arb = self._arbiter.statistics()
-        requests = {f"{lane}:{o}": self._counts[f"{lane}:{o}"] for lane in LANES for o in OUTCOMES}
+        requests = {f"{lane}:{o}": self._counts[f"{lane}:{o}"] for lane in LaneName for o in Ending}
         return EngineStatistics(
             state=arb.state.name,
             running_rows=arb.running_rows,
@@ -297,7 +298,7 @@ class Actor:
             request.rejection = error
         request.result = outcome.Error(error)
         request.outbox.put(RowEvent(request.id, error=error))
-        self._end(request, "closed")
+        self._end(request, Ending.CLOSED)
 
     def begin_close(self) -> None:
         """Refuse new submissions; in-flight work carries on."""
@@ -439,7 +440,7 @@ class Actor:
         through the Trio thread per arrival. A job, the arrival that completes
         a group, and any arrival once the oldest held one is due end it.
         """
-        if request.lane != "batch" or not self._lane_live or self.admit_group <= 1:
+        if request.lane is not LaneName.BATCH or not self._lane_live or self.admit_group <= 1:
             return True
         if self._arbiter.state is not State.ADMITTING or self._arbiter.jobs_waiting:
             return True
@@ -509,7 +510,7 @@ class Actor:
             events = [
                 RowEvent(r.id, error=error)
                 for r in self._requests.values()
-                if r.lane == "batch" and r.phase is Phase.RUNNING
+                if r.lane is LaneName.BATCH and r.phase is Phase.RUNNING
             ]
             self._removes.extend(event.id for event in events)
             self._lane_live = 0
@@ -544,10 +545,10 @@ class Actor:
         self._deliver(request, event, now)
         if event.error is not None:
             self._arbiter.row_ended(request.id, Outcome.FAILED, now)
-            self._end(request, "failed")
+            self._end(request, Ending.FAILED)
         elif event.finish_reason is not None:
             self._arbiter.row_ended(request.id, Outcome.FINISHED, now)
-            self._end(request, "finished")
+            self._end(request, Ending.FINISHED)
         else:
             self._check_unread(request, now)
 
@@ -608,14 +609,14 @@ class Actor:
                     self._arbiter.cancel_row(row_id, now)
                     self._removes.append(row_id)
                     self._deliver(request, RowEvent(row_id, error=exc), now)
-                    self._end(request, "failed")
+                    self._end(request, Ending.FAILED)
 
     def _start(self, nursery: trio.Nursery, request: Request) -> None:
         request.phase = Phase.RUNNING
         nursery.start_soon(self._run_job, request)
 
     async def _run_job(self, request: Request) -> None:
-        if request.lane == "serial":
+        if request.lane is LaneName.SERIAL:
             emit = partial(self.worker.call_soon_in_trio, self._route_serial)
             cached = partial(self.worker.call_soon_in_trio, self._cached, request)
             work = self.serial_work(request, emit, cached)
@@ -633,18 +634,18 @@ class Actor:
         now = trio.current_time()
         request.result = result
         if isinstance(result, outcome.Error):
-            if request.lane == "serial":
+            if request.lane is LaneName.SERIAL:
                 self._deliver(request, RowEvent(request.id, error=result.error), now)
             self._arbiter.job_ended(request.id, Outcome.FAILED, now)
-            self._end(request, "failed")
+            self._end(request, Ending.FAILED)
         elif request.cancel_flag.is_set():
             self._arbiter.job_ended(request.id, Outcome.CANCELLED, now)
-            self._end(request, "cancelled")
+            self._end(request, Ending.CANCELLED)
         else:
             if request.final is not None:
                 self._deliver(request, request.final, now)
             self._arbiter.job_ended(request.id, Outcome.FINISHED, now)
-            self._end(request, "finished")
+            self._end(request, Ending.FINISHED)
         self._ring()
 
     def _route_serial(self, events: list[RowEvent]) -> None:
@@ -674,7 +675,7 @@ class Actor:
                 self._resumes.remove(request.id)
             self._removes.append(request.id)
 
-    def _end(self, request: Request, how: str) -> None:
+    def _end(self, request: Request, how: Ending) -> None:
         if request.phase is Phase.DONE:
             return
         request.phase = Phase.DONE

@@ -28,7 +28,7 @@ from trio_mlx._errors import (
     InvalidRequest,
     NotFound,
 )
-from trio_mlx._gate import choose_lane
+from trio_mlx._gate import LaneName, choose_lane
 from trio_mlx._loading import Loaded, load, load_error, load_settings, resolve_model
 from trio_mlx._output import RowEvent
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
@@ -603,7 +603,7 @@ class Engine:
 
     async def _job(self, work: Callable[[], T]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
-        request = Request(self._actor.new_id(), "job", work=work)
+        request = Request(self._actor.new_id(), LaneName.JOB, work=work)
         await self._actor.submit(request)
         try:
             await request.done.wait()
@@ -648,7 +648,7 @@ class Engine:
         request_id = self._actor.new_id()
         request = Request(
             request_id,
-            "batch" if lane.batch else "serial",
+            lane.name,
             spec=RowSpec(request_id, tuple(tokens), params, constraint),
         )
         await self._actor.submit(request)
@@ -781,7 +781,7 @@ class GenerationStream:
         """``"batch"`` or ``"serial"``: where the request runs."""
         if self._request is None:
             raise RuntimeError("enter the stream with 'async with' first")
-        return self._request.lane
+        return self._request.lane.value
 
     @property
     def max_tokens(self) -> int:
@@ -892,7 +892,7 @@ class GenerationStream:
             prompt_tokens=len(request.spec.prompt),
             completion_tokens=request.generated,
             cached_tokens=request.cached_tokens,
-            lane=request.lane,
+            lane=request.lane.value,
             time_to_first_token=None if first is None else first - request.submitted,
             duration=end - request.submitted,
             max_tokens=request.spec.params.max_tokens,

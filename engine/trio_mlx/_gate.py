@@ -2,27 +2,38 @@
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 from trio_mlx._params import SamplingParams
 
-__all__ = ["Lane", "choose_lane"]
+__all__ = ["Lane", "LaneName", "choose_lane"]
+
+
+class LaneName(enum.StrEnum):
+    """Where a request runs; the value is the ``/metrics`` label and statistics key part."""
+
+    BATCH = "batch"
+    SERIAL = "serial"
+    #: An exclusive job (mount, unmount): not a generation, never chosen by the gate.
+    JOB = "job"
 
 
 @attrs.frozen
 class Lane:
-    """A lane decision: ``"batch"`` or ``"serial"``, and why a request cannot batch."""
+    """A lane decision: batch or serial, and why a request cannot batch."""
 
-    name: str
+    name: LaneName
     reason: str | None = None
 
     @property
     def batch(self) -> bool:
         """Whether the request joins the continuous batch."""
-        return self.name == "batch"
+        return self.name is LaneName.BATCH
 
 
-BATCH = Lane("batch")
+BATCH = Lane(LaneName.BATCH)
 
 
 def choose_lane(
@@ -40,13 +51,13 @@ def choose_lane(
     batch stacks, see :mod:`trio_mlx._multilora`).
     """
     if max_batch <= 1:
-        return Lane("serial", "max_batch=1")
+        return Lane(LaneName.SERIAL, "max_batch=1")
     if not caches_merge:
-        return Lane("serial", "the model's caches cannot merge into a batch")
+        return Lane(LaneName.SERIAL, "the model's caches cannot merge into a batch")
     if params.seed is not None:
-        return Lane("serial", "seed")
+        return Lane(LaneName.SERIAL, "seed")
     if params.kv_bits is not None:
-        return Lane("serial", "kv_bits")
+        return Lane(LaneName.SERIAL, "kv_bits")
     if params.adapter is not None and adapter_reason is not None:
-        return Lane("serial", f"adapter: {adapter_reason}")
+        return Lane(LaneName.SERIAL, f"adapter: {adapter_reason}")
     return BATCH

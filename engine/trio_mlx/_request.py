@@ -23,12 +23,20 @@ import trio
 from trio_mlx._arbiter import ArbiterStatistics
 from trio_mlx._batch import RowSpec
 from trio_mlx._errors import GenerationFailed, TrioMLXError
+from trio_mlx._gate import LaneName
 from trio_mlx._output import RowEvent
 
-__all__ = ["LANES", "OUTCOMES", "EngineStatistics", "Outbox", "Phase", "Request", "failure"]
+__all__ = ["Ending", "EngineStatistics", "Outbox", "Phase", "Request", "failure"]
 
-LANES = ("batch", "serial", "job")
-OUTCOMES = ("finished", "cancelled", "failed", "rejected", "closed")
+
+class Ending(enum.StrEnum):
+    """How a request ended; the value is the second part of a ``"lane:ending"`` key."""
+
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    REJECTED = "rejected"
+    CLOSED = "closed"
 
 
 class Phase(enum.Enum):
@@ -89,7 +97,7 @@ class Request:
     """One submitted item: a batch row, a serial generation or an exclusive job."""
 
     id: int
-    lane: str
+    lane: LaneName
     spec: RowSpec | None = None
     work: Callable[[], Any] | None = None
     outbox: Outbox = attrs.field(factory=Outbox)

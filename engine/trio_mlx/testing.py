@@ -1,5 +1,6 @@
 """Builders for small model directories that ``mlx_lm.load`` loads like any
-mlx-community model: for tests, benchmarks and the default-model trainer.
+mlx-community model: for tests, benchmarks and the default-model trainer; and
+:func:`dead_rows`, the one look inside a running engine that tests need.
 
 Everything here is seeded and deterministic. The tokenizer is a byte-level BPE
 trained with the ``tokenizers`` library (a dependency of mlx-lm through
@@ -11,12 +12,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trio_mlx import Engine
 
 __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "corpus_text",
+    "dead_rows",
     "make_random_llama",
     "train_tokenizer",
     "write_tokenizer",
@@ -32,6 +37,15 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def dead_rows(engine: Engine) -> int:
+    """Finished or cancelled rows whose KV slots the engine's batch lane still holds.
+
+    Read on the caller's thread: call it only when no step is in flight (the
+    engine idle, ``statistics().batch_rows == 0``), as the planner tests do.
+    """
+    return engine._loaded.lane.dead_rows
 
 
 def corpus_text() -> str:
