@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from engine_helpers import make_adapter
 from http_helpers import NO_EOS, LiveServer, live_server, sse_events
@@ -337,6 +338,40 @@ async def test_mounting_past_max_loras_is_409_and_metrics_count_adapter_requests
         assert (await http.post("/v1/completions", json=body)).status_code == 200
         metrics = (await http.get("/metrics")).text
     assert 'trio_mlx_adapter_requests_total{adapter="one",lane="batch"} 1.0' in metrics
+
+
+async def test_metrics_gauge_adapter_rows_while_a_streaming_row_runs_and_after(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    adapters = tmp_path / "adapters"
+    make_adapter(tiny_model_path, adapters / "shout")
+    settings = Settings(adapter_dir=adapters)
+    series = 'trio_mlx_adapter_rows{adapter="shout",lane="batch"}'
+    async with (
+        live_server(tiny_model_path, settings) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        mounted = await http.post("/v1/adapters", json={"name": "shout", "path": "shout"})
+        assert mounted.status_code == 201, mounted.text
+        body = {"model": "shout", "prompt": "Hello", "max_tokens": 64, "stream": True,
+                "logit_bias": NO_EOS}  # fmt: skip
+        async with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    break  # the row decodes under the adapter
+            during = (await http.get("/metrics")).text
+            rest = [line async for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        after = ""
+        for _ in range(100):  # the engine ends the row as the stream closes
+            after = (await http.get("/metrics")).text
+            if series not in after:
+                break
+            await trio.sleep(0.05)
+    assert f"{series} 1.0" in during
+    assert series not in after
+    assert 'trio_mlx_adapter_requests_total{adapter="shout",lane="batch"} 1.0' in after
 
 
 async def test_unmounting_an_adapter_that_a_streaming_row_uses_is_409_and_changes_nothing(
