@@ -17,6 +17,7 @@ import httpx
 import pytest
 import trio
 
+import trio_mlx
 from engine_helpers import make_adapter
 from http_helpers import NO_EOS, LiveServer, live_server, sse_events
 from trio_mlx_http._settings import Settings
@@ -340,15 +341,13 @@ async def test_mounting_past_max_loras_is_409_and_metrics_count_adapter_requests
     assert 'trio_mlx_adapter_requests_total{adapter="one",lane="batch"} 1.0' in metrics
 
 
-async def test_metrics_gauge_adapter_rows_while_a_streaming_row_runs_and_after(
-    tiny_model_path: Path, tmp_path: Path
-) -> None:
-    adapters = tmp_path / "adapters"
-    make_adapter(tiny_model_path, adapters / "shout")
-    settings = Settings(adapter_dir=adapters)
+async def test_metrics_gauge_adapter_rows_while_a_streaming_row_runs_and_after() -> None:
+    # The bundled model and its bundled shout adapter (a plain LoRA: the batch lane).
+    shout = trio_mlx.default_adapter_path("shout")
+    settings = Settings(adapter_dir=shout.parent)
     series = 'trio_mlx_adapter_rows{adapter="shout",lane="batch"}'
     async with (
-        live_server(tiny_model_path, settings) as server,
+        live_server(trio_mlx.default_model_path(), settings) as server,
         httpx.AsyncClient(base_url=server.url, timeout=30) as http,
     ):
         mounted = await http.post("/v1/adapters", json={"name": "shout", "path": "shout"})
