@@ -106,6 +106,7 @@ async def test_eight_rows_over_three_adapters_and_the_base_equal_each_run_alone(
     assert stats.requests["batch:finished"] == len(PROMPTS)
     assert stats.drains == before.drains
     assert dict(stats.adapter_requests) == {"batch:shout": 2, "batch:wide": 2, "batch:deep": 2}
+    assert dict(stats.adapter_rows) == {}  # all ended: the live gauge is empty
 
 
 async def test_mount_and_unmount_while_rows_decode(
@@ -129,6 +130,7 @@ async def test_mount_and_unmount_while_rows_decode(
             with pytest.raises(AdapterConflict, match="in use") as caught:
                 await engine.unmount_adapter("shout")
             assert caught.value.code == "adapter_in_use"
+            assert dict(engine.statistics().adapter_rows) == {"batch:shout": 1}
             await engine.unmount_adapter("deep")  # unused: goes while the row decodes
             await engine.mount_adapter("wide", adapters["wide"])
             assert not finished  # both jobs ran while the row was still decoding

@@ -15,7 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
+import trio_mlx
 from engine_helpers import make_adapter
 from http_helpers import NO_EOS, LiveServer, live_server, sse_events
 from trio_mlx_http._settings import Settings
@@ -337,6 +339,38 @@ async def test_mounting_past_max_loras_is_409_and_metrics_count_adapter_requests
         assert (await http.post("/v1/completions", json=body)).status_code == 200
         metrics = (await http.get("/metrics")).text
     assert 'trio_mlx_adapter_requests_total{adapter="one",lane="batch"} 1.0' in metrics
+
+
+async def test_metrics_gauge_adapter_rows_while_a_streaming_row_runs_and_after() -> None:
+    # The bundled model and its bundled shout adapter (a plain LoRA: the batch lane).
+    shout = trio_mlx.default_adapter_path("shout")
+    settings = Settings(adapter_dir=shout.parent)
+    series = 'trio_mlx_adapter_rows{adapter="shout",lane="batch"}'
+    async with (
+        live_server(trio_mlx.default_model_path(), settings) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        mounted = await http.post("/v1/adapters", json={"name": "shout", "path": "shout"})
+        assert mounted.status_code == 201, mounted.text
+        body = {"model": "shout", "prompt": "Hello", "max_tokens": 64, "stream": True,
+                "logit_bias": NO_EOS}  # fmt: skip
+        async with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    break  # the row decodes under the adapter
+            during = (await http.get("/metrics")).text
+            rest = [line async for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        after = ""
+        for _ in range(100):  # the engine ends the row as the stream closes
+            after = (await http.get("/metrics")).text
+            if series not in after:
+                break
+            await trio.sleep(0.05)
+    assert f"{series} 1.0" in during
+    assert series not in after
+    assert 'trio_mlx_adapter_requests_total{adapter="shout",lane="batch"} 1.0' in after
 
 
 async def test_unmounting_an_adapter_that_a_streaming_row_uses_is_409_and_changes_nothing(

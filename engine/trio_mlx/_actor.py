@@ -268,7 +268,16 @@ class Actor:
             ranks=self.ranks,
             admissions=self._admissions,
             adapter_requests=MappingProxyType(dict(self._adapter_counts)),
+            adapter_rows=MappingProxyType(dict(self._live_adapter_rows())),
         )
+
+    def _live_adapter_rows(self) -> Counter[str]:
+        """Requests not yet ended that named an adapter, by ``"lane:adapter"``."""
+        live: Counter[str] = Counter()
+        for request in self._requests.values():
+            if request.spec is not None and request.spec.params.adapter is not None:
+                live[f"{request.lane}:{request.spec.params.adapter}"] += 1
+        return live
 
     async def wait_idle(self) -> None:
         """Wait until no request is pending."""

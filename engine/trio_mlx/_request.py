@@ -160,6 +160,9 @@ class EngineStatistics:
     prompt_cache_bytes: int = 0
     #: Ended requests that named an adapter, by ``"lane:adapter"`` (lanes batch, serial).
     adapter_requests: Mapping[str, int] = attrs.field(factory=dict)
+    #: Live requests that named an adapter, by ``"lane:adapter"``: every one not yet
+    #: ended, whether queued, decoding or parked (a gauge; absent keys are 0).
+    adapter_rows: Mapping[str, int] = attrs.field(factory=dict)
 
 
 def failure(error: BaseException) -> BaseException:

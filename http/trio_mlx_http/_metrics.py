@@ -95,6 +95,15 @@ class _EngineCollector:
             "adapter",
             stats.adapter_requests,
         )
+        rows = GaugeMetricFamily(
+            "trio_mlx_adapter_rows",
+            "Requests naming an adapter not yet ended (queued, decoding or parked), by lane.",
+            labels=["lane", "adapter"],
+        )
+        for key, count in sorted(stats.adapter_rows.items()):
+            lane, _, adapter = key.partition(":")
+            rows.add_metric([lane, adapter], count)
+        yield rows
         # One series per state, 1 for the current one (Prometheus' "state set" idiom).
         state = GaugeMetricFamily(
             "trio_mlx_arbiter_state", "1 for the arbiter's current state.", labels=["state"]
