@@ -341,6 +341,14 @@ async def test_mounting_past_max_loras_is_409_and_metrics_count_adapter_requests
     assert 'trio_mlx_adapter_requests_total{adapter="one",lane="batch"} 1.0' in metrics
 
 
+async def _first_data_event(lines: AsyncIterator[str]) -> str:
+    """Read an SSE stream's lines up to its first data event, and return that line."""
+    async for line in lines:
+        if line.startswith("data: "):
+            return line
+    raise AssertionError("the stream ended before its first data event")
+
+
 async def test_metrics_gauge_adapter_rows_while_a_streaming_row_runs_and_after() -> None:
     # The bundled model and its bundled shout adapter (a plain LoRA: the batch lane).
     shout = trio_mlx.default_adapter_path("shout")
@@ -356,9 +364,7 @@ async def test_metrics_gauge_adapter_rows_while_a_streaming_row_runs_and_after()
                 "logit_bias": NO_EOS}  # fmt: skip
         async with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.aiter_lines()
-            async for line in lines:
-                if line.startswith("data: "):
-                    break  # the row decodes under the adapter
+            await _first_data_event(lines)  # the row decodes under the adapter
             during = (await http.get("/metrics")).text
             rest = [line async for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
@@ -390,9 +396,7 @@ async def test_unmounting_an_adapter_that_a_streaming_row_uses_is_409_and_change
                 "logit_bias": NO_EOS}  # fmt: skip
         async with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.aiter_lines()
-            async for line in lines:
-                if line.startswith("data: "):
-                    break  # the row decodes under the adapter
+            await _first_data_event(lines)  # the row decodes under the adapter
             refused = await http.delete("/v1/adapters/one")
             error = _expect_error(refused, 409, "name")
             assert error["code"] == "adapter_in_use"
