@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.suite import loadgen, models, servers
@@ -61,7 +62,9 @@ def main() -> None:
                 )  # fmt: skip
             before = server.cpu_seconds()
             threads_before = thread_cpu(server.process.pid)
+            started = time.monotonic()
             records = loadgen.run_clients([spec])[0]["records"]
+            wall = time.monotonic() - started
             cpu = server.cpu_seconds() - before
             threads = thread_cpu(server.process.pid)
             if spy is not None:
@@ -71,7 +74,8 @@ def main() -> None:
             errors = sum(1 for r in records if r.get("error"))
             print(
                 f"streams={args.streams} tokens={tokens} errors={errors} cpu_s={cpu:.2f} "
-                f"cpu_us_per_token={1e6 * cpu / max(tokens, 1):.0f}",
+                f"cpu_us_per_token={1e6 * cpu / max(tokens, 1):.0f} wall_s={wall:.2f} "
+                f"tok_s={tokens / wall:.0f}",
                 flush=True,
             )
             for name in sorted(threads, key=lambda n: -threads[n]):
