@@ -66,7 +66,7 @@ from trio_mlx._arbiter import (
     Step,
     Wait,
 )
-from trio_mlx._batch import BatchLane, RowSpec, StepResult
+from trio_mlx._batch import BatchLane, RowSpec, StepPlan, StepResult
 from trio_mlx._errors import (
     EngineClosed,
     EngineOverloaded,
@@ -481,10 +481,7 @@ class Actor:
         self._news.clear()
         call = partial(
             self.lane.step,
-            inserts,
-            resumes,
-            removes,
-            steps=steps,
+            StepPlan(inserts, resumes, removes, steps),
             seconds=self.burst_seconds,
             interrupt=self._news.is_set,
         )
