@@ -282,13 +282,18 @@ class _RowModel:
 
 
 class _Guarded:
-    """A processor that records its row's failure instead of failing the whole batch."""
+    """A processor that records its row's failure instead of failing the whole batch.
 
-    __slots__ = ("processor", "row")
+    A failed row is also appended to ``failed`` (the lane's), so the lane looks
+    for failed rows only after a step in which one failed.
+    """
 
-    def __init__(self, row: _Row, processor: Callable[[Any, Any], Any]) -> None:
+    __slots__ = ("failed", "processor", "row")
+
+    def __init__(self, row: _Row, processor: Callable[[Any, Any], Any], failed: list[_Row]) -> None:
         self.row = row
         self.processor = processor
+        self.failed = failed
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         if self.row.error is not None:
@@ -297,11 +302,8 @@ class _Guarded:
             return self.processor(tokens, logits)
         except Exception as exc:
             self.row.error = exc
+            self.failed.append(self.row)
             return logits
-
-
-def _guard(row: _Row, processor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    return _Guarded(row, processor)
 
 
 _GENERATION_CLASS: Any = None
@@ -327,16 +329,32 @@ def _generation_class() -> Any:
     fresh row's grammar processor runs alone on that step (it has not seen
     the prompt yet), as on mlx-lm's own first step. Arrivals into an empty
     batch take mlx-lm's first step at once (there is no pass to share).
+
+    *Less host work per step* (every MLX op and every Python object per row
+    is paid on the worker thread each step; see design/performance.md). The
+    step is mlx-lm's ``GenerationBatch._step`` except that the log-probability
+    vectors are split into one array per row only while a row in the batch
+    asked for logprobs (``logprob_uids``); otherwise every row's entry is the
+    whole batch's array, which nobody reads. The grammar rows are looked for
+    only while a constrained row is in the batch (``grammar_uids``). ``next``
+    returns ``(uid, token, logprobs)`` tuples and skips mlx-lm's per-row
+    ``max_tokens`` and stop-sequence checks: the lane gives it neither (it
+    finishes rows itself), so no row ever finishes in here.
     """
     global _GENERATION_CLASS
     if _GENERATION_CLASS is not None:
         return _GENERATION_CLASS
+    import mlx.core as mx
     from mlx_lm.generate import GenerationBatch
 
     class _Generation(GenerationBatch):
         grammar: GrammarBatch | None = None
         #: Uids whose next emitted token is their prompt's last one (see above).
         fresh: set[int]
+        #: Uids of rows that asked for logprobs (a superset of those in the batch).
+        logprob_uids: set[int]
+        #: Uids of constrained rows (a superset of those in the batch).
+        grammar_uids: set[int]
 
         def extend(self, batch: Any) -> None:
             if getattr(batch, "unstepped", False):
@@ -351,7 +369,7 @@ def _generation_class() -> Any:
         def _step(self) -> Any:
             grammar = self.grammar
             rows: list[tuple[int, GrammarProcessor]] = []
-            if grammar is not None and self._next_tokens is not None:
+            if grammar is not None and self.grammar_uids and self._next_tokens is not None:
                 fresh = self.fresh
                 for e, processors in enumerate(self.logits_processors or ()):
                     if fresh and self.uids[e] in fresh:
@@ -364,13 +382,64 @@ def _generation_class() -> Any:
                         ):
                             rows.append((e, p.processor))
             if not rows:
-                return super()._step()
+                return self._forward()
             assert grammar is not None
             grammar.begin(self._next_tokens, rows)
             try:
-                return super()._step()
+                return self._forward()
             finally:
                 grammar.end()
+
+        def _forward(self) -> tuple[list[int], list[Any]]:
+            # mlx-lm's GenerationBatch._step (0.32), but for the logprobs (see above).
+            b: Any = self  # mlx-lm's attributes are untyped
+            b._current_tokens = b._next_tokens
+            b._current_logprobs = b._next_logprobs
+            inputs = b._current_tokens
+            logits = b.model(inputs[:, None], cache=b.prompt_cache)
+            logits = logits[:, -1, :]
+            token_context = []
+            if any(b.logits_processors):
+                processed = []
+                for e in range(len(b.uids)):
+                    sample_logits = logits[e : e + 1]
+                    processors = b.logits_processors[e] or ()
+                    if processors:
+                        context = b._token_context[e].update_and_fetch(inputs[e : e + 1])
+                        token_context.append(context)
+                        for processor in processors:
+                            sample_logits = processor(context, sample_logits)
+                    processed.append(sample_logits)
+                logits = mx.concatenate(processed, axis=0)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            samplers = [
+                b.fallback_sampler if s is None else s for s in (b.samplers or [None] * len(b.uids))
+            ]
+            if not samplers or all(s is samplers[0] for s in samplers):
+                sampled = (samplers[0] if samplers else b.fallback_sampler)(logprobs)
+            else:
+                sampled = mx.concatenate(
+                    [s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0
+                )
+            b._next_tokens = sampled
+            if b.logprob_uids:
+                b._next_logprobs = list(logprobs)
+                mx.async_eval(b._next_tokens, b._next_logprobs, token_context)  # type: ignore[no-untyped-call]
+            else:
+                b._next_logprobs = [logprobs] * len(b.uids)
+                mx.async_eval(b._next_tokens, logprobs, token_context)  # type: ignore[no-untyped-call]
+            # The tokens of this step's input; then self.tokens holds what the KV cache holds.
+            mx.eval(inputs, b._current_logprobs)
+            tokens: list[int] = inputs.tolist()
+            for held, token in zip(b.tokens, tokens, strict=False):
+                held.append(token)
+            return tokens, b._current_logprobs
+
+        def next(self) -> Any:
+            if not self.uids:
+                return []
+            tokens, logprobs = self._step()
+            return list(zip(self.uids, tokens, logprobs, strict=True))
 
     _GENERATION_CLASS = _Generation
     return _Generation
@@ -543,6 +612,8 @@ class BatchLane:
     _waiting: deque[int] = attrs.field(init=False, factory=deque)
     #: Generator uids in prefill -> prompt tokens it has still to prefill.
     _prefilling: dict[int, int] = attrs.field(init=False, factory=dict)
+    #: Rows whose processor failed since the last decode step looked (see ``_Guarded``).
+    _failed: list[_Row] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -564,6 +635,8 @@ class BatchLane:
         generation = _generation_class().empty(model, generator.sampler)
         generation.grammar = self.grammar if self.grammar_batch else None
         generation.fresh = set()
+        generation.logprob_uids = set()
+        generation.grammar_uids = set()
         generator._generation_batch = generation
         generator._prompt_batch = _prompt_class().empty(
             model, generator.sampler, prefill_step_size=self.prefill_step_size
@@ -575,6 +648,27 @@ class BatchLane:
         """Uids in the decode batch whose next emitted token is their prompt's last one."""
         fresh: set[int] = self._generator._generation_batch.fresh
         return fresh
+
+    @property
+    def _logprob_uids(self) -> set[int]:
+        """Uids in the decode batch whose rows read their logprobs (see _generation_class)."""
+        uids: set[int] = self._generator._generation_batch.logprob_uids
+        return uids
+
+    @property
+    def _grammar_uids(self) -> set[int]:
+        """Uids in the batch (dead or alive) with a grammar processor (see _generation_class)."""
+        uids: set[int] = self._generator._generation_batch.grammar_uids
+        return uids
+
+    def _joined(self, row: _Row, uid: int) -> None:
+        """Bookkeeping of a row that got the generator's ``uid``."""
+        row.uid = uid
+        self._by_uid[uid] = row.spec.id
+        if row.spec.params.logprobs:
+            self._logprob_uids.add(uid)
+        if row.spec.constraint is not None:
+            self._grammar_uids.add(uid)
 
     @property
     def rows(self) -> int:
@@ -709,6 +803,7 @@ class BatchLane:
                 entries.setdefault(dead[uid].key, []).append((list(tokens), cache))
         self._generator.remove(list(dead))
         self._fresh.difference_update(dead)
+        self._grammar_uids.difference_update(dead)
         for uid in dead:
             self._prefilling.pop(uid, None)
         if self.prompt_cache is not None:
@@ -721,6 +816,7 @@ class BatchLane:
             row = self._rows.pop(row_id, None)
             if row is not None and row.uid is not None:
                 self._by_uid.pop(row.uid, None)
+                self._logprob_uids.discard(row.uid)
                 self._dead[row.uid] = _Dead(
                     row_id, store and self.prompt_cache is not None, self._key(row)
                 )
@@ -732,6 +828,7 @@ class BatchLane:
         self._dead.clear()
         self._waiting.clear()
         self._prefilling.clear()
+        self._failed.clear()
         self._generator.close()
         self._generator = self._new_generator()
         if self.prompt_cache is not None:
@@ -761,6 +858,8 @@ class BatchLane:
             if row.uid is None:
                 continue
             del self._by_uid[row.uid]
+            self._logprob_uids.discard(row.uid)
+            self._grammar_uids.discard(row.uid)
             entry = caches.get(row.uid)
             row.parked = None
             if row.output.generated > 0 and entry is not None and row.last_token is not None:
@@ -801,7 +900,9 @@ class BatchLane:
             make_row_sampler(spec.params, self.tokenizer),
             [],
         )
-        row.processors = [_guard(row, p) for p in row_processors(spec, sorted(self._eos_ids))]
+        row.processors = [
+            _Guarded(row, p, self._failed) for p in row_processors(spec, sorted(self._eos_ids))
+        ]
         self._rows[spec.id] = row
         return self._start(row)
 
@@ -876,8 +977,7 @@ class BatchLane:
             samplers=[row.sampler],
             logits_processors=[row.processors],
         )
-        row.uid = uid
-        self._by_uid[uid] = row.spec.id
+        self._joined(row, uid)
         self._prefilling[uid] = len(rest) - 1
 
     def _resume(self, row_id: int) -> None:
@@ -895,13 +995,13 @@ class BatchLane:
             samplers=[row.sampler],
             logits_processors=[row.processors],
         )
-        row.uid = uid
-        self._by_uid[uid] = row_id
+        self._joined(row, uid)
 
     def _drop(self, row_id: int) -> None:
         row = self._rows.pop(row_id, None)
         if row is not None and row.uid is not None:
             self._by_uid.pop(row.uid, None)
+            self._logprob_uids.discard(row.uid)
 
     def _decode(self) -> list[RowEvent]:
         events = self._feed()
@@ -926,6 +1026,7 @@ class BatchLane:
             events.extend(self.fail_all(exc))
             self._dead.clear()
             self._prefilling.clear()
+            self._failed.clear()
             self._generator = self._new_generator()
             return events
         self.generator_seconds += time.perf_counter() - start
@@ -939,28 +1040,34 @@ class BatchLane:
         finished: list[int] = []
         failed: list[int] = []
         fresh = self._fresh
-        for response in responses:
-            if fresh and response.uid in fresh:
-                fresh.discard(response.uid)  # its prompt's last token (see _generation_class)
+        by_uid, rows = self._by_uid, self._rows
+        for uid, token, logprobs in responses:
+            if fresh and uid in fresh:
+                fresh.discard(uid)  # its prompt's last token (see _generation_class)
                 continue
-            row_id = self._by_uid.get(response.uid)
+            row_id = by_uid.get(uid)
             if row_id is None:
                 continue  # a dead row
-            row = self._rows[row_id]
+            row = rows[row_id]
             if row.error is not None:
                 events.append(RowEvent(row_id, error=row.error, generated=row.output.generated))
                 failed.append(row_id)
                 continue
-            row.last_token = response.token
-            event = row.output.push(response.token, response.logprobs, None)
+            row.last_token = token
+            event = row.output.push(token, logprobs, None)
             events.append(event)
             if event.finish_reason is not None:
                 finished.append(row_id)
-        # A failed processor may belong to a row that got no response this step.
-        for row_id, row in self._rows.items():
-            if row.error is not None and row_id not in failed:
-                events.append(RowEvent(row_id, error=row.error))
-                failed.append(row_id)
-        self._kill(finished, store=True)
-        self._kill(failed, store=False)
+        if self._failed:
+            # A failed processor may belong to a row that got no response this step.
+            for row in self._failed:
+                row_id = row.spec.id
+                if rows.get(row_id) is row and row_id not in failed:
+                    events.append(RowEvent(row_id, error=row.error))
+                    failed.append(row_id)
+            self._failed.clear()
+        if finished:
+            self._kill(finished, store=True)
+        if failed:
+            self._kill(failed, store=False)
         return events
