@@ -182,14 +182,37 @@ def eos_processors(
     return []
 
 
+class _LogitBias:
+    """mlx-lm's logit bias processor, as an object the lane can recognise.
+
+    Adds the same values as ``make_logits_processors``' closure; ``key``
+    tells two rows with the same bias apart from others, so a decode step
+    whose rows all carry the same bias and nothing else adds it to the whole
+    batch at once (``_generation_class``).
+    """
+
+    __slots__ = ("indices", "key", "values")
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        import mlx.core as mx
+
+        self.key = tuple(bias.items())
+        self.indices = mx.array(list(bias.keys()))
+        self.values = mx.array(list(bias.values()))
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        return logits.at[:, self.indices].add(self.values)
+
+
 def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
     """mlx-lm's logits processors for ``params`` (empty when none apply)."""
     from mlx_lm.sample_utils import make_logits_processors
 
     size = params.repetition_context_size
-    return list(
+    bias = [_LogitBias(dict(params.logit_bias))] if params.logit_bias else []
+    return bias + list(
         make_logits_processors(
-            dict(params.logit_bias) if params.logit_bias else None,
+            None,
             params.repetition_penalty,
             size,
             params.presence_penalty or None,
@@ -306,6 +329,34 @@ class _Guarded:
             return logits
 
 
+def _shared_bias(processors: list[list[Any]] | None) -> _LogitBias | None:
+    """The logit bias, when it is the one processor of every row in the batch (else None)."""
+    if not processors:
+        return None
+    first = processors[0]
+    if not first or len(first) != 1:
+        return None
+    guarded = first[0]
+    if type(guarded) is not _Guarded or type(guarded.processor) is not _LogitBias:
+        return None
+    bias = guarded.processor
+    key = bias.key
+    for row in processors:
+        if row is first:
+            continue
+        if not row or len(row) != 1:
+            return None
+        p = row[0]
+        if (
+            type(p) is not _Guarded
+            or p.row.error is not None
+            or type(p.processor) is not _LogitBias
+            or p.processor.key != key
+        ):
+            return None
+    return None if guarded.row.error is not None else bias
+
+
 _GENERATION_CLASS: Any = None
 
 
@@ -399,7 +450,12 @@ def _generation_class() -> Any:
             logits = b.model(inputs[:, None], cache=b.prompt_cache)
             logits = logits[:, -1, :]
             token_context = []
-            if any(b.logits_processors):
+            bias = _shared_bias(b.logits_processors)
+            if bias is not None:
+                # Every row's only processor is this bias: added to all rows at once
+                # (the same sums as row by row; the rows' token contexts go unread).
+                logits = bias(None, logits)
+            elif any(b.logits_processors):
                 processed = []
                 for e in range(len(b.uids)):
                     sample_logits = logits[e : e + 1]
@@ -751,21 +807,20 @@ class BatchLane:
         self, steps: int, seconds: float, interrupt: Callable[[], bool] | None
     ) -> tuple[list[RowEvent], int]:
         start = time.perf_counter()
-        by_row: dict[int, list[RowEvent]] = {}
+        # Every row with an event in the burst, in order of its first: its error
+        # events. A row's tokens gather in its RowOutput (in ``outputs``) and
+        # become one event when the burst ends.
+        order: dict[int, list[RowEvent]] = {}
+        outputs: dict[int, RowOutput] = {}
         decoded = 0
         while True:
-            step = self._decode()
+            # News for the arbiter (a row ended) or the consumer (a first token).
+            news = self._decode(order, outputs)
             decoded += 1
             for dead in self._dead.values():
                 dead.age += 1
             if self._dead and self._compaction_due():
                 self._compact()
-            # News for the arbiter (a row ended) or the consumer (a first token).
-            news = False
-            for event in step:
-                by_row.setdefault(event.id, []).append(event)
-                if event.finish_reason or event.error is not None or event.generated == 1:
-                    news = True
             if (
                 news
                 or decoded >= steps
@@ -773,7 +828,15 @@ class BatchLane:
                 or time.perf_counter() - start >= seconds
                 or (interrupt is not None and interrupt())
             ):
-                return [merge_events(evs) for evs in by_row.values()], decoded
+                events = []
+                for row_id, errors in order.items():
+                    output = outputs.get(row_id)
+                    if output is None:
+                        events.append(merge_events(errors))
+                    else:
+                        event = output.take()
+                        events.append(merge_events([event, *errors]) if errors else event)
+                return events, decoded
 
     def _compaction_due(self) -> bool:
         """Whether the dead rows should leave the batch now (see the module's notes)."""
@@ -1003,8 +1066,15 @@ class BatchLane:
             self._by_uid.pop(row.uid, None)
             self._logprob_uids.discard(row.uid)
 
-    def _decode(self) -> list[RowEvent]:
-        events = self._feed()
+    def _decode(self, order: dict[int, list[RowEvent]], outputs: dict[int, RowOutput]) -> bool:
+        """One decode step; adds its events to a burst's (see ``_burst``); whether any is news.
+
+        Tokens go to the rows' outputs (``RowOutput.add``), errors to ``order``.
+        """
+        news = False
+        for event in self._feed():
+            order.setdefault(event.id, []).append(event)
+            news = True
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (
@@ -1023,12 +1093,13 @@ class BatchLane:
                         self._active_stack = None
         except Exception as exc:
             # The generator's state is unknown now: start a fresh one.
-            events.extend(self.fail_all(exc))
+            for event in self.fail_all(exc):
+                order.setdefault(event.id, []).append(event)
             self._dead.clear()
             self._prefilling.clear()
             self._failed.clear()
             self._generator = self._new_generator()
-            return events
+            return True
         self.generator_seconds += time.perf_counter() - start
         prefilling = self._prefilling
         for progress in _prompt_responses:
@@ -1049,25 +1120,31 @@ class BatchLane:
             if row_id is None:
                 continue  # a dead row
             row = rows[row_id]
+            output = row.output
             if row.error is not None:
-                events.append(RowEvent(row_id, error=row.error, generated=row.output.generated))
+                error = RowEvent(row_id, error=row.error, generated=output.generated)
+                order.setdefault(row_id, []).append(error)
                 failed.append(row_id)
                 continue
             row.last_token = token
-            event = row.output.push(token, logprobs, None)
-            events.append(event)
-            if event.finish_reason is not None:
+            if row_id not in outputs:
+                outputs[row_id] = output
+                order.setdefault(row_id, [])
+            finish = output.add(token, logprobs)
+            if finish is not None:
                 finished.append(row_id)
+            elif output.generated == 1:
+                news = True
         if self._failed:
             # A failed processor may belong to a row that got no response this step.
             for row in self._failed:
                 row_id = row.spec.id
                 if rows.get(row_id) is row and row_id not in failed:
-                    events.append(RowEvent(row_id, error=row.error))
+                    order.setdefault(row_id, []).append(RowEvent(row_id, error=row.error))
                     failed.append(row_id)
             self._failed.clear()
         if finished:
             self._kill(finished, store=True)
         if failed:
             self._kill(failed, store=False)
-        return events
+        return news or bool(finished or failed)
