@@ -844,7 +844,8 @@ class BatchLane:
         return (
             not live
             or len(self._dead) * self.removal_fraction >= live
-            or max(d.age for d in self._dead.values()) >= self.removal_delay
+            # The first dead row is the oldest: rows die in order and age together.
+            or next(iter(self._dead.values())).age >= self.removal_delay
         )
 
     def _compact(self) -> None:
