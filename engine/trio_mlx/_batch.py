@@ -468,15 +468,16 @@ def _generation_class() -> Any:
                     processed.append(sample_logits)
                 logits = mx.concatenate(processed, axis=0)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            samplers = [
-                b.fallback_sampler if s is None else s for s in (b.samplers or [None] * len(b.uids))
-            ]
-            if not samplers or all(s is samplers[0] for s in samplers):
-                sampled = (samplers[0] if samplers else b.fallback_sampler)(logprobs)
+            if not any(b.samplers or ()):
+                sampled = b.fallback_sampler(logprobs)  # every row greedy: one call
             else:
-                sampled = mx.concatenate(
-                    [s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0
-                )
+                samplers = [b.fallback_sampler if s is None else s for s in b.samplers]
+                if all(s is samplers[0] for s in samplers):
+                    sampled = samplers[0](logprobs)
+                else:
+                    sampled = mx.concatenate(
+                        [s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0
+                    )
             b._next_tokens = sampled
             if b.logprob_uids:
                 b._next_logprobs = list(logprobs)
