@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm import load
 
     from trio_mlx import SamplingParams
-    from trio_mlx._batch import BatchLane, RowSpec
+    from trio_mlx._batch import BatchLane, RowSpec, StepPlan
     from trio_mlx.default_model import default_model_path
 
     model, tokenizer = load(str(Path(args.model) if args.model else default_model_path()))
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def drain(inserts: list[RowSpec], more: int) -> tuple[int, int]:
         tokens = calls = 0
         while lane.rows or inserts:
-            result = lane.step(inserts, steps=16, seconds=10.0)
+            result = lane.step(StepPlan(inserts, steps=16), seconds=10.0)
             calls += 1
             inserts = []
             for event in result.events:

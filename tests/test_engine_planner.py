@@ -403,7 +403,8 @@ def test_a_row_asking_for_logprobs_gets_the_same_ones_alone_and_joining_plain_ro
         lane = BatchLane(model, tokenizer, max_batch=8)
         got: list[Any] = []
         for n in range(100):
-            events = lane.step(first if n == 0 else [spec] if n == 4 else []).events
+            inserts = first if n == 0 else [spec] if n == 4 else []
+            events = lane.step(StepPlan(inserts)).events
             for e in events:
                 assert e.error is None
                 if e.id == spec.id:
