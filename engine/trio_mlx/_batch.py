@@ -357,6 +357,48 @@ def _shared_bias(processors: list[list[Any]] | None) -> _LogitBias | None:
     return None if guarded.row.error is not None else bias
 
 
+def _processed(batch: Any, logits: Any, inputs: Any) -> tuple[Any, list[Any]]:
+    """A decode step's logits after the rows' processors, and the token histories they read.
+
+    A batch whose rows all carry the same logit bias and nothing else gets it
+    in one add (the same sums as row by row; no processor reads a history).
+    Otherwise each row with processors has its history extended by its input
+    token and its processors applied to its own slice.
+    """
+    import mlx.core as mx
+
+    per_row = batch.logits_processors or []
+    bias = _shared_bias(per_row)
+    if bias is not None:
+        return bias(None, logits), []
+    if not any(per_row):
+        return logits, []
+    histories: list[Any] = []
+    slices: list[Any] = []
+    for e, processors in enumerate(per_row):
+        row_logits = logits[e : e + 1]
+        if processors:
+            history = batch._token_context[e].update_and_fetch(inputs[e : e + 1])
+            histories.append(history)
+            for processor in processors:
+                row_logits = processor(history, row_logits)
+        slices.append(row_logits)
+    return mx.concatenate(slices, axis=0), histories
+
+
+def _sampled(batch: Any, logprobs: Any) -> Any:
+    """The next token of every row: one sampler call when the rows share a sampler."""
+    import mlx.core as mx
+
+    fallback = batch.fallback_sampler
+    chosen = [s or fallback for s in batch.samplers or ()]
+    if all(s is fallback for s in chosen):
+        return fallback(logprobs)  # every row greedy (or none has its own sampler)
+    if all(s is chosen[0] for s in chosen):
+        return chosen[0](logprobs)
+    return mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(chosen)], axis=0)
+
+
 _GENERATION_CLASS: Any = None
 
 
@@ -383,9 +425,10 @@ def _generation_class() -> Any:
 
     *Less host work per step* (every MLX op and every Python object per row
     is paid on the worker thread each step; see design/performance.md). The
-    step is mlx-lm's ``GenerationBatch._step`` except that the log-probability
-    vectors are split into one array per row only while a row in the batch
-    asked for logprobs (``logprob_uids``); otherwise every row's entry is the
+    step (``_forward``) does the work of mlx-lm's ``GenerationBatch._step``,
+    except that the log-probability vectors are split into one array per row
+    only while a row in the batch asked for logprobs (``logprob_uids``), and
+    a logit bias shared by every row is one add; otherwise every row's entry is the
     whole batch's array, which nobody reads. The grammar rows are looked for
     only while a constrained row is in the batch (``grammar_uids``). ``next``
     returns ``(uid, token, logprobs)`` tuples and skips mlx-lm's per-row
@@ -442,55 +485,29 @@ def _generation_class() -> Any:
                 grammar.end()
 
         def _forward(self) -> tuple[list[int], list[Any]]:
-            # mlx-lm's GenerationBatch._step (0.32), but for the logprobs (see above).
+            # Pipelined: the forward pass for the tokens sampled last step is
+            # queued before those tokens are read back, so the GPU works while
+            # the host turns them into text. The returned tokens are that last
+            # step's, which the KV cache now holds.
             b: Any = self  # mlx-lm's attributes are untyped
-            b._current_tokens = b._next_tokens
-            b._current_logprobs = b._next_logprobs
-            inputs = b._current_tokens
-            logits = b.model(inputs[:, None], cache=b.prompt_cache)
-            logits = logits[:, -1, :]
-            token_context = []
-            bias = _shared_bias(b.logits_processors)
-            if bias is not None:
-                # Every row's only processor is this bias: added to all rows at once
-                # (the same sums as row by row; the rows' token contexts go unread).
-                logits = bias(None, logits)
-            elif any(b.logits_processors):
-                processed = []
-                for e in range(len(b.uids)):
-                    sample_logits = logits[e : e + 1]
-                    processors = b.logits_processors[e] or ()
-                    if processors:
-                        context = b._token_context[e].update_and_fetch(inputs[e : e + 1])
-                        token_context.append(context)
-                        for processor in processors:
-                            sample_logits = processor(context, sample_logits)
-                    processed.append(sample_logits)
-                logits = mx.concatenate(processed, axis=0)
+            queued, queued_lps = b._next_tokens, b._next_logprobs
+            b._current_tokens, b._current_logprobs = queued, queued_lps
+            logits, contexts = _processed(
+                b, b.model(queued[:, None], cache=b.prompt_cache)[:, -1, :], queued
+            )
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            if not any(b.samplers or ()):
-                sampled = b.fallback_sampler(logprobs)  # every row greedy: one call
-            else:
-                samplers = [b.fallback_sampler if s is None else s for s in b.samplers]
-                if all(s is samplers[0] for s in samplers):
-                    sampled = samplers[0](logprobs)
-                else:
-                    sampled = mx.concatenate(
-                        [s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0
-                    )
-            b._next_tokens = sampled
+            b._next_tokens = _sampled(b, logprobs)
             if b.logprob_uids:
                 b._next_logprobs = list(logprobs)
-                mx.async_eval(b._next_tokens, b._next_logprobs, token_context)  # type: ignore[no-untyped-call]
-            else:
+                mx.async_eval(b._next_tokens, b._next_logprobs, contexts)  # type: ignore[no-untyped-call]
+            else:  # nobody reads a row's vector: every row shares the batch's
                 b._next_logprobs = [logprobs] * len(b.uids)
-                mx.async_eval(b._next_tokens, logprobs, token_context)  # type: ignore[no-untyped-call]
-            # The tokens of this step's input; then self.tokens holds what the KV cache holds.
-            mx.eval(inputs, b._current_logprobs)
-            tokens: list[int] = inputs.tolist()
-            for held, token in zip(b.tokens, tokens, strict=False):
-                held.append(token)
-            return tokens, b._current_logprobs
+                mx.async_eval(b._next_tokens, logprobs, contexts)  # type: ignore[no-untyped-call]
+            mx.eval(queued, queued_lps)
+            tokens: list[int] = queued.tolist()
+            for history, token in zip(b.tokens, tokens, strict=False):
+                history.append(token)
+            return tokens, queued_lps
 
         def next(self) -> Any:
             if not self.uids:
