@@ -7,12 +7,14 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import trio_mlx
 from engine_helpers import NO_EOS, wait_until
 from trio_mlx import SamplingParams, TokenLogprob
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._output import RowEvent, merge_events
+from trio_mlx._output import RowEvent, RowOutput, merge_events
 
 pytestmark = pytest.mark.model
 
@@ -39,6 +41,70 @@ def test_merge_events_joins_a_rows_events_in_order() -> None:
     assert merge_events(events[:1]) is events[0]
     plain = [RowEvent(1, "x", (1,), None, None, None, 1), RowEvent(1, "y", (2,), None)]
     assert merge_events(plain).logprobs is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    # 0 and 2 are the tiny model's EOS ids.
+    tokens=st.lists(st.sampled_from([0, 2]) | st.integers(3, 40), min_size=1, max_size=30),
+    cuts=st.lists(st.integers(1, 6), min_size=1, max_size=30),
+    stop=st.sampled_from([(), ("e",), ("in", "the ")]),
+    logprobs=st.booleans(),
+    ignore_eos=st.booleans(),
+    limits=st.tuples(st.integers(1, 30), st.integers(0, 5)),
+)
+def test_adding_a_bursts_tokens_and_taking_once_equals_merging_the_pushes(
+    tiny_model: tuple[Any, Any],
+    tokens: list[int],
+    cuts: list[int],
+    stop: tuple[str, ...],
+    logprobs: bool,
+    ignore_eos: bool,
+    limits: tuple[int, int],
+) -> None:
+    import mlx.core as mx
+
+    tokenizer = tiny_model[1]
+    params = SamplingParams(
+        max_tokens=limits[0],
+        min_tokens=min(limits),
+        stop=stop,
+        logprobs=logprobs,
+        top_logprobs=2 if logprobs else 0,
+        ignore_eos=ignore_eos,
+    )
+    eos = frozenset(tokenizer.eos_token_ids)
+    pushed = RowOutput(1, params, eos, tokenizer.detokenizer)
+    added = RowOutput(1, params, eos, tokenizer.detokenizer)
+    vector = mx.log(mx.softmax(mx.arange(48, dtype=mx.float32) % 7))
+    ids = iter(tokens)
+    done = False
+    for cut in cuts:
+        events = []
+        for token in ids:
+            events.append(pushed.push(token, vector, None))
+            finish = added.add(token, vector)
+            assert finish == events[-1].finish_reason
+            if finish is not None:
+                done = True
+            if done or len(events) == cut:
+                break
+        if not events:
+            break
+        assert added.take() == merge_events(events)
+        if done:
+            break
+
+
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_an_eos_alone_ends_the_row_with_no_token_and_empty_logprobs(
+    tiny_model: tuple[Any, Any], logprobs: bool
+) -> None:
+    tokenizer = tiny_model[1]
+    params = SamplingParams(max_tokens=5, logprobs=logprobs)
+    output = RowOutput(1, params, frozenset([0, 2]), tokenizer.detokenizer)
+    event = output.push(2, None, None)
+    assert event == RowEvent(1, "", (), () if logprobs else None, "stop", None, 1)
 
 
 def _first_tokens(lane: BatchLane, specs: list[RowSpec]) -> dict[int, list[int]]:

@@ -387,3 +387,39 @@ def test_a_row_parked_again_before_its_first_step_back_continues_exactly(
         return tokens
 
     assert run(park=True) == run(park=False)
+
+
+def test_a_row_asking_for_logprobs_gets_the_same_ones_alone_and_joining_plain_rows(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    # The lane splits the step's log-probabilities per row only while such a row is in
+    # the batch: one joining plain rows mid-run must still get its own, exactly.
+    model, tokenizer = tiny_model
+    plain = SamplingParams(max_tokens=30, logit_bias=NO_EOS)
+    asks = SamplingParams(max_tokens=10, logit_bias=NO_EOS, logprobs=True, top_logprobs=3)
+    spec = RowSpec(9, tuple(tokenizer.encode(PROMPTS[1])), asks)
+
+    def run(first: list[RowSpec]) -> list[Any]:
+        lane = BatchLane(model, tokenizer, max_batch=8)
+        got: list[Any] = []
+        for n in range(100):
+            inserts = first if n == 0 else [spec] if n == 4 else []
+            events = lane.step(StepPlan(inserts)).events
+            for e in events:
+                assert e.error is None
+                if e.id == spec.id:
+                    assert e.logprobs is not None
+                    got.extend(e.logprobs)
+                else:
+                    assert e.logprobs is None
+            if n > 4 and not lane.rows:
+                break
+        return got
+
+    alone = run([])
+    joined = run([RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), plain) for i in (0, 2)])
+    assert len(alone) == len(joined) == 10
+    for a, b in zip(alone, joined, strict=True):
+        assert a.token_id == b.token_id
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]

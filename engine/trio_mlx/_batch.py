@@ -182,14 +182,37 @@ def eos_processors(
     return []
 
 
+class _LogitBias:
+    """mlx-lm's logit bias processor, as an object the lane can recognise.
+
+    Adds the same values as ``make_logits_processors``' closure; ``key``
+    tells two rows with the same bias apart from others, so a decode step
+    whose rows all carry the same bias and nothing else adds it to the whole
+    batch at once (``_generation_class``).
+    """
+
+    __slots__ = ("indices", "key", "values")
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        import mlx.core as mx
+
+        self.key = tuple(bias.items())
+        self.indices = mx.array(list(bias.keys()))
+        self.values = mx.array(list(bias.values()))
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        return logits.at[:, self.indices].add(self.values)
+
+
 def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
     """mlx-lm's logits processors for ``params`` (empty when none apply)."""
     from mlx_lm.sample_utils import make_logits_processors
 
     size = params.repetition_context_size
-    return list(
+    bias = [_LogitBias(dict(params.logit_bias))] if params.logit_bias else []
+    return bias + list(
         make_logits_processors(
-            dict(params.logit_bias) if params.logit_bias else None,
+            None,
             params.repetition_penalty,
             size,
             params.presence_penalty or None,
@@ -282,13 +305,18 @@ class _RowModel:
 
 
 class _Guarded:
-    """A processor that records its row's failure instead of failing the whole batch."""
+    """A processor that records its row's failure instead of failing the whole batch.
 
-    __slots__ = ("processor", "row")
+    A failed row is also appended to ``failed`` (the lane's), so the lane looks
+    for failed rows only after a step in which one failed.
+    """
 
-    def __init__(self, row: _Row, processor: Callable[[Any, Any], Any]) -> None:
+    __slots__ = ("failed", "processor", "row")
+
+    def __init__(self, row: _Row, processor: Callable[[Any, Any], Any], failed: list[_Row]) -> None:
         self.row = row
         self.processor = processor
+        self.failed = failed
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         if self.row.error is not None:
@@ -297,11 +325,78 @@ class _Guarded:
             return self.processor(tokens, logits)
         except Exception as exc:
             self.row.error = exc
+            self.failed.append(self.row)
             return logits
 
 
-def _guard(row: _Row, processor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    return _Guarded(row, processor)
+def _shared_bias(processors: list[list[Any]] | None) -> _LogitBias | None:
+    """The logit bias, when it is the one processor of every row in the batch (else None)."""
+    if not processors:
+        return None
+    first = processors[0]
+    if not first or len(first) != 1:
+        return None
+    guarded = first[0]
+    if type(guarded) is not _Guarded or type(guarded.processor) is not _LogitBias:
+        return None
+    bias = guarded.processor
+    key = bias.key
+    for row in processors:
+        if row is first:
+            continue
+        if not row or len(row) != 1:
+            return None
+        p = row[0]
+        if (
+            type(p) is not _Guarded
+            or p.row.error is not None
+            or type(p.processor) is not _LogitBias
+            or p.processor.key != key
+        ):
+            return None
+    return None if guarded.row.error is not None else bias
+
+
+def _processed(batch: Any, logits: Any, inputs: Any) -> tuple[Any, list[Any]]:
+    """A decode step's logits after the rows' processors, and the token histories they read.
+
+    A batch whose rows all carry the same logit bias and nothing else gets it
+    in one add (the same sums as row by row; no processor reads a history).
+    Otherwise each row with processors has its history extended by its input
+    token and its processors applied to its own slice.
+    """
+    import mlx.core as mx
+
+    per_row = batch.logits_processors or []
+    bias = _shared_bias(per_row)
+    if bias is not None:
+        return bias(None, logits), []
+    if not any(per_row):
+        return logits, []
+    histories: list[Any] = []
+    slices: list[Any] = []
+    for e, processors in enumerate(per_row):
+        row_logits = logits[e : e + 1]
+        if processors:
+            history = batch._token_context[e].update_and_fetch(inputs[e : e + 1])
+            histories.append(history)
+            for processor in processors:
+                row_logits = processor(history, row_logits)
+        slices.append(row_logits)
+    return mx.concatenate(slices, axis=0), histories
+
+
+def _sampled(batch: Any, logprobs: Any) -> Any:
+    """The next token of every row: one sampler call when the rows share a sampler."""
+    import mlx.core as mx
+
+    fallback = batch.fallback_sampler
+    chosen = [s or fallback for s in batch.samplers or ()]
+    if all(s is fallback for s in chosen):
+        return fallback(logprobs)  # every row greedy (or none has its own sampler)
+    if all(s is chosen[0] for s in chosen):
+        return chosen[0](logprobs)
+    return mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(chosen)], axis=0)
 
 
 _GENERATION_CLASS: Any = None
@@ -327,16 +422,33 @@ def _generation_class() -> Any:
     fresh row's grammar processor runs alone on that step (it has not seen
     the prompt yet), as on mlx-lm's own first step. Arrivals into an empty
     batch take mlx-lm's first step at once (there is no pass to share).
+
+    *Less host work per step* (every MLX op and every Python object per row
+    is paid on the worker thread each step; see design/performance.md). The
+    step (``_forward``) does the work of mlx-lm's ``GenerationBatch._step``,
+    except that the log-probability vectors are split into one array per row
+    only while a row in the batch asked for logprobs (``logprob_uids``), and
+    a logit bias shared by every row is one add; otherwise every row's entry is the
+    whole batch's array, which nobody reads. The grammar rows are looked for
+    only while a constrained row is in the batch (``grammar_uids``). ``next``
+    returns ``(uid, token, logprobs)`` tuples and skips mlx-lm's per-row
+    ``max_tokens`` and stop-sequence checks: the lane gives it neither (it
+    finishes rows itself), so no row ever finishes in here.
     """
     global _GENERATION_CLASS
     if _GENERATION_CLASS is not None:
         return _GENERATION_CLASS
+    import mlx.core as mx
     from mlx_lm.generate import GenerationBatch
 
     class _Generation(GenerationBatch):
         grammar: GrammarBatch | None = None
         #: Uids whose next emitted token is their prompt's last one (see above).
         fresh: set[int]
+        #: Uids of rows that asked for logprobs (a superset of those in the batch).
+        logprob_uids: set[int]
+        #: Uids of constrained rows (a superset of those in the batch).
+        grammar_uids: set[int]
 
         def extend(self, batch: Any) -> None:
             if getattr(batch, "unstepped", False):
@@ -351,7 +463,7 @@ def _generation_class() -> Any:
         def _step(self) -> Any:
             grammar = self.grammar
             rows: list[tuple[int, GrammarProcessor]] = []
-            if grammar is not None and self._next_tokens is not None:
+            if grammar is not None and self.grammar_uids and self._next_tokens is not None:
                 fresh = self.fresh
                 for e, processors in enumerate(self.logits_processors or ()):
                     if fresh and self.uids[e] in fresh:
@@ -364,13 +476,44 @@ def _generation_class() -> Any:
                         ):
                             rows.append((e, p.processor))
             if not rows:
-                return super()._step()
+                return self._forward()
             assert grammar is not None
             grammar.begin(self._next_tokens, rows)
             try:
-                return super()._step()
+                return self._forward()
             finally:
                 grammar.end()
+
+        def _forward(self) -> tuple[list[int], list[Any]]:
+            # Pipelined: the forward pass for the tokens sampled last step is
+            # queued before those tokens are read back, so the GPU works while
+            # the host turns them into text. The returned tokens are that last
+            # step's, which the KV cache now holds.
+            b: Any = self  # mlx-lm's attributes are untyped
+            queued, queued_lps = b._next_tokens, b._next_logprobs
+            b._current_tokens, b._current_logprobs = queued, queued_lps
+            logits, contexts = _processed(
+                b, b.model(queued[:, None], cache=b.prompt_cache)[:, -1, :], queued
+            )
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            b._next_tokens = _sampled(b, logprobs)
+            if b.logprob_uids:
+                b._next_logprobs = list(logprobs)
+                mx.async_eval(b._next_tokens, b._next_logprobs, contexts)  # type: ignore[no-untyped-call]
+            else:  # nobody reads a row's vector: every row shares the batch's
+                b._next_logprobs = [logprobs] * len(b.uids)
+                mx.async_eval(b._next_tokens, logprobs, contexts)  # type: ignore[no-untyped-call]
+            mx.eval(queued, queued_lps)
+            tokens: list[int] = queued.tolist()
+            for history, token in zip(b.tokens, tokens, strict=False):
+                history.append(token)
+            return tokens, queued_lps
+
+        def next(self) -> Any:
+            if not self.uids:
+                return []
+            tokens, logprobs = self._step()
+            return list(zip(self.uids, tokens, logprobs, strict=True))
 
     _GENERATION_CLASS = _Generation
     return _Generation
@@ -543,6 +686,8 @@ class BatchLane:
     _waiting: deque[int] = attrs.field(init=False, factory=deque)
     #: Generator uids in prefill -> prompt tokens it has still to prefill.
     _prefilling: dict[int, int] = attrs.field(init=False, factory=dict)
+    #: Rows whose processor failed since the last decode step looked (see ``_Guarded``).
+    _failed: list[_Row] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -564,6 +709,8 @@ class BatchLane:
         generation = _generation_class().empty(model, generator.sampler)
         generation.grammar = self.grammar if self.grammar_batch else None
         generation.fresh = set()
+        generation.logprob_uids = set()
+        generation.grammar_uids = set()
         generator._generation_batch = generation
         generator._prompt_batch = _prompt_class().empty(
             model, generator.sampler, prefill_step_size=self.prefill_step_size
@@ -575,6 +722,27 @@ class BatchLane:
         """Uids in the decode batch whose next emitted token is their prompt's last one."""
         fresh: set[int] = self._generator._generation_batch.fresh
         return fresh
+
+    @property
+    def _logprob_uids(self) -> set[int]:
+        """Uids in the decode batch whose rows read their logprobs (see _generation_class)."""
+        uids: set[int] = self._generator._generation_batch.logprob_uids
+        return uids
+
+    @property
+    def _grammar_uids(self) -> set[int]:
+        """Uids in the batch (dead or alive) with a grammar processor (see _generation_class)."""
+        uids: set[int] = self._generator._generation_batch.grammar_uids
+        return uids
+
+    def _joined(self, row: _Row, uid: int) -> None:
+        """Bookkeeping of a row that got the generator's ``uid``."""
+        row.uid = uid
+        self._by_uid[uid] = row.spec.id
+        if row.spec.params.logprobs:
+            self._logprob_uids.add(uid)
+        if row.spec.constraint is not None:
+            self._grammar_uids.add(uid)
 
     @property
     def rows(self) -> int:
@@ -657,21 +825,20 @@ class BatchLane:
         self, steps: int, seconds: float, interrupt: Callable[[], bool] | None
     ) -> tuple[list[RowEvent], int]:
         start = time.perf_counter()
-        by_row: dict[int, list[RowEvent]] = {}
+        # Every row with an event in the burst, in order of its first: its error
+        # events. A row's tokens gather in its RowOutput (in ``outputs``) and
+        # become one event when the burst ends.
+        order: dict[int, list[RowEvent]] = {}
+        outputs: dict[int, RowOutput] = {}
         decoded = 0
         while True:
-            step = self._decode()
+            # News for the arbiter (a row ended) or the consumer (a first token).
+            news = self._decode(order, outputs)
             decoded += 1
             for dead in self._dead.values():
                 dead.age += 1
             if self._dead and self._compaction_due():
                 self._compact()
-            # News for the arbiter (a row ended) or the consumer (a first token).
-            news = False
-            for event in step:
-                by_row.setdefault(event.id, []).append(event)
-                if event.finish_reason or event.error is not None or event.generated == 1:
-                    news = True
             if (
                 news
                 or decoded >= steps
@@ -679,7 +846,15 @@ class BatchLane:
                 or time.perf_counter() - start >= seconds
                 or (interrupt is not None and interrupt())
             ):
-                return [merge_events(evs) for evs in by_row.values()], decoded
+                events = []
+                for row_id, errors in order.items():
+                    output = outputs.get(row_id)
+                    if output is None:
+                        events.append(merge_events(errors))
+                    else:
+                        event = output.take()
+                        events.append(merge_events([event, *errors]) if errors else event)
+                return events, decoded
 
     def _compaction_due(self) -> bool:
         """Whether the dead rows should leave the batch now (see the module's notes)."""
@@ -687,7 +862,8 @@ class BatchLane:
         return (
             not live
             or len(self._dead) * self.removal_fraction >= live
-            or max(d.age for d in self._dead.values()) >= self.removal_delay
+            # The first dead row is the oldest: rows die in order and age together.
+            or next(iter(self._dead.values())).age >= self.removal_delay
         )
 
     def _compact(self) -> None:
@@ -709,6 +885,7 @@ class BatchLane:
                 entries.setdefault(dead[uid].key, []).append((list(tokens), cache))
         self._generator.remove(list(dead))
         self._fresh.difference_update(dead)
+        self._grammar_uids.difference_update(dead)
         for uid in dead:
             self._prefilling.pop(uid, None)
         if self.prompt_cache is not None:
@@ -721,6 +898,7 @@ class BatchLane:
             row = self._rows.pop(row_id, None)
             if row is not None and row.uid is not None:
                 self._by_uid.pop(row.uid, None)
+                self._logprob_uids.discard(row.uid)
                 self._dead[row.uid] = _Dead(
                     row_id, store and self.prompt_cache is not None, self._key(row)
                 )
@@ -732,6 +910,7 @@ class BatchLane:
         self._dead.clear()
         self._waiting.clear()
         self._prefilling.clear()
+        self._failed.clear()
         self._generator.close()
         self._generator = self._new_generator()
         if self.prompt_cache is not None:
@@ -761,6 +940,8 @@ class BatchLane:
             if row.uid is None:
                 continue
             del self._by_uid[row.uid]
+            self._logprob_uids.discard(row.uid)
+            self._grammar_uids.discard(row.uid)
             entry = caches.get(row.uid)
             row.parked = None
             if row.output.generated > 0 and entry is not None and row.last_token is not None:
@@ -801,7 +982,9 @@ class BatchLane:
             make_row_sampler(spec.params, self.tokenizer),
             [],
         )
-        row.processors = [_guard(row, p) for p in row_processors(spec, sorted(self._eos_ids))]
+        row.processors = [
+            _Guarded(row, p, self._failed) for p in row_processors(spec, sorted(self._eos_ids))
+        ]
         self._rows[spec.id] = row
         return self._start(row)
 
@@ -876,8 +1059,7 @@ class BatchLane:
             samplers=[row.sampler],
             logits_processors=[row.processors],
         )
-        row.uid = uid
-        self._by_uid[uid] = row.spec.id
+        self._joined(row, uid)
         self._prefilling[uid] = len(rest) - 1
 
     def _resume(self, row_id: int) -> None:
@@ -895,16 +1077,23 @@ class BatchLane:
             samplers=[row.sampler],
             logits_processors=[row.processors],
         )
-        row.uid = uid
-        self._by_uid[uid] = row_id
+        self._joined(row, uid)
 
     def _drop(self, row_id: int) -> None:
         row = self._rows.pop(row_id, None)
         if row is not None and row.uid is not None:
             self._by_uid.pop(row.uid, None)
+            self._logprob_uids.discard(row.uid)
 
-    def _decode(self) -> list[RowEvent]:
-        events = self._feed()
+    def _decode(self, order: dict[int, list[RowEvent]], outputs: dict[int, RowOutput]) -> bool:
+        """One decode step; adds its events to a burst's (see ``_burst``); whether any is news.
+
+        Tokens go to the rows' outputs (``RowOutput.add``), errors to ``order``.
+        """
+        news = False
+        for event in self._feed():
+            order.setdefault(event.id, []).append(event)
+            news = True
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (
@@ -923,11 +1112,13 @@ class BatchLane:
                         self._active_stack = None
         except Exception as exc:
             # The generator's state is unknown now: start a fresh one.
-            events.extend(self.fail_all(exc))
+            for event in self.fail_all(exc):
+                order.setdefault(event.id, []).append(event)
             self._dead.clear()
             self._prefilling.clear()
+            self._failed.clear()
             self._generator = self._new_generator()
-            return events
+            return True
         self.generator_seconds += time.perf_counter() - start
         prefilling = self._prefilling
         for progress in _prompt_responses:
@@ -939,28 +1130,40 @@ class BatchLane:
         finished: list[int] = []
         failed: list[int] = []
         fresh = self._fresh
-        for response in responses:
-            if fresh and response.uid in fresh:
-                fresh.discard(response.uid)  # its prompt's last token (see _generation_class)
+        by_uid, rows = self._by_uid, self._rows
+        for uid, token, logprobs in responses:
+            if fresh and uid in fresh:
+                fresh.discard(uid)  # its prompt's last token (see _generation_class)
                 continue
-            row_id = self._by_uid.get(response.uid)
+            row_id = by_uid.get(uid)
             if row_id is None:
                 continue  # a dead row
-            row = self._rows[row_id]
+            row = rows[row_id]
+            output = row.output
             if row.error is not None:
-                events.append(RowEvent(row_id, error=row.error, generated=row.output.generated))
+                error = RowEvent(row_id, error=row.error, generated=output.generated)
+                order.setdefault(row_id, []).append(error)
                 failed.append(row_id)
                 continue
-            row.last_token = response.token
-            event = row.output.push(response.token, response.logprobs, None)
-            events.append(event)
-            if event.finish_reason is not None:
+            row.last_token = token
+            if row_id not in outputs:
+                outputs[row_id] = output
+                order.setdefault(row_id, [])
+            finish = output.add(token, logprobs)
+            if finish is not None:
                 finished.append(row_id)
-        # A failed processor may belong to a row that got no response this step.
-        for row_id, row in self._rows.items():
-            if row.error is not None and row_id not in failed:
-                events.append(RowEvent(row_id, error=row.error))
-                failed.append(row_id)
-        self._kill(finished, store=True)
-        self._kill(failed, store=False)
-        return events
+            elif output.generated == 1:
+                news = True
+        if self._failed:
+            # A failed processor may belong to a row that got no response this step.
+            for row in self._failed:
+                row_id = row.spec.id
+                if rows.get(row_id) is row and row_id not in failed:
+                    order.setdefault(row_id, []).append(RowEvent(row_id, error=row.error))
+                    failed.append(row_id)
+            self._failed.clear()
+        if finished:
+            self._kill(finished, store=True)
+        if failed:
+            self._kill(failed, store=False)
+        return news or bool(finished or failed)

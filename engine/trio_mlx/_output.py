@@ -103,7 +103,12 @@ class StopScanner:
 
 @attrs.define(eq=False)
 class RowOutput:
-    """Per-request output state: a streaming detokenizer and a stop scanner."""
+    """Per-request output state: a streaming detokenizer and a stop scanner.
+
+    ``push`` turns one token into one event. A lane that runs several decode
+    steps in one call uses ``add`` per token and ``take`` once: the same
+    event as ``merge_events`` of the pushes, without one per token.
+    """
 
     id: int
     params: SamplingParams
@@ -111,33 +116,77 @@ class RowOutput:
     detokenizer: Any
     scanner: StopScanner = attrs.field(init=False)
     generated: int = 0
+    #: What ``add`` gathered since the last ``take``.
+    _text: list[str] = attrs.field(init=False, factory=list)
+    _ids: list[int] = attrs.field(init=False, factory=list)
+    _lps: list[TokenLogprob] | None = attrs.field(init=False, default=None)
+    _finish: str | None = attrs.field(init=False, default=None)
+    #: ``params``' fields read per token, and the EOS ids that end the row.
+    _max_tokens: int = attrs.field(init=False)
+    _min_tokens: int = attrs.field(init=False)
+    _ends: frozenset[int] = attrs.field(init=False)
+    _stops: bool = attrs.field(init=False)
+    _want_lps: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.scanner = StopScanner(self.params.stop, self.params.include_stop_str_in_output)
+        self._max_tokens = self.params.max_tokens
+        self._min_tokens = self.params.min_tokens
+        self._ends = frozenset() if self.params.ignore_eos else self.eos_ids
+        self._stops = bool(self.params.stop)
+        self._want_lps = bool(self.params.logprobs)
 
     def push(self, token: int, logprobs: Any, finish: str | None) -> RowEvent:
         """Take one generated token (and its log-probability vector) from a lane."""
-        self.generated += 1
-        if finish is None and self.generated >= self.params.max_tokens:
-            finish = "length"
-        active = self.generated >= self.params.min_tokens
-        if token in self.eos_ids and not self.params.ignore_eos:
-            self.detokenizer.finalize()
-            text, _ = self.scanner.feed(self.detokenizer.last_segment, final=True, active=active)
-            return RowEvent(self.id, text, (), self._empty_lps(), "stop", None, self.generated)
-        self.detokenizer.add_token(token)
-        segment = self.detokenizer.last_segment
-        if finish is not None:
-            self.detokenizer.finalize()
-            segment += self.detokenizer.last_segment
-        text, stopped = self.scanner.feed(segment, final=finish is not None, active=active)
-        if stopped:
-            finish = "stop"
-        lps = self._logprobs(token, logprobs)
-        return RowEvent(self.id, text, (token,), lps, finish, None, self.generated)
+        self.add(token, logprobs, finish)
+        return self.take()
 
-    def _empty_lps(self) -> tuple[TokenLogprob, ...] | None:
-        return () if self.params.logprobs else None
+    def add(self, token: int, logprobs: Any, finish: str | None = None) -> str | None:
+        """Take one token into the next ``take``; returns the finish reason it set, if any."""
+        self.generated += 1
+        if finish is None and self.generated >= self._max_tokens:
+            finish = "length"
+        active = self.generated >= self._min_tokens
+        detokenizer = self.detokenizer
+        if token in self._ends:
+            detokenizer.finalize()
+            text, _ = self.scanner.feed(detokenizer.last_segment, final=True, active=active)
+            self._text.append(text)
+            if self._want_lps and self._lps is None:
+                self._lps = []
+            self._finish = "stop"
+            return "stop"
+        detokenizer.add_token(token)
+        segment = detokenizer.last_segment
+        if finish is not None:
+            detokenizer.finalize()
+            segment += detokenizer.last_segment
+        if self._stops:
+            text, stopped = self.scanner.feed(segment, final=finish is not None, active=active)
+            if stopped:
+                finish = "stop"
+        else:
+            text = segment  # what the scanner returns when there is no stop string
+        self._text.append(text)
+        self._ids.append(token)
+        if self._want_lps:
+            lps = self._logprobs(token, logprobs)
+            if lps is not None:
+                if self._lps is None:
+                    self._lps = []
+                self._lps.extend(lps)
+        self._finish = finish
+        return finish
+
+    def take(self) -> RowEvent:
+        """One event for every token added since the last ``take``."""
+        text = self._text[0] if len(self._text) == 1 else "".join(self._text)
+        lps = None if self._lps is None else tuple(self._lps)
+        event = RowEvent(self.id, text, tuple(self._ids), lps, self._finish, None, self.generated)
+        self._text.clear()
+        self._ids.clear()
+        self._lps = self._finish = None
+        return event
 
     def _logprobs(self, token: int, vector: Any) -> tuple[TokenLogprob, ...] | None:
         if not self.params.logprobs or vector is None:

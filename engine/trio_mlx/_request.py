@@ -68,7 +68,8 @@ class Outbox:
         self.unread += len(event.token_ids)
         for logprob in event.logprobs or ():
             self.unread += len(logprob.top)
-        self._lot.unpark_all()
+        if self._lot:  # a reader is parked (unpark_all is not free when none is)
+            self._lot.unpark_all()
 
     @property
     def ready(self) -> bool:
