@@ -19,7 +19,9 @@ plain HTTP binds, with three changes, each for a failure seen under load:
   forever. :class:`_GuardedStream` gives each 64 KiB of a write
   ``write_timeout`` seconds, then aborts the connection (the handler sees a
   disconnect, and leaving ``engine.generate`` frees the row); at the graceful
-  deadline every pending write is aborted.
+  deadline every pending write is aborted. A write the socket takes at once
+  (a streamed token's event, nearly always) cannot stall: it is sent without
+  arming a deadline, which was a tenth of the Trio thread's time per token.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import errno
 import json
 import logging
 import math
+import os
 import resource
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -194,7 +197,17 @@ class ConnectionGuard:
                     await stream.aclose()
 
     async def write(self, stream: trio.SocketStream, data: bytes) -> None:
-        """``stream.send_all(data)``, each slice within the write timeout, or abort."""
+        """``stream.send_all(data)``, each slice within the write timeout, or abort.
+
+        Most writes are one SSE event that fits in the socket's buffer: they are
+        sent at once, with no deadline to arm and disarm, and cannot stall. Only
+        what the buffer does not take waits, under the write timeout.
+        """
+        if not self._aborting:
+            sent = _send_nowait(stream, data)
+            if sent == len(data):
+                return
+            data = data[sent:]
         view = memoryview(data)
         for start in range(0, max(len(view), 1), _WRITE_SLICE):
             scope = trio.CancelScope(deadline=trio.current_time() + self.limits.write_timeout)
@@ -213,6 +226,29 @@ class ConnectionGuard:
                 # Closing wakes the connection's reader too, so Hypercorn lets it go.
                 await stream.aclose()
                 raise trio.BrokenResourceError("write timed out")
+
+
+def _send_nowait(stream: trio.SocketStream, data: bytes) -> int:
+    """Bytes of ``data`` the socket took without blocking (0 when it must wait).
+
+    Hypercorn's writes are serialized by its per-connection lock and follow a
+    schedule point there, so this send need not be one. Errors are trio's: a
+    closed socket is ``ClosedResourceError``, a failed send ``BrokenResourceError``.
+    """
+    sock = stream.socket
+    if sock.did_shutdown_SHUT_WR:
+        raise trio.ClosedResourceError("can't send data after sending EOF")
+    fd = sock.fileno()
+    if fd == -1:
+        raise trio.ClosedResourceError("socket was already closed")
+    try:
+        return os.write(fd, data)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError as exc:
+        if exc.errno == errno.EBADF:
+            raise trio.ClosedResourceError("socket was already closed") from None
+        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
 
 async def _refuse(stream: trio.SocketStream) -> None:
@@ -241,10 +277,18 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         self._inner = inner
         self._guard = guard
         self._scope = scope
+        self._sending = False
         self.socket = inner.socket
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._guard.write(self._inner, bytes(data))
+        # The guard's first send is not trio's, so its conflict check is made here.
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this stream")
+        self._sending = True
+        try:
+            await self._guard.write(self._inner, bytes(data))
+        finally:
+            self._sending = False
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._inner.wait_send_all_might_not_block()
