@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 import trio
 from hypercorn.config import Config
+from hypercorn.events import Event, RawData
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
@@ -161,6 +162,11 @@ class ConnectionGuard:
     _writes: set[trio.CancelScope] = attrs.field(init=False, factory=set)
     _aborting: bool = attrs.field(init=False, default=False)
 
+    @property
+    def aborting(self) -> bool:
+        """Whether writes are being aborted (the graceful deadline has passed)."""
+        return self._aborting
+
     def statistics(self) -> ConnectionStatistics:
         """A frozen snapshot (``/metrics`` and the tests read it)."""
         return ConnectionStatistics(
@@ -280,6 +286,12 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         self._sending = False
         self.socket = inner.socket
 
+    def send_nowait(self, data: bytes) -> int:
+        """Bytes of ``data`` sent without blocking: 0 when the write must wait its turn."""
+        if self._sending or self._guard.aborting:
+            return 0
+        return _send_nowait(self._inner, data)
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         # The guard's first send is not trio's, so its conflict check is made here.
         if self._sending:
@@ -314,6 +326,33 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+class _Connection(TCPServer):
+    """Hypercorn's connection, whose writes skip its lock and shield when they cannot block.
+
+    Hypercorn sends each body chunk under a per-connection lock and a shielded
+    cancel scope (a schedule point and two scope changes per streamed token).
+    A write the socket takes at once needs neither: nothing else is sending,
+    and it cannot be interrupted. The rest, and any failure, go Hypercorn's way.
+    """
+
+    async def protocol_send(self, event: Event) -> None:
+        stream: object = self.stream  # Hypercorn types it as a TLS stream
+        if (
+            type(event) is RawData
+            and isinstance(stream, _GuardedStream)
+            and not self.send_lock.locked()
+        ):
+            try:
+                sent = stream.send_nowait(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                sent = 0  # Hypercorn's send meets it again and reports the close
+            if sent == len(event.data):
+                return
+            if sent:
+                event = RawData(event.data[sent:], event.address)
+        await super().protocol_send(event)
 
 
 class _Listener(trio.abc.Listener[trio.SocketStream]):
@@ -399,7 +438,7 @@ async def serve(
                 )
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             state = ConnectionState(lifespan_state.copy())
-            handler = partial(guard.handle, partial(TCPServer, wrapped, config, context, state))
+            handler = partial(guard.handle, partial(_Connection, wrapped, config, context, state))
             task_status.started(binds)
             async with trio.open_nursery() as accepting:
                 accepting.start_soon(
