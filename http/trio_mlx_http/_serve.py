@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import resource
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -393,8 +393,8 @@ def _close_shim(app: ASGIFramework) -> ASGIFramework:
             return
 
         async def last_send_shielded(message: ASGISendEvent) -> None:
-            fields: dict[str, Any] = dict(message)
-            if fields["type"] == "http.response.body" and not fields.get("more_body", False):
+            fields: Mapping[str, Any] = message
+            if not fields.get("more_body", False) and fields["type"] == "http.response.body":
                 with trio.CancelScope(shield=True):
                     await send(message)
             else:
