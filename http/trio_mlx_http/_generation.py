@@ -602,6 +602,8 @@ def _next_readers(streams: Sequence[GenerationStream], active: list[int]) -> lis
     would leave their output unread, and the engine cancels a request whose
     unread output passes its bound.
     """
+    if len(active) == 1:  # one choice (most streams): whichever way, it is read
+        return active[:1]
     ready = [index for index in active if streams[index].ready]
     if ready:
         return ready
