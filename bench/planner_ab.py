@@ -16,7 +16,7 @@ Main against a branch, alternating (the engine comes from ``PYTHONPATH``)::
         --variant '{"admit_group": 16, "admit_fraction": 4, "removal_delay": 16}'
     done; done
 
-``--variant`` sets planner knobs after the engine opened (actor: ``admit_*``;
+``--variant`` sets planner knobs after the engine opened (``actor.planner``: ``admit_*``;
 lane: ``removal_*``, ``prefill_*``), e.g. the GPU's grouping on the CPU.
 """
 
@@ -75,7 +75,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         actor = engine._actor
         for key, value in variant.items():
             lane_knob = key.startswith(("removal", "prefill"))
-            setattr(actor.lane if lane_knob else actor, key, value)
+            setattr(actor.lane if lane_knob else actor.planner, key, value)
         counted = _Counted(actor.lane.model)
         actor.lane._generator.model._model = counted  # inside the lane's _RowModel
         async with engine.generate(pool[0], attrs.evolve(params, max_tokens=4)) as stream:

@@ -11,7 +11,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, wait_until
 from trio_mlx import SamplingParams, TokenLogprob
-from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 from trio_mlx._output import RowEvent, merge_events
 
 pytestmark = pytest.mark.model
@@ -44,7 +44,7 @@ def test_merge_events_joins_a_rows_events_in_order() -> None:
 def _first_tokens(lane: BatchLane, specs: list[RowSpec]) -> dict[int, list[int]]:
     """Insert rows and single-step through their prefill; return their first tokens."""
     ids: dict[int, list[int]] = {spec.id: [] for spec in specs}
-    events = lane.step(specs).events
+    events = lane.step(StepPlan(specs)).events
     while True:
         for event in events:
             ids[event.id].extend(event.token_ids)
@@ -58,7 +58,7 @@ def test_a_burst_yields_the_same_tokens_as_single_steps(tiny_model: tuple[Any, A
     single, burst = _lane(tiny_model), _lane(tiny_model)
     specs = [_spec(i, tokenizer, 40) for i in (1, 2)]
     expected = _first_tokens(single, specs)
-    first = burst.step(specs, steps=16, seconds=60.0)
+    first = burst.step(StepPlan(specs, steps=16), seconds=60.0)
     # The burst runs through the prefill and stops at the step of the first tokens.
     assert 1 <= first.steps < 16
     assert {e.id: list(e.token_ids) for e in first.events} == expected
@@ -66,7 +66,7 @@ def test_a_burst_yields_the_same_tokens_as_single_steps(tiny_model: tuple[Any, A
     for _ in range(10):
         for event in single.step().events:
             expected[event.id].extend(event.token_ids)
-    result = burst.step(steps=10, seconds=60.0)
+    result = burst.step(StepPlan(steps=10), seconds=60.0)
     assert result.steps == 10
     # One event per row for the whole burst.
     assert sorted(e.id for e in result.events) == [1, 2]
@@ -81,7 +81,7 @@ def test_a_burst_stops_at_a_finished_row(tiny_model: tuple[Any, Any]) -> None:
     tokenizer = tiny_model[1]
     lane = _lane(tiny_model)
     _first_tokens(lane, [_spec(1, tokenizer, 4), _spec(2, tokenizer, 40)])
-    result = lane.step(steps=16, seconds=60.0)
+    result = lane.step(StepPlan(steps=16), seconds=60.0)
     assert result.steps == 3
     by_id = {e.id: e for e in result.events}
     assert by_id[1].finish_reason == "length"
@@ -95,16 +95,16 @@ def test_a_burst_stops_when_interrupted_or_out_of_time(tiny_model: tuple[Any, An
     tokenizer = tiny_model[1]
     lane = _lane(tiny_model)
     _first_tokens(lane, [_spec(1, tokenizer, 100)])
-    assert lane.step(steps=16, seconds=60.0, interrupt=lambda: True).steps == 1
+    assert lane.step(StepPlan(steps=16), seconds=60.0, interrupt=lambda: True).steps == 1
     calls: list[int] = []
 
     def after_three() -> bool:
         calls.append(1)
         return len(calls) >= 3
 
-    assert lane.step(steps=16, seconds=60.0, interrupt=after_three).steps == 3
-    assert lane.step(steps=16, seconds=0.0).steps == 1
-    assert lane.step(steps=5, seconds=60.0).steps == 5
+    assert lane.step(StepPlan(steps=16), seconds=60.0, interrupt=after_three).steps == 3
+    assert lane.step(StepPlan(steps=16), seconds=0.0).steps == 1
+    assert lane.step(StepPlan(steps=5), seconds=60.0).steps == 5
 
 
 async def _endless_row(engine: trio_mlx.Engine, seen: list[int], *, task_status: Any) -> None:

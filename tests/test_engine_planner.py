@@ -20,7 +20,7 @@ import trio_mlx
 import trio_mlx.testing
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import SamplingParams
-from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 
 pytestmark = [pytest.mark.model]
 
@@ -169,14 +169,14 @@ def test_a_cancelled_row_stops_at_once_and_is_freed_within_the_removal_delay(
     lane = _lane(model, tokenizer)
     params = SamplingParams(max_tokens=200, logit_bias=NO_EOS)
     ids = [1, 2, 3]
-    lane.step([RowSpec(i, tuple(tokenizer.encode(PROMPTS[i - 1])), params) for i in ids])
+    lane.step(StepPlan([RowSpec(i, tuple(tokenizer.encode(PROMPTS[i - 1])), params) for i in ids]))
     started: set[int] = set()
     for _ in range(10):  # prefill, then the rows' first decode step
         started |= {e.id for e in lane.step().events if e.token_ids}
         if started == set(ids):
             break
     assert started == set(ids)
-    result = lane.step(removes=[2])
+    result = lane.step(StepPlan(removes=[2]))
     assert {e.id for e in result.events} == {1, 3}, "no output after the cancel"
     assert lane.rows == 2
     assert lane.dead_rows == 1
@@ -187,12 +187,14 @@ def test_a_cancelled_row_stops_at_once_and_is_freed_within_the_removal_delay(
         steps += result.steps
     assert 1 <= steps <= lane.removal_delay
     # A finished row is freed within the same bound; an admission frees dead rows at once.
-    lane.step([RowSpec(4, tuple(tokenizer.encode(PROMPTS[0])), SamplingParams(max_tokens=2))])
+    lane.step(
+        StepPlan([RowSpec(4, tuple(tokenizer.encode(PROMPTS[0])), SamplingParams(max_tokens=2))])
+    )
     finished = False
     while not finished:
         finished = any(e.id == 4 and e.finish_reason for e in lane.step().events)
     assert lane.dead_rows == 1
-    lane.step([RowSpec(5, tuple(tokenizer.encode(PROMPTS[1])), params)])
+    lane.step(StepPlan([RowSpec(5, tuple(tokenizer.encode(PROMPTS[1])), params)]))
     assert lane.dead_rows == 0, "an admission compacts the dead rows"
     assert lane.discard([1, 3, 5]) == 0
     assert lane.dead_rows == 0
@@ -209,7 +211,7 @@ def test_dead_rows_leave_the_batch_together(tiny_model: tuple[Any, Any]) -> None
         RowSpec(i, prompt, SamplingParams(max_tokens=n, logit_bias=NO_EOS))
         for i, n in enumerate(sizes)
     ]
-    lane.step(specs)
+    lane.step(StepPlan(specs))
     seen = []
     while lane.rows:
         lane.step()
@@ -235,7 +237,7 @@ def test_a_row_dead_for_some_steps_is_cached_without_the_tokens_decoded_after_it
     busy = SamplingParams(max_tokens=200, logit_bias=NO_EOS)
 
     def run(row_id: int) -> tuple[list[int], int]:
-        result = lane.step([RowSpec(row_id, prompt, params)])
+        result = lane.step(StepPlan([RowSpec(row_id, prompt, params)]))
         cached, tokens = result.cached[row_id], []
         while True:
             events = [e for e in lane.step().events if e.id == row_id]
@@ -243,7 +245,7 @@ def test_a_row_dead_for_some_steps_is_cached_without_the_tokens_decoded_after_it
             if any(e.finish_reason for e in events):
                 return tokens, cached
 
-    lane.step([RowSpec(99, tuple(tokenizer.encode(PROMPTS[0])), busy)])
+    lane.step(StepPlan([RowSpec(99, tuple(tokenizer.encode(PROMPTS[0])), busy)]))
     first, cached = run(1)
     assert cached == 0
     assert lane.dead_rows == 1
@@ -277,7 +279,7 @@ def _run_lane(
     steps: list[set[int]] = []
 
     def step(specs: list[RowSpec]) -> None:
-        events = lane.step(specs).events
+        events = lane.step(StepPlan(specs)).events
         assert all(e.error is None for e in events)
         steps.append({e.id for e in events if e.token_ids})
         for e in events:
@@ -368,17 +370,17 @@ def test_a_row_parked_again_before_its_first_step_back_continues_exactly(
                 assert e.error is None
                 tokens[e.id].extend(e.token_ids)
 
-        take(lane.step(specs))
+        take(lane.step(StepPlan(specs)))
         for k in range(100):
             if not lane.rows:
                 break
             if park and k == 6:
                 lane.park([1])
-                take(lane.step(resumes=[1]))
+                take(lane.step(StepPlan(resumes=[1])))
                 # The case under test: row 1 is back in the batch, not stepped yet.
                 assert lane._fresh
                 lane.park([1])
-                take(lane.step(resumes=[1]))
+                take(lane.step(StepPlan(resumes=[1])))
             else:
                 take(lane.step())
         assert not lane.rows

@@ -17,7 +17,7 @@ import pytest
 
 from engine_helpers import NO_EOS
 from trio_mlx import SamplingParams
-from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 from trio_mlx._structured import GrammarCompiler, unpack_bitmask
 
 _S = {"type": "string", "maxLength": 8}
@@ -90,7 +90,7 @@ def _run(tiny_model: Any, *, grammar_batch: bool) -> tuple[dict[int, list[int]],
         prompt = tuple(tokenizer.encode(f"Row {i} says"))
         specs.append(RowSpec(i, prompt, params, constraint))
     tokens: dict[int, list[int]] = {spec.id: [] for spec in specs}
-    events = lane.step(specs[:4]).events
+    events = lane.step(StepPlan(specs[:4])).events
     for _ in range(400):
         for event in events:
             assert event.error is None, event.error
@@ -99,7 +99,7 @@ def _run(tiny_model: Any, *, grammar_batch: bool) -> tuple[dict[int, list[int]],
             break
         # Two rows join mid-way: the batch path then runs with rows at different steps.
         late = specs[4:] if len(tokens[0]) == 3 else ()
-        events = lane.step(late).events
+        events = lane.step(StepPlan(late)).events
     assert not lane.rows
     return tokens, lane
 
@@ -140,7 +140,7 @@ def _drive(lane: BatchLane, specs: list[RowSpec], fault: Any) -> dict[int, Any]:
     """Step until every row ended; ``fault(step)`` runs before each step. Row -> error or text."""
     ended: dict[int, Any] = {}
     tokens: dict[int, int] = {spec.id: 0 for spec in specs}
-    events = lane.step(specs).events
+    events = lane.step(StepPlan(specs)).events
     for step in range(200):
         for event in events:
             tokens[event.id] += len(event.token_ids)

@@ -124,7 +124,7 @@ def lane_run(model: Any, tokenizer: Any, compiler: Any, batch: int, steps: int, 
     from bench.suite.schemas import SCHEMAS, endless
 
     from trio_mlx import SamplingParams
-    from trio_mlx._batch import BatchLane, RowSpec
+    from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 
     lane = BatchLane(model, tokenizer, max_batch=batch, grammar_batch=on)
     specs = []
@@ -133,7 +133,7 @@ def lane_run(model: Any, tokenizer: Any, compiler: Any, batch: int, steps: int, 
             max_tokens=steps + 8, json_schema=endless(SCHEMAS[i % len(SCHEMAS)])
         )
         specs.append(RowSpec(i, (1, 2, 3, 4 + i), params, compiler.compile(params)))
-    lane.step(specs)
+    lane.step(StepPlan(specs))
     while lane.step().decoding < batch:
         pass
     start, tokens = time.perf_counter(), 0

@@ -347,10 +347,10 @@ def engine_closed(job: dict[str, Any]) -> None:
         async with trio_mlx.open_engine(job["model"], max_batch=max(job["batches"])) as engine:
             actor = engine._actor
             for variant in job["variants"]:
-                # A variant sets planner knobs (actor: admit_*, lane: removal_*, prefill_*).
+                # A variant sets planner knobs (actor.planner: admit_*, burst_*; lane: removal_*, prefill_*).
                 for key, value in variant.items():
                     lane_knob = key.startswith(("removal", "prefill"))
-                    setattr(actor.lane if lane_knob else actor, key, value)
+                    setattr(actor.lane if lane_knob else actor.planner, key, value)
                 for b in job["batches"]:
                     tokens = 0
                     rng = random.Random(b)

@@ -14,13 +14,16 @@ the inbox, then asks ``arbiter.decide(now)`` and carries the decision out:
 
 - ``Admit`` / ``Resume``: remember the rows; they enter the batch with the next step;
 - ``Step``: ONE worker call removes cancelled rows, inserts admitted ones, runs one
-  decode step and returns every row's events. In plain decoding (ADMITTING,
-  no job waiting) that call may run a short *burst* of steps (``burst_steps``,
-  ``burst_seconds``); it stops at the first step in which a row finishes,
-  fails or gets its first token, and as soon as the doorbell rings (a cancel,
-  a submission), so the arbiter misses nothing it would have acted on and a
-  cancelled row still leaves within one decode step. A row's tokens of the
-  burst come as one event: routing and consumer wake-ups are per burst.
+  decode step and returns every row's events; what it carries is the
+  :class:`~trio_mlx._planner.StepPlanner`'s :class:`~trio_mlx._batch.StepPlan`
+  (grouped admission may hold admitted rows back a few steps). In plain
+  decoding (ADMITTING, no job waiting) that call may run a short *burst* of
+  steps (the planner's ``burst_steps``, ``burst_seconds``); it stops at the
+  first step in which a row finishes, fails or gets its first token, and as
+  soon as the doorbell rings (a cancel, a submission), so the arbiter misses
+  nothing it would have acted on and a cancelled row still leaves within one
+  decode step. A row's tokens of the burst come as one event: routing and
+  consumer wake-ups are per burst.
   Its result arrives as a ``run_sync_soon`` callback that routes the events to the requests' outboxes
   with ``put`` (never awaiting a consumer), reports ``step_done``, decides
   again, and in steady decoding sends the next step right there: a step costs
@@ -66,7 +69,7 @@ from trio_mlx._arbiter import (
     Step,
     Wait,
 )
-from trio_mlx._batch import BatchLane, RowSpec, StepResult
+from trio_mlx._batch import BatchLane, StepResult
 from trio_mlx._errors import (
     EngineClosed,
     EngineOverloaded,
@@ -74,6 +77,7 @@ from trio_mlx._errors import (
 )
 from trio_mlx._gate import LaneName
 from trio_mlx._output import RowEvent
+from trio_mlx._planner import StepPlanner
 from trio_mlx._request import Ending, EngineStatistics, Phase, Request
 from trio_mlx._worker import Worker
 
@@ -101,9 +105,9 @@ class Actor:
     _ids: Any = attrs.field(init=False, factory=lambda: itertools.count(1))
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _inserts: list[RowSpec] = attrs.field(init=False, factory=list)
-    _resumes: list[int] = attrs.field(init=False, factory=list)
-    _removes: list[int] = attrs.field(init=False, factory=list)
+    #: Decides what each step call carries (rows in and out, burst length); its
+    #: fields are the burst and grouped-admission knobs.
+    planner: StepPlanner = attrs.field(init=False)
     #: Rows of the last Park decision that the lane has still to park.
     _parking: list[int] = attrs.field(init=False, factory=list)
     _closing: bool = attrs.field(init=False, default=False)
@@ -118,31 +122,12 @@ class Actor:
     _handoff: Decision | None = attrs.field(init=False, default=None)
     _chain_done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _chain_error: BaseException | None = attrs.field(init=False, default=None)
-    #: Most decode steps in one Step's burst, and its time budget in seconds (see _submit_step).
-    burst_steps: int = 16
-    burst_seconds: float = 0.02
     #: Set by the doorbell, read by the MLX thread: a burst stops at the next step boundary.
     _news: threading.Event = attrs.field(init=False, factory=threading.Event)
-    #: Grouped admission (see _admit_now): rows admitted while others decode
-    #: wait for up to ``admit_group`` of them (at most an eighth of the decoding
-    #: rows), but never more than ``admit_wait_steps`` decode steps or
-    #: ``admit_wait_seconds`` (plus the burst in flight, <= 20 ms) after the
-    #: first arrived: the most grouping adds to a row's time to first token.
-    admit_group: int = 16
-    #: The group is at most 1/admit_fraction of the decoding rows.
-    admit_fraction: int = 8
-    admit_wait_steps: int = 32
-    admit_wait_seconds: float = 0.25
-    #: Rows decoding in the lane after the last step (from the lane's result).
-    _lane_live: int = attrs.field(init=False, default=0)
-    #: When the oldest held insert was queued, and decode steps run since.
-    _held_since: float | None = attrs.field(init=False, default=None)
-    _held_steps: int = attrs.field(init=False, default=0)
-    #: Step calls that inserted new rows (admitted rows / this = the mean group).
-    _admissions: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self._arbiter = Arbiter(self.policy, now=trio.current_time())
+        self.planner = StepPlanner(lambda: self.lane.prefill_batch_size)
         # Room for a full queue plus a full batch: the arbiter, not the inbox,
         # is what normally says no.
         size = self.policy.max_queue + self.policy.max_batch
@@ -170,10 +155,10 @@ class Actor:
         except trio.WouldBlock:
             self._counts[f"{request.lane}:{Ending.REJECTED}"] += 1
             raise EngineOverloaded("the engine's inbox is full", retry_after=1.0) from None
-        request.submitted = trio.current_time()
+        request.submitted = now = trio.current_time()
         self._requests[request.id] = request
         self._idle = trio.Event()
-        self._ring(interrupt=self._ends_burst(request))
+        self._ring(interrupt=self._ends_burst(request, now))
 
     async def submit(self, request: Request) -> None:
         """Submit and wait until the actor accepts (queues) the request, or raise why not."""
@@ -230,11 +215,11 @@ class Actor:
         elif request.lane is LaneName.BATCH:
             if request.phase is Phase.RUNNING:
                 self._arbiter.row_ended(request.id, Outcome.CANCELLED, now)
-                self._forget_pending(request)
+                self.planner.withdraw(request.id)
             else:
                 self._arbiter.cancel_row(request.id, now)
                 if request.inserted:
-                    self._removes.append(request.id)
+                    self.planner.remove(request.id)
             self._end(request, Ending.CANCELLED)
         elif request.phase is Phase.PENDING:
             self._arbiter.cancel_job(request.id, now)
@@ -266,7 +251,7 @@ class Actor:
             steps=arb.steps,
             arbiter=arb,
             ranks=self.ranks,
-            admissions=self._admissions,
+            admissions=self.planner.admissions,
             adapter_requests=MappingProxyType(dict(self._adapter_counts)),
             adapter_rows=MappingProxyType(dict(self._live_adapter_rows())),
         )
@@ -350,7 +335,7 @@ class Actor:
                 case Start(job_id):
                     self._start(nursery, self._requests[job_id])
                 case Wait(deadline):
-                    if self._removes and self._arbiter.state is State.ADMITTING:
+                    if self.planner.removes_pending and self._arbiter.state is State.ADMITTING:
                         await self._discard()
                         continue
                     with trio.move_on_at(deadline if deadline is not None else float("inf")):
@@ -393,99 +378,47 @@ class Actor:
 
     async def _discard(self) -> None:
         """Free cancelled rows' caches now, when no step would do it soon."""
-        removes, self._removes = self._removes, []
+        removes = self.planner.take_removes()
         with contextlib.suppress(Exception):
             # Best effort: failing here only keeps the rows' caches a while longer.
             self._batch_rows = await self.worker.run(partial(self.lane.discard, removes))
-        self._lane_live = 0  # unknown until the next step: admit at once meanwhile
+        self.planner.lane_unknown()
 
     def _queue_rows(self, ids: tuple[int, ...]) -> None:
         """Admitted or resumed rows join the next step: new ones inserted, parked ones resumed."""
+        now = trio.current_time()
         for row_id in ids:
             request = self._requests[row_id]
             request.phase = Phase.RUNNING
             if request.inserted:
-                self._resumes.append(row_id)
+                self.planner.resume(row_id)
             else:
                 assert request.spec is not None
-                if not self._inserts:
-                    self._held_since, self._held_steps = trio.current_time(), 0
-                self._inserts.append(request.spec)
+                self.planner.insert(request.spec, now)
 
-    def _admit_now(self) -> bool:
-        """Whether the queued inserts go into this step, or wait to be prefilled as a group.
-
-        Prefill is a synchronous pass on the MLX thread: admitting arrivals one
-        or two at a time while 64 rows decode cost the bare loop 76% of its
-        throughput on the H200, grouping 16 cost 22% (shared/measured). So
-        while rows decode, arrivals are collected until there are
-        ``admit_group`` of them (no more than mlx-lm prefills in one pass, nor
-        an eighth of the decoding rows), or the first has waited ``admit_wait_steps`` decode
-        steps or ``admit_wait_seconds``. An idle lane admits at once.
-        """
-        pending = len(self._inserts)
-        if not pending or self._resumes or not self._lane_live:
+    def _ends_burst(self, request: Request, now: float) -> bool:
+        """Whether a submission ends the burst in flight (see StepPlanner.ends_burst)."""
+        if request.lane is not LaneName.BATCH:
             return True
-        if self._arbiter.state is not State.ADMITTING or self._arbiter.jobs_waiting:
-            return True  # a drain waits for these rows: never hold them then
-        if pending >= self._group_target():
-            return True
-        if self._held_steps >= self.admit_wait_steps:
-            return True
-        since = self._held_since
-        return since is None or trio.current_time() - since >= self.admit_wait_seconds
-
-    def _group_target(self) -> int:
-        """Rows that make an admission group now (see _admit_now)."""
-        group = min(self.admit_group, self.lane.prefill_batch_size)
-        return min(group, max(1, self._lane_live // self.admit_fraction))
-
-    def _ends_burst(self, request: Request) -> bool:
-        """Whether a submission ends the burst in flight (the inbox is read between bursts).
-
-        A batch row that grouped admission would hold anyway waits for the
-        burst to end on its own (``burst_steps`` / ``burst_seconds``, or the
-        next finish or first token): ending it early would only cost a trip
-        through the Trio thread per arrival. A job, the arrival that completes
-        a group, and any arrival once the oldest held one is due end it.
-        """
-        if request.lane is not LaneName.BATCH or not self._lane_live or self.admit_group <= 1:
-            return True
-        if self._arbiter.state is not State.ADMITTING or self._arbiter.jobs_waiting:
-            return True
-        waiting = len(self._inserts) + self._inbox_send.statistics().current_buffer_used
-        if waiting >= self._group_target():
-            return True
-        since = self._held_since
-        return since is not None and trio.current_time() - since >= self.admit_wait_seconds
+        arriving = self._inbox_send.statistics().current_buffer_used
+        return self.planner.ends_burst(
+            now, self._arbiter.state, self._arbiter.jobs_waiting, arriving
+        )
 
     def _submit_step(self) -> None:
-        """Send one decode step, with the rows to remove, insert and resume, to the worker."""
-        inserts: list[RowSpec] = []
-        if self._admit_now():
-            inserts, self._inserts, self._held_since = self._inserts, [], None
-            self._admissions += bool(inserts)
-        resumes, removes = self._resumes, self._removes
-        self._resumes, self._removes = [], []
-        for spec in inserts:
+        """Send the planner's next step to the worker."""
+        plan = self.planner.next_step(
+            trio.current_time(), self._arbiter.state, self._arbiter.jobs_waiting
+        )
+        for spec in plan.inserts:
             self._requests[spec.id].inserted = True
-        steps = 1
-        if (
-            self.burst_steps > 1
-            and self._arbiter.state is State.ADMITTING
-            and not self._arbiter.jobs_waiting
-        ):
-            steps = self.burst_steps
         # Cleared right after the decision (on this thread, with no checkpoint
         # in between): any later ring ends the burst at the next step.
         self._news.clear()
         call = partial(
             self.lane.step,
-            inserts,
-            resumes,
-            removes,
-            steps=steps,
-            seconds=self.burst_seconds,
+            plan,
+            seconds=self.planner.burst_seconds,
             interrupt=self._news.is_set,
         )
         self.worker.submit(call, self._step_finished)
@@ -521,14 +454,13 @@ class Actor:
                 for r in self._requests.values()
                 if r.lane is LaneName.BATCH and r.phase is Phase.RUNNING
             ]
-            self._removes.extend(event.id for event in events)
-            self._lane_live = 0
+            self.planner.remove(*(event.id for event in events))
+            self.planner.lane_unknown()
         else:
             step = result.unwrap()
             events = step.events
             self._batch_rows = step.rows
-            self._lane_live = step.decoding
-            self._held_steps += step.steps
+            self.planner.stepped(step.decoding, step.steps)
             for row_id, cached in step.cached.items():
                 request = self._requests.get(row_id)
                 if request is not None:
@@ -590,20 +522,15 @@ class Actor:
         for row_id in ids:
             request = self._requests[row_id]
             request.phase = Phase.PENDING
-            if any(spec.id == row_id for spec in self._inserts):
-                self._inserts = [s for s in self._inserts if s.id != row_id]
-                request.inserted = False
-            elif row_id in self._resumes:
-                self._resumes.remove(row_id)
-            else:
+            if not self.planner.unqueue(row_id):
                 in_lane.append(row_id)
         return in_lane
 
     async def _park(self, ids: tuple[int, ...]) -> None:
         # ``ids`` were marked parked when the decision was made (_decide); a row
-        # cancelled since is parked anyway and then discarded with _removes.
+        # cancelled since is parked anyway and then removed (StepPlanner.remove).
         in_lane, self._parking = self._parking, []
-        self._lane_live = 0  # unknown until the next step: admit at once meanwhile
+        self.planner.lane_unknown()
         if in_lane:
             try:
                 await self.worker.run(partial(self.lane.park, in_lane))
@@ -616,7 +543,7 @@ class Actor:
                     if request is None:
                         continue
                     self._arbiter.cancel_row(row_id, now)
-                    self._removes.append(row_id)
+                    self.planner.remove(row_id)
                     self._deliver(request, RowEvent(row_id, error=exc), now)
                     self._end(request, Ending.FAILED)
 
@@ -675,14 +602,6 @@ class Actor:
         self._tokens["cached"] += cached
 
     # --- bookkeeping ---
-
-    def _forget_pending(self, request: Request) -> None:
-        if any(spec.id == request.id for spec in self._inserts):
-            self._inserts = [s for s in self._inserts if s.id != request.id]
-        else:
-            if request.id in self._resumes:
-                self._resumes.remove(request.id)
-            self._removes.append(request.id)
 
     def _end(self, request: Request, how: Ending) -> None:
         if request.phase is Phase.DONE:

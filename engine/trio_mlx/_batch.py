@@ -42,7 +42,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -57,6 +57,7 @@ from trio_mlx._structured import GrammarBatch, GrammarProcessor
 __all__ = [
     "BatchLane",
     "RowSpec",
+    "StepPlan",
     "StepResult",
     "eos_processors",
     "make_processors",
@@ -74,6 +75,34 @@ class RowSpec:
     params: SamplingParams
     #: The compiled :class:`~trio_mlx._structured.Constraint` of a constrained request.
     constraint: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+def _specs(specs: Iterable[RowSpec]) -> tuple[RowSpec, ...]:
+    return tuple(specs)
+
+
+def _ids(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(ids)
+
+
+@attrs.frozen
+class StepPlan:
+    """One :meth:`BatchLane.step`: the rows it removes, inserts and resumes, and its burst length.
+
+    The actor's :class:`~trio_mlx._planner.StepPlanner` makes one per step; in
+    distributed mode rank 0 sends the same plan to every follower
+    (:mod:`trio_mlx._distributed`), so every rank makes the same call.
+    """
+
+    inserts: tuple[RowSpec, ...] = attrs.field(default=(), converter=_specs)
+    resumes: tuple[int, ...] = attrs.field(default=(), converter=_ids)
+    removes: tuple[int, ...] = attrs.field(default=(), converter=_ids)
+    #: Most decode steps of the burst (see :meth:`BatchLane.step`).
+    steps: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+
+
+#: A step that only decodes (no row comes or goes): one decode step.
+DECODE = StepPlan()
 
 
 @attrs.frozen
@@ -587,25 +616,23 @@ class BatchLane:
 
     def step(
         self,
-        inserts: Sequence[RowSpec] = (),
-        resumes: Sequence[int] = (),
-        removes: Sequence[int] = (),
+        plan: StepPlan = DECODE,
         *,
-        steps: int = 1,
         seconds: float = 0.0,
         interrupt: Callable[[], bool] | None = None,
     ) -> StepResult:
-        """Remove, insert and resume rows, then run one decode step, or a burst of them.
+        """Remove, insert and resume ``plan``'s rows, then run one decode step, or a burst of them.
 
-        With ``steps > 1`` the lane keeps decoding, up to ``steps`` steps or
+        With ``plan.steps > 1`` the lane keeps decoding, up to that many steps or
         until ``seconds`` have passed, and stops early after any step in which
         a row finished, failed or produced its first token, or once
         ``interrupt()`` is true (the actor has news: a cancel, a submission).
         A row's tokens from the whole burst come back as one event.
         """
+        inserts, resumes, steps = plan.inserts, plan.resumes, plan.steps
         events: list[RowEvent] = []
         cached: dict[int, int] = {}
-        self._kill(removes, store=False)
+        self._kill(plan.removes, store=False)
         if self._dead and (inserts or resumes or self._compaction_due()):
             self._compact()
         for spec in inserts:

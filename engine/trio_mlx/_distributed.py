@@ -18,7 +18,8 @@ The command stream
 ------------------
 Rank 0's :class:`Leader` broadcasts, on its MLX thread and before making the
 call itself, every state-changing call as a :class:`Command`: the batch lane's
-step (a :class:`StepPlan`: inserts, resumes, removes and the burst length),
+step (a :class:`~trio_mlx._batch.StepPlan`: inserts, resumes, removes and
+the burst length, the lane call's one argument),
 park, discard, fail_all and close (:class:`MirroredLane`), and each serial
 generation (its :class:`RowSpec`). On the wire a command is its short string
 value and its arguments (a step plan as its four fields), so a message stays
@@ -84,7 +85,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import attrs
 import trio
 
-from trio_mlx._batch import BatchLane, RowSpec, StepResult
+from trio_mlx._batch import DECODE, BatchLane, RowSpec, StepPlan, StepResult
 from trio_mlx._errors import EngineClosed
 from trio_mlx._output import RowEvent
 
@@ -100,11 +101,11 @@ __all__ = [
     "Leader",
     "MirroredLane",
     "ProtocolError",
-    "StepPlan",
     "exit_status",
     "follower_rank",
     "launched",
     "load_shard",
+    "replay",
     "timeout",
     "watch_follower",
 ]
@@ -142,7 +143,7 @@ START_TIMEOUT = 600.0
 class Command(enum.Enum):
     """What rank 0 tells the followers; the value is what travels (a short string)."""
 
-    #: A batch-lane step: a :class:`StepPlan`.
+    #: A batch-lane step: a :class:`~trio_mlx._batch.StepPlan`.
     STEP = "step"
     #: ``BatchLane.park(ids)``, ``discard(ids)``, ``fail_all(error)``.
     PARK = "park"
@@ -158,21 +159,9 @@ class Command(enum.Enum):
     CLOSE = "close"
 
 
-@attrs.frozen
-class StepPlan:
-    """One batch-lane step command: what :meth:`BatchLane.step` admits, resumes and removes,
-    and how many decode steps the burst runs (fixed by rank 0 up front)."""
-
-    inserts: tuple[RowSpec, ...] = ()
-    resumes: tuple[int, ...] = ()
-    removes: tuple[int, ...] = ()
-    steps: int = 1
-
-    def run(self, lane: BatchLane) -> StepResult:
-        """Make this step on ``lane`` (every rank alike: no clock, no interrupt)."""
-        return BatchLane.step(
-            lane, self.inserts, self.resumes, self.removes, steps=self.steps, seconds=math.inf
-        )
+def replay(lane: BatchLane, plan: StepPlan) -> StepResult:
+    """Make ``plan``'s step on ``lane`` as every rank does: no clock, no interrupt."""
+    return BatchLane.step(lane, plan, seconds=math.inf)
 
 
 def _seconds(name: str, default: float) -> float:
@@ -567,22 +556,18 @@ class MirroredLane(BatchLane):
 
     def step(
         self,
-        inserts: Sequence[RowSpec] = (),
-        resumes: Sequence[int] = (),
-        removes: Sequence[int] = (),
+        plan: StepPlan = DECODE,
         *,
-        steps: int = 1,
         seconds: float = 0.0,
         interrupt: Callable[[], bool] | None = None,
     ) -> StepResult:
         # ``interrupt`` is not followed: the followers could not see it.
         if self.leader is not None:
-            steps = self.burst_length(steps, seconds)
-        plan = StepPlan(tuple(inserts), tuple(resumes), tuple(removes), steps)
+            plan = attrs.evolve(plan, steps=self.burst_length(plan.steps, seconds))
         self._command(Command.STEP, *attrs.astuple(plan, recurse=False))
         before = self.generator_seconds
-        result = plan.run(self)
-        if result.steps and not inserts and not resumes:  # decode steps only, no prefill
+        result = replay(self, plan)
+        if result.steps and not plan.inserts and not plan.resumes:  # decode steps only, no prefill
             took = (self.generator_seconds - before) / result.steps
             last = self.step_seconds
             self.step_seconds = took if last is None else 0.8 * last + 0.2 * took

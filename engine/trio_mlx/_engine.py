@@ -144,8 +144,9 @@ async def open_engine(
     ``max_loras`` bounds the adapters mounted at once (a mount past it raises
     :class:`~trio_mlx.AdapterConflict`; ``None``: no bound).
     ``_tune`` is for tests and benchmarks, not a stable API: it sets public
-    fields of the actor (burst and grouped-admission bounds, ``decision_hook``)
-    or of the batch lane (removal bounds) by name before the engine starts.
+    fields of the actor (``decision_hook``), of its step planner (burst and
+    grouped-admission bounds) or of the batch lane (removal bounds) by name
+    before the engine starts.
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -234,8 +235,8 @@ async def _serve(
         )
         engine = Engine(model_id, loaded, registry, actor)
         if not loaded.grouping:
-            actor.admit_group = 1  # the CPU admits arrivals at once (see Loaded.grouping)
-        _apply_tuning(tune or {}, actor, loaded.lane)
+            actor.planner.admit_group = 1  # the CPU admits arrivals at once (Loaded.grouping)
+        _apply_tuning(tune or {}, actor, actor.planner, loaded.lane)
         worker.on_death = actor.on_worker_death
         try:
             async with trio.open_nursery() as nursery:

@@ -19,13 +19,13 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 from trio_mlx._distributed import (
     Channel,
     Command,
     GroupLost,
     ProtocolError,
-    StepPlan,
+    replay,
     timeout,
     watch_follower,
 )
@@ -44,8 +44,8 @@ class Follower:
     loaded: Loaded
     channel: Channel
 
-    def step(self, *plan: Any) -> None:
-        StepPlan(*plan).run(self.loaded.lane)
+    def step(self, *fields: Any) -> None:
+        replay(self.loaded.lane, StepPlan(*fields))
 
     def park(self, ids: tuple[int, ...]) -> None:
         BatchLane.park(self.loaded.lane, ids)

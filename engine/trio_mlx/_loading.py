@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from trio_mlx import _distributed
-from trio_mlx._batch import BatchLane, RowSpec
+from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._params import SamplingParams
 from trio_mlx._prompt_cache import PromptCache
@@ -246,7 +246,7 @@ def load(
     )
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
-        lane.step([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))])
+        lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))
         while lane.rows:
             lane.step()
     else:
