@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 from http_helpers import live_server
 from trio_mlx_http._serve import ConnectionGuard, ConnectionLimits, raise_fd_limit
@@ -160,3 +161,34 @@ async def test_accept_waits_out_fd_exhaustion_with_one_warning(
     warnings = [r for r in caplog.records if "waiting for connections to close" in r.message]
     assert len(warnings) == 1
     assert all(r.exc_info is None for r in caplog.records)
+
+
+async def _socket_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    left, right = trio.socket.socketpair()
+    return trio.SocketStream(left), trio.SocketStream(right)
+
+
+async def test_guard_write_sends_at_once_and_fails_as_trio_streams_do() -> None:
+    guard = ConnectionGuard(ConnectionLimits(write_timeout=600))
+    ours, theirs = await _socket_pair()
+    await guard.write(ours, b"data: 1\n\n")
+    assert await theirs.receive_some(100) == b"data: 1\n\n"
+    await theirs.aclose()
+    with pytest.raises(trio.BrokenResourceError):
+        await guard.write(ours, b"data: 2\n\n")  # a Unix socket's closed peer: EPIPE at once
+    await ours.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await guard.write(ours, b"data: 3\n\n")
+    assert guard.statistics().write_timeouts == 0
+
+
+async def test_guard_write_that_cannot_leave_times_out_and_closes(
+    autojump_clock: MockClock,
+) -> None:
+    guard = ConnectionGuard(ConnectionLimits(write_timeout=5))
+    ours, theirs = await _socket_pair()
+    with pytest.raises(trio.BrokenResourceError, match=r"^write timed out$"):
+        await guard.write(ours, b"x" * (64 << 20))  # far more than the socket buffers hold
+    assert guard.statistics().write_timeouts == 1
+    assert ours.socket.fileno() == -1
+    await theirs.aclose()

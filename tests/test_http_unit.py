@@ -313,8 +313,9 @@ def test_streamed_tool_calls_become_indexed_deltas_and_finish_with_tool_calls() 
         [None],
     )
     pieces = ["Let me check. <tool_", 'call>{"name": "now", "arguments": {}}</tool_call>']
-    chunks = [c for p in pieces for c in fmt.delta(0, Delta(p, (1,)))]
-    chunks += fmt.end(0, GenerationResult("stop", 5, 9, 0, "batch", 0.1, 0.2))
+    events = [e for p in pieces for e in fmt.delta(0, Delta(p, (1,)))]
+    events += fmt.end(0, GenerationResult("stop", 5, 9, 0, "batch", 0.1, 0.2))
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"content": "Let me check. "}
     call = deltas[1]["tool_calls"][0]
@@ -471,3 +472,19 @@ def test_best_of_returns_the_most_likely_candidates() -> None:
         {"prompt": ["a", "b"], "n": 2, "best_of": 3, "logprobs": 0}, SETTINGS
     )
     assert _best(first + second, 3, asked) == expected
+
+
+@given(
+    text=st.text(),
+    model=st.text(max_size=12),
+    index=st.integers(min_value=0, max_value=15),
+)
+def test_a_text_event_is_the_whole_event_encoded_at_once(text: str, model: str, index: int) -> None:
+    envelope = _openai.Envelope.chat(model, chunk=True)
+
+    def chunk(content: str) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"content": content}, "logprobs": None}
+        return envelope.body([{**choice, "finish_reason": None}])
+
+    template = _sse.TextEvent(chunk("before"), ("choices", 0, "delta", "content"))
+    assert template.fill(text) == _sse.event(chunk(text))

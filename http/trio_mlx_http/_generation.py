@@ -45,13 +45,13 @@ logger = logging.getLogger("trio_mlx_http")
 
 
 class _Format(Protocol):
-    """How one endpoint renders choices: whole, or as stream chunks."""
+    """How one endpoint renders choices: whole, or as stream chunks (SSE events)."""
 
     envelope: _openai.Envelope
 
-    def start(self, index: int) -> list[dict[str, Any]]: ...
-    def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]: ...
-    def end(self, index: int, result: GenerationResult) -> list[dict[str, Any]]: ...
+    def start(self, index: int) -> list[bytes]: ...
+    def delta(self, index: int, delta: Delta) -> list[bytes]: ...
+    def end(self, index: int, result: GenerationResult) -> list[bytes]: ...
     def whole(self, index: int, completion: Completion) -> dict[str, Any]: ...
 
 
@@ -72,6 +72,8 @@ class _ChatFormat:
     texts: _openai.TokenTexts
     extractors: list[ToolCallExtractor | None]
     splitters: list[ReasoningSplitter | None]
+    #: Per choice: its chunk of content alone, encoded once (most chunks are one).
+    _content_events: dict[int, _sse.TextEvent] = attrs.field(init=False, factory=dict)
 
     def _think(self, index: int, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of a piece of text."""
@@ -100,12 +102,23 @@ class _ChatFormat:
         first = extractor.calls - len(calls)
         return shown, [c.as_openai(first + k if streamed else None) for k, c in enumerate(calls)]
 
-    def start(self, index: int) -> list[dict[str, Any]]:
-        return [self._chunk(index, {"role": "assistant", "content": ""})]
+    def _content(self, index: int, text: str) -> bytes:
+        """``_sse.event(self._chunk(index, {"content": text}))``, encoding only ``text``."""
+        template = self._content_events.get(index)
+        if template is None:
+            chunk = self._chunk(index, {"content": ""})
+            template = _sse.TextEvent(chunk, ("choices", 0, "delta", "content"))
+            self._content_events[index] = template
+        return template.fill(text)
 
-    def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+    def start(self, index: int) -> list[bytes]:
+        return [_sse.event(self._chunk(index, {"role": "assistant", "content": ""}))]
+
+    def delta(self, index: int, delta: Delta) -> list[bytes]:
         reasoning, content = self._think(index, delta.text, final=False)
         text, calls = self._split(index, content, final=False)
+        if text and not (reasoning or calls or delta.logprobs):
+            return [self._content(index, text)]
         logprobs = _openai.chat_logprobs(delta.logprobs, self.texts) if delta.logprobs else None
         body: dict[str, Any] = _reasoning_fields(reasoning)
         if text:
@@ -114,9 +127,9 @@ class _ChatFormat:
             body["tool_calls"] = calls
         if not body and logprobs is None:
             return []
-        return [self._chunk(index, body, logprobs)]
+        return [_sse.event(self._chunk(index, body, logprobs))]
 
-    def end(self, index: int, result: GenerationResult) -> list[dict[str, Any]]:
+    def end(self, index: int, result: GenerationResult) -> list[bytes]:
         reasoning, content = self._think(index, "", final=True)
         text, calls = self._split(index, content, final=True)
         chunks = []
@@ -129,7 +142,7 @@ class _ChatFormat:
             chunks.append(self._chunk(index, body))
         reason = _finish_reason(result, self.extractors[index])
         chunks.append(self._chunk(index, {}, finish=reason))
-        return chunks
+        return [_sse.event(chunk) for chunk in chunks]
 
     def whole(self, index: int, completion: Completion) -> dict[str, Any]:
         reasoning, content = self._think(index, completion.text, final=True)
@@ -160,6 +173,8 @@ class _TextFormat:
     #: Per choice: the echoed prompt's logprobs (``echo`` with ``logprobs``), or None.
     prompt_logprobs: list[dict[str, Any] | None]
     _offsets: list[int] = attrs.field(init=False)
+    #: Per choice: its chunk of text alone, encoded once (most chunks are one).
+    _text_events: dict[int, _sse.TextEvent] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._offsets = [len(echo) for echo in self.echoes]
@@ -170,22 +185,30 @@ class _TextFormat:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self.envelope.body([choice])
 
-    def start(self, index: int) -> list[dict[str, Any]]:
+    def _text(self, index: int, text: str) -> bytes:
+        """``_sse.event(self._chunk(index, text))``, encoding only ``text``."""
+        template = self._text_events.get(index)
+        if template is None:
+            template = _sse.TextEvent(self._chunk(index, ""), ("choices", 0, "text"))
+            self._text_events[index] = template
+        return template.fill(text)
+
+    def start(self, index: int) -> list[bytes]:
         if not self.echoes[index]:
             return []
-        return [self._chunk(index, self.echoes[index], self.prompt_logprobs[index])]
+        return [_sse.event(self._chunk(index, self.echoes[index], self.prompt_logprobs[index]))]
 
-    def delta(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+    def delta(self, index: int, delta: Delta) -> list[bytes]:
         logprobs = None
         if delta.logprobs:
             logprobs = _openai.completion_logprobs(delta.logprobs, self.texts, self._offsets[index])
         self._offsets[index] += len(delta.text)
-        if not delta.text and logprobs is None:
-            return []
-        return [self._chunk(index, delta.text, logprobs)]
+        if logprobs is None:
+            return [self._text(index, delta.text)] if delta.text else []
+        return [_sse.event(self._chunk(index, delta.text, logprobs))]
 
-    def end(self, index: int, result: GenerationResult) -> list[dict[str, Any]]:
-        return [self._chunk(index, "", finish=result.finish_reason)]
+    def end(self, index: int, result: GenerationResult) -> list[bytes]:
+        return [_sse.event(self._chunk(index, "", finish=result.finish_reason))]
 
     def whole(self, index: int, completion: Completion) -> dict[str, Any]:
         echo = self.echoes[index]
@@ -579,6 +602,8 @@ def _next_readers(streams: Sequence[GenerationStream], active: list[int]) -> lis
     would leave their output unread, and the engine cancels a request whose
     unread output passes its bound.
     """
+    if len(active) == 1:  # one choice (most streams): whichever way, it is read
+        return active[:1]
     ready = [index for index in active if streams[index].ready]
     if ready:
         return ready
@@ -615,13 +640,19 @@ async def _stream(
             ran_with.extend(stream.max_tokens for stream in streams)
             yield b""  # primed: all admitted
             results: list[GenerationResult | None] = [None] * len(streams)
+            # Events ready together leave as one write (one ASGI send, one chunk
+            # frame): a round's choices, the last chunks with usage and [DONE].
+            # None waits for another: what is pending leaves before any wait.
+            pending: list[bytes] = []
             try:
                 for index in range(len(streams)):
-                    for chunk in fmt.start(index):
-                        yield _sse.event(chunk)
+                    pending += fmt.start(index)
                 active = list(range(len(streams)))
                 while active:
                     for index in _next_readers(streams, active):
+                        if pending and not streams[index].ready:
+                            yield b"".join(pending)
+                            pending.clear()
                         try:
                             delta = await anext(streams[index])
                         except StopAsyncIteration:
@@ -629,22 +660,23 @@ async def _stream(
                             result = results[index] = streams[index].result
                             access.tokens += result.completion_tokens
                             state.metrics.finished(access.endpoint, result)
-                            chunks = fmt.end(index, result)
+                            pending += fmt.end(index, result)
                         else:
-                            chunks = fmt.delta(index, delta)
-                        for chunk in chunks:
-                            yield _sse.event(chunk)
+                            pending += fmt.delta(index, delta)
+                    if pending and active:
+                        yield b"".join(pending)
+                        pending.clear()
             except TrioMLXError as error:
                 logger.warning("stream failed: %s", error.message)
                 state.metrics.failed(access.endpoint, "error")
                 status = status_of(error)
-                yield _sse.event(error_body(error))
-                yield _sse.DONE
+                yield b"".join([*pending, _sse.event(error_body(error)), _sse.DONE])
                 return
         if request.include_usage:
             done = [r for r in results if r is not None]
-            yield _sse.event(fmt.envelope.body([], usage=_openai.usage(done, request.n)))
-        yield _sse.DONE
+            pending.append(_sse.event(fmt.envelope.body([], usage=_openai.usage(done, request.n))))
+        pending.append(_sse.DONE)
+        yield b"".join(pending)
         status = 200
     finally:
         # Refused at admission, the handler answers with the error and logs it.

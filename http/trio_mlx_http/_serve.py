@@ -19,7 +19,9 @@ plain HTTP binds, with three changes, each for a failure seen under load:
   forever. :class:`_GuardedStream` gives each 64 KiB of a write
   ``write_timeout`` seconds, then aborts the connection (the handler sees a
   disconnect, and leaving ``engine.generate`` frees the row); at the graceful
-  deadline every pending write is aborted.
+  deadline every pending write is aborted. A write the socket takes at once
+  (a streamed token's event, nearly always) cannot stall: it is sent without
+  arming a deadline, which was a tenth of the Trio thread's time per token.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import errno
 import json
 import logging
 import math
+import os
 import resource
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -37,6 +40,7 @@ from typing import Any
 import attrs
 import trio
 from hypercorn.config import Config
+from hypercorn.events import Event, RawData
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
@@ -158,6 +162,11 @@ class ConnectionGuard:
     _writes: set[trio.CancelScope] = attrs.field(init=False, factory=set)
     _aborting: bool = attrs.field(init=False, default=False)
 
+    @property
+    def aborting(self) -> bool:
+        """Whether writes are being aborted (the graceful deadline has passed)."""
+        return self._aborting
+
     def statistics(self) -> ConnectionStatistics:
         """A frozen snapshot (``/metrics`` and the tests read it)."""
         return ConnectionStatistics(
@@ -194,7 +203,17 @@ class ConnectionGuard:
                     await stream.aclose()
 
     async def write(self, stream: trio.SocketStream, data: bytes) -> None:
-        """``stream.send_all(data)``, each slice within the write timeout, or abort."""
+        """``stream.send_all(data)``, each slice within the write timeout, or abort.
+
+        Most writes are one SSE event that fits in the socket's buffer: they are
+        sent at once, with no deadline to arm and disarm, and cannot stall. Only
+        what the buffer does not take waits, under the write timeout.
+        """
+        if not self._aborting:
+            sent = _send_nowait(stream, data)
+            if sent == len(data):
+                return
+            data = data[sent:]
         view = memoryview(data)
         for start in range(0, max(len(view), 1), _WRITE_SLICE):
             scope = trio.CancelScope(deadline=trio.current_time() + self.limits.write_timeout)
@@ -213,6 +232,29 @@ class ConnectionGuard:
                 # Closing wakes the connection's reader too, so Hypercorn lets it go.
                 await stream.aclose()
                 raise trio.BrokenResourceError("write timed out")
+
+
+def _send_nowait(stream: trio.SocketStream, data: bytes) -> int:
+    """Bytes of ``data`` the socket took without blocking (0 when it must wait).
+
+    Hypercorn's writes are serialized by its per-connection lock and follow a
+    schedule point there, so this send need not be one. Errors are trio's: a
+    closed socket is ``ClosedResourceError``, a failed send ``BrokenResourceError``.
+    """
+    sock = stream.socket
+    if sock.did_shutdown_SHUT_WR:
+        raise trio.ClosedResourceError("can't send data after sending EOF")
+    fd = sock.fileno()
+    if fd == -1:
+        raise trio.ClosedResourceError("socket was already closed")
+    try:
+        return os.write(fd, data)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError as exc:
+        if exc.errno == errno.EBADF:
+            raise trio.ClosedResourceError("socket was already closed") from None
+        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
 
 async def _refuse(stream: trio.SocketStream) -> None:
@@ -241,10 +283,24 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         self._inner = inner
         self._guard = guard
         self._scope = scope
+        self._sending = False
         self.socket = inner.socket
 
+    def send_nowait(self, data: bytes) -> int:
+        """Bytes of ``data`` sent without blocking: 0 when the write must wait its turn."""
+        if self._sending or self._guard.aborting:
+            return 0
+        return _send_nowait(self._inner, data)
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._guard.write(self._inner, bytes(data))
+        # The guard's first send is not trio's, so its conflict check is made here.
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this stream")
+        self._sending = True
+        try:
+            await self._guard.write(self._inner, bytes(data))
+        finally:
+            self._sending = False
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._inner.wait_send_all_might_not_block()
@@ -270,6 +326,33 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+class _Connection(TCPServer):
+    """Hypercorn's connection, whose writes skip its lock and shield when they cannot block.
+
+    Hypercorn sends each body chunk under a per-connection lock and a shielded
+    cancel scope (a schedule point and two scope changes per streamed token).
+    A write the socket takes at once needs neither: nothing else is sending,
+    and it cannot be interrupted. The rest, and any failure, go Hypercorn's way.
+    """
+
+    async def protocol_send(self, event: Event) -> None:
+        stream: object = self.stream  # Hypercorn types it as a TLS stream
+        if (
+            type(event) is RawData
+            and isinstance(stream, _GuardedStream)
+            and not self.send_lock.locked()
+        ):
+            try:
+                sent = stream.send_nowait(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                sent = 0  # Hypercorn's send meets it again and reports the close
+            if sent == len(event.data):
+                return
+            if sent:
+                event = RawData(event.data[sent:], event.address)
+        await super().protocol_send(event)
 
 
 class _Listener(trio.abc.Listener[trio.SocketStream]):
@@ -310,8 +393,8 @@ def _close_shim(app: ASGIFramework) -> ASGIFramework:
             return
 
         async def last_send_shielded(message: ASGISendEvent) -> None:
-            fields: dict[str, Any] = dict(message)
-            if fields["type"] == "http.response.body" and not fields.get("more_body", False):
+            fields: Mapping[str, Any] = message
+            if not fields.get("more_body", False) and fields["type"] == "http.response.body":
                 with trio.CancelScope(shield=True):
                     await send(message)
             else:
@@ -355,7 +438,7 @@ async def serve(
                 )
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             state = ConnectionState(lifespan_state.copy())
-            handler = partial(guard.handle, partial(TCPServer, wrapped, config, context, state))
+            handler = partial(guard.handle, partial(_Connection, wrapped, config, context, state))
             task_status.started(binds)
             async with trio.open_nursery() as accepting:
                 accepting.start_soon(

@@ -197,6 +197,11 @@ async def run_turn(
     return renderer.whole(pieces, splitter.ending(result, stop, state.engine.tokenizer))
 
 
+def _frame(events: list[Event]) -> bytes:
+    """Events ready together, framed as one write (one ASGI send, one chunk on the wire)."""
+    return b"".join([_sse.named_event(name, payload) for name, payload in events])
+
+
 async def _stream(
     state: ServerState,
     request: GenerationRequest,
@@ -218,16 +223,16 @@ async def _stream(
             yield b""  # primed: admitted
             try:
                 # The opening events go out at once, before the first token.
-                for name, payload in renderer.opened(stream.prompt_tokens):
-                    yield _sse.named_event(name, payload)
+                if opening := renderer.opened(stream.prompt_tokens):
+                    yield _frame(opening)
                 events: list[Event] = []
                 token_ids: list[int] = []
                 async for delta in stream:
                     token_ids.extend(delta.token_ids)
                     for piece in splitter.feed(delta.text):
                         events += renderer.piece(piece)
-                    for name, payload in events:
-                        yield _sse.named_event(name, payload)
+                    if events:
+                        yield _frame(events)
                     events = []
                 for piece in splitter.feed("", final=True):
                     events += renderer.piece(piece)
@@ -243,8 +248,8 @@ async def _stream(
                 state.metrics.failed(access.endpoint, "error")
                 status = status_of(error)
                 events = renderer.failed(error)
-            for name, payload in events:
-                yield _sse.named_event(name, payload)
+            if events:
+                yield _frame(events)
         if status == 499:  # every event written: a whole stream
             status = 200
     finally:
