@@ -28,23 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.suite.loadgen import WORDS
 from bench.suite.models import EOS_IDS
-
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "cats",
-    "watch",
-]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
