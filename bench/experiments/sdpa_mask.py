@@ -4,7 +4,9 @@ mlx-lm's ``BatchKVCache`` always passes a boolean mask (from the rows' left
 padding) to ``mx.fast.scaled_dot_product_attention``, even when no row is
 padded. This times one single-query attention call, Llama-3.2-1B's shape
 (32 query heads, 8 KV heads, head dim 64), B rows, per call with an eval each
-(host cost included), for: no mask, a boolean mask, an additive mask.
+(host cost included), for: no mask, a boolean mask, an additive mask, and on
+CUDA trio-mlx's fused decode kernel (``trio_mlx._decode_attention``), with its
+largest difference from the boolean-mask call.
 Run: ``python bench/experiments/sdpa_mask.py`` (numbers in design/performance.md).
 """
 
@@ -46,6 +48,13 @@ def main() -> None:
             name: timed(partial(attend, q, k, v, mask))
             for name, mask in (("none", None), ("bool", boolean), ("additive", additive))
         }
+        if mx.cuda.is_available():
+            from trio_mlx._decode_attention import decode_attention
+
+            fused = partial(decode_attention, q, k, v, padding, 64**-0.5)
+            row["kernel"] = timed(fused)
+            error = mx.abs(fused().astype(mx.float32) - attend(q, k, v, boolean).astype(mx.float32))
+            print(f"  kernel vs boolean mask: max abs difference {error.max().item():.2e}")
         cells = ", ".join(f"{name} {us:.0f} us" for name, us in row.items())
         print(f"B={rows} kL={length}: {cells}", flush=True)
 

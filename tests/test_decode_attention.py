@@ -1,0 +1,75 @@
+"""The fused decode attention (CUDA only) against MLX's masked attention, and its gates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_mlx import _decode_attention
+
+
+def test_install_leaves_the_model_alone_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off CUDA (this CI's CPU) the model's attention stays mlx-lm's."""
+    import mlx_lm.models.llama as llama
+
+    before = llama.scaled_dot_product_attention
+    model: Any = llama.Model.__new__(llama.Model)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert _decode_attention.install(model) is False
+    assert llama.scaled_dot_product_attention is before
+
+
+def test_install_is_refused_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TRIO_MLX_DECODE_KERNEL=0`` keeps mlx-lm's attention even where CUDA is."""
+    import mlx_lm.models.llama as llama
+
+    before = llama.scaled_dot_product_attention
+    model: Any = llama.Model.__new__(llama.Model)
+    monkeypatch.setenv("TRIO_MLX_DECODE_KERNEL", "0")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert _decode_attention.install(model) is False
+    assert llama.scaled_dot_product_attention is before
+
+
+def test_only_single_query_batch_calls_are_taken() -> None:
+    """Prefill (several queries), plain caches and sinks go to mlx-lm's attention."""
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    batch = BatchKVCache([0, 2])
+    q1 = mx.zeros((2, 8, 1, 64))
+    q4 = mx.zeros((2, 8, 4, 64))
+    kv = mx.zeros((2, 2, 16, 64))
+    assert _decode_attention._takes(q1, kv, kv, batch, None)
+    assert not _decode_attention._takes(q4, kv, kv, batch, None)
+    assert not _decode_attention._takes(q1, kv, kv, KVCache(), None)
+    assert not _decode_attention._takes(q1, kv, kv, batch, mx.zeros((8,)))
+    assert not _decode_attention._takes(mx.zeros((2, 8, 1, 80)), kv, kv, batch, None)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on CUDA only")
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    kv_heads=st.sampled_from([1, 2, 8]),
+    group=st.sampled_from([1, 4]),
+    dim=st.sampled_from([64, 128]),
+    length=st.integers(1, 300),
+    data=st.data(),
+)
+def test_kernel_equals_masked_attention(
+    rows: int, kv_heads: int, group: int, dim: int, length: int, data: st.DataObject
+) -> None:
+    """Each row attends to its keys from its left padding on, as MLX's masked call does."""
+    start = mx.array(data.draw(st.lists(st.integers(0, length - 1), min_size=rows, max_size=rows)))
+    q = mx.random.normal((rows, kv_heads * group, 1, dim)).astype(mx.bfloat16)
+    k = mx.random.normal((rows, kv_heads, length, dim)).astype(mx.bfloat16)
+    v = mx.random.normal((rows, kv_heads, length, dim)).astype(mx.bfloat16)
+    mask = (mx.arange(length)[None] >= start[:, None])[:, None, None, :]
+    scale = dim**-0.5
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    got = _decode_attention.decode_attention(q, k, v, start, scale)
+    assert mx.allclose(got, want, atol=3e-2, rtol=3e-2).item()
