@@ -73,3 +73,63 @@ def test_kernel_equals_masked_attention(
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     got = _decode_attention.decode_attention(q, k, v, start, scale)
     assert mx.allclose(got, want, atol=3e-2, rtol=3e-2).item()
+
+
+def _masked(q: mx.array, k: mx.array, v: mx.array, start: mx.array, scale: float) -> mx.array:
+    mask = (mx.arange(k.shape[2])[None] >= start[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> tuple[Any, list[int]]:
+    """mlx-lm llama's attention with the wrapper installed around a stand-in ``kernel``."""
+    import mlx_lm.models.llama as llama
+
+    calls: list[int] = []
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_decode_attention, "_works", lambda: True)
+    monkeypatch.setattr(_decode_attention, "decode_attention", counted)
+    monkeypatch.delenv("TRIO_MLX_DECODE_KERNEL", raising=False)
+    assert _decode_attention.install(llama.Model.__new__(llama.Model)) is True
+    return llama.scaled_dot_product_attention, calls
+
+
+def _decode_call() -> tuple[mx.array, mx.array, mx.array, Any, mx.array]:
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = BatchKVCache([3, 0])
+    q = mx.random.normal((2, 8, 1, 64))
+    k = mx.random.normal((2, 2, 10, 64))
+    v = mx.random.normal((2, 2, 10, 64))
+    mask = (mx.arange(10)[None] >= cache.left_padding[:, None])[:, None, None, :]
+    return q, k, v, cache, mask
+
+
+def test_decode_calls_go_to_the_kernel_once_it_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode call with a batch cache takes the kernel (checked against mlx-lm's at first)."""
+    attention, calls = _installed(monkeypatch, _masked)
+    q, k, v, cache, mask = _decode_call()
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    for _ in range(3):
+        got = attention(q, k, v, cache=cache, scale=0.125, mask=mask)
+        assert mx.allclose(got, want, atol=1e-4).item()
+    assert len(calls) == 3
+    prefill = mx.random.normal((2, 8, 4, 64))
+    attention(prefill, k, v, cache=cache, scale=0.125, mask="causal")
+    assert len(calls) == 3  # several queries: mlx-lm's attention
+
+
+def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose first answer differs from mlx-lm's is dropped for that shape."""
+    attention, calls = _installed(monkeypatch, lambda q, k, v, start, scale: mx.zeros_like(q))
+    q, k, v, cache, mask = _decode_call()
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    for _ in range(3):
+        got = attention(q, k, v, cache=cache, scale=0.125, mask=mask)
+        assert mx.allclose(got, want, atol=1e-4).item()
+    assert len(calls) == 1

@@ -169,7 +169,8 @@ def install(model: Any) -> bool:
 
     Only on MLX's CUDA backend, not when ``TRIO_MLX_DECODE_KERNEL`` is ``0``, and
     only once the kernel has compiled and matched MLX's masked attention on a
-    small padded batch (else a warning, and mlx-lm's path as before).
+    small padded batch (else a warning, and mlx-lm's path as before). The
+    first real call of each head shape is checked again against mlx-lm's call.
     """
     import mlx.core as mx
 
@@ -184,6 +185,8 @@ def install(model: Any) -> bool:
     if inner is None or getattr(inner, "trio_mlx_decode", False):
         return inner is not None
     original: Callable[..., Any] = inner
+    #: (head dim, query heads per KV head, dtype) -> whether the kernel matched there.
+    verified: dict[tuple[int, int, Any], bool] = {}
 
     def attention(
         queries: Any,
@@ -194,9 +197,21 @@ def install(model: Any) -> bool:
         mask: Any,
         sinks: Any = None,
     ) -> Any:
-        if _takes(queries, keys, values, cache, sinks):
-            return decode_attention(queries, keys, values, cache.left_padding, scale)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if not _takes(queries, keys, values, cache, sinks):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        shape = (queries.shape[-1], queries.shape[1] // keys.shape[1], queries.dtype)
+        known = verified.get(shape)
+        if known is False:
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+        fused = decode_attention(queries, keys, values, cache.left_padding, scale)
+        if known is None:
+            # The first call of each shape is checked against mlx-lm's own (one sync, once).
+            plain = original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+            verified[shape] = bool(mx.allclose(fused, plain, atol=3e-2, rtol=3e-2).item())
+            if not verified[shape]:
+                logger.warning("the fused decode attention is off for %s: it disagreed", shape)
+                return plain
+        return fused
 
     attention.trio_mlx_decode = True  # type: ignore[attr-defined]
     module.scaled_dot_product_attention = attention  # type: ignore[attr-defined]
