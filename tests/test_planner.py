@@ -118,3 +118,14 @@ def test_a_row_taken_back_before_its_step_never_reaches_the_lane() -> None:
 def test_a_step_plan_refuses_an_empty_burst() -> None:
     with pytest.raises(ValueError, match="'steps' must be >= 1: 0"):
         StepPlan(steps=0)
+
+
+def test_cancelled_rows_are_discarded_between_steps_only_while_admitting() -> None:
+    """With nothing to step, cancelled rows leave at once while admitting, not in a drain."""
+    planner = _decoding(8)
+    assert not planner.discard_due(ADMITTING)
+    planner.remove(3, 4)
+    assert planner.discard_due(ADMITTING)
+    assert not planner.discard_due(State.DRAINING)
+    assert planner.take_removes() == [3, 4]
+    assert not planner.discard_due(ADMITTING)

@@ -335,7 +335,7 @@ class Actor:
                 case Start(job_id):
                     self._start(nursery, self._requests[job_id])
                 case Wait(deadline):
-                    if self.planner.removes_pending and self._arbiter.state is State.ADMITTING:
+                    if self.planner.discard_due(self._arbiter.state):
                         await self._discard()
                         continue
                     with trio.move_on_at(deadline if deadline is not None else float("inf")):

@@ -78,11 +78,6 @@ class StepPlanner:
         """Step calls that inserted new rows so far."""
         return self._admissions
 
-    @property
-    def removes_pending(self) -> bool:
-        """Whether cancelled rows wait to leave the lane."""
-        return bool(self._removes)
-
     # --- rows in and out ---
 
     def insert(self, spec: RowSpec, now: float) -> None:
@@ -174,6 +169,16 @@ class StepPlanner:
             return True
         since = self._held_since
         return since is not None and now - since >= self.admit_wait_seconds
+
+    def discard_due(self, state: State) -> bool:
+        """Whether cancelled rows should leave the lane now, though no step is coming.
+
+        While the arbiter admits and no step runs (the actor would wait), the
+        rows cancelled since the last step would hold their KV slots until the
+        next arrival: they are discarded at once instead. In any other state a
+        step, a park or a drain takes them soon.
+        """
+        return bool(self._removes) and state is State.ADMITTING
 
     def next_step(self, now: float, state: State, jobs_waiting: bool) -> StepPlan:
         """The next step call: the rows it removes, inserts and resumes, and its burst length."""
