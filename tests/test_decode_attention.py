@@ -110,14 +110,21 @@ def _decode_call() -> tuple[mx.array, mx.array, mx.array, Any, mx.array]:
     return q, k, v, cache, mask
 
 
-def test_decode_calls_go_to_the_kernel_once_it_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode call with a batch cache takes the kernel (checked against mlx-lm's at first)."""
-    attention, calls = _installed(monkeypatch, _masked)
-    q, k, v, cache, mask = _decode_call()
+def _answers_three_times_as_masked(
+    attention: Any, q: mx.array, k: mx.array, v: mx.array, cache: Any, mask: mx.array
+) -> None:
+    """Three decode calls through ``attention``, each equal to MLX's masked attention."""
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     for _ in range(3):
         got = attention(q, k, v, cache=cache, scale=0.125, mask=mask)
         assert mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_decode_calls_go_to_the_kernel_once_it_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode call with a batch cache takes the kernel (checked against mlx-lm's at first)."""
+    attention, calls = _installed(monkeypatch, _masked)
+    q, k, v, cache, mask = _decode_call()
+    _answers_three_times_as_masked(attention, q, k, v, cache, mask)
     assert len(calls) == 3
     prefill = mx.random.normal((2, 8, 4, 64))
     attention(prefill, k, v, cache=cache, scale=0.125, mask="causal")
@@ -127,9 +134,5 @@ def test_decode_calls_go_to_the_kernel_once_it_agrees(monkeypatch: pytest.Monkey
 def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel whose first answer differs from mlx-lm's is dropped for that shape."""
     attention, calls = _installed(monkeypatch, lambda q, k, v, start, scale: mx.zeros_like(q))
-    q, k, v, cache, mask = _decode_call()
-    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
-    for _ in range(3):
-        got = attention(q, k, v, cache=cache, scale=0.125, mask=mask)
-        assert mx.allclose(got, want, atol=1e-4).item()
+    _answers_three_times_as_masked(attention, *_decode_call())
     assert len(calls) == 1

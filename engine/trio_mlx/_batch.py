@@ -78,7 +78,7 @@ class RowSpec:
 
 
 def _specs(specs: Iterable[RowSpec]) -> tuple[RowSpec, ...]:
-    return tuple(specs)
+    return tuple(specs)  # typed converters: mypy cannot infer attrs' converter=tuple
 
 
 def _ids(ids: Iterable[int]) -> tuple[int, ...]:
@@ -331,30 +331,22 @@ class _Guarded:
 
 def _shared_bias(processors: list[list[Any]] | None) -> _LogitBias | None:
     """The logit bias, when it is the one processor of every row in the batch (else None)."""
-    if not processors:
-        return None
-    first = processors[0]
-    if not first or len(first) != 1:
-        return None
-    guarded = first[0]
-    if type(guarded) is not _Guarded or type(guarded.processor) is not _LogitBias:
-        return None
-    bias = guarded.processor
-    key = bias.key
-    for row in processors:
-        if row is first:
-            continue
+    shared: _LogitBias | None = None
+    for row in processors or ():
         if not row or len(row) != 1:
             return None
-        p = row[0]
+        guarded = row[0]
         if (
-            type(p) is not _Guarded
-            or p.row.error is not None
-            or type(p.processor) is not _LogitBias
-            or p.processor.key != key
+            type(guarded) is not _Guarded
+            or guarded.row.error is not None
+            or type(guarded.processor) is not _LogitBias
         ):
             return None
-    return None if guarded.row.error is not None else bias
+        if shared is None:
+            shared = guarded.processor
+        elif guarded.processor.key != shared.key:
+            return None
+    return shared
 
 
 def _processed(batch: Any, logits: Any, inputs: Any) -> tuple[Any, list[Any]]:
@@ -744,6 +736,11 @@ class BatchLane:
         if row.spec.constraint is not None:
             self._grammar_uids.add(uid)
 
+    def _parted(self, uid: int) -> None:
+        """Bookkeeping of a row that stops decoding under ``uid`` (the reverse of ``_joined``)."""
+        self._by_uid.pop(uid, None)
+        self._logprob_uids.discard(uid)
+
     @property
     def rows(self) -> int:
         """Rows in the lane, parked ones included (dead ones not)."""
@@ -897,8 +894,7 @@ class BatchLane:
         for row_id in ids:
             row = self._rows.pop(row_id, None)
             if row is not None and row.uid is not None:
-                self._by_uid.pop(row.uid, None)
-                self._logprob_uids.discard(row.uid)
+                self._parted(row.uid)
                 self._dead[row.uid] = _Dead(
                     row_id, store and self.prompt_cache is not None, self._key(row)
                 )
@@ -939,8 +935,7 @@ class BatchLane:
         for row in rows:
             if row.uid is None:
                 continue
-            del self._by_uid[row.uid]
-            self._logprob_uids.discard(row.uid)
+            self._parted(row.uid)
             self._grammar_uids.discard(row.uid)
             entry = caches.get(row.uid)
             row.parked = None
@@ -1082,8 +1077,7 @@ class BatchLane:
     def _drop(self, row_id: int) -> None:
         row = self._rows.pop(row_id, None)
         if row is not None and row.uid is not None:
-            self._by_uid.pop(row.uid, None)
-            self._logprob_uids.discard(row.uid)
+            self._parted(row.uid)
 
     def _decode(self, order: dict[int, list[RowEvent]], outputs: dict[int, RowOutput]) -> bool:
         """One decode step; adds its events to a burst's (see ``_burst``); whether any is news.

@@ -28,6 +28,7 @@ only on CUDA (not Metal or the CPU) and can be turned off with
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -117,9 +118,9 @@ def decode_attention(queries: Any, keys: Any, values: Any, start: Any, scale: fl
             queries,
             keys,
             values,
-            start.astype(mx.int32),
-            mx.array([length], dtype=mx.int32),
-            mx.array([scale], dtype=mx.float32),
+            start if start.dtype == mx.int32 else start.astype(mx.int32),
+            _scalar(length, "int32"),
+            _scalar(scale, "float32"),
         ],
         template=[("T", queries.dtype), ("D", dim), ("GQA", heads // kv_heads)],
         grid=(32 * heads, rows, 1),
@@ -128,6 +129,14 @@ def decode_attention(queries: Any, keys: Any, values: Any, start: Any, scale: fl
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _scalar(value: float, dtype: str) -> Any:
+    """A one-element array, made once: every layer of a step passes the same length and scale."""
+    import mlx.core as mx
+
+    return mx.array([value], dtype=getattr(mx, dtype))
 
 
 def _works() -> bool:
@@ -150,14 +159,20 @@ def _works() -> bool:
         return False
 
 
-def _takes(queries: Any, keys: Any, values: Any, cache: Any, sinks: Any) -> bool:
-    """Whether :func:`decode_attention` can answer this call."""
+@functools.cache
+def _batch_cache() -> type:
+    """mlx-lm's ``BatchKVCache``, imported once (``_takes`` runs per layer per step)."""
     from mlx_lm.models.cache import BatchKVCache
 
+    return BatchKVCache
+
+
+def _takes(queries: Any, keys: Any, values: Any, cache: Any, sinks: Any) -> bool:
+    """Whether :func:`decode_attention` can answer this call."""
     dim = queries.shape[-1]
     return (
         sinks is None
-        and type(cache) is BatchKVCache
+        and type(cache) is _batch_cache()
         and queries.shape[2] == 1
         and dim % 32 == 0
         and dim <= 256

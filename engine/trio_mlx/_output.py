@@ -121,20 +121,12 @@ class RowOutput:
     _ids: list[int] = attrs.field(init=False, factory=list)
     _lps: list[TokenLogprob] | None = attrs.field(init=False, default=None)
     _finish: str | None = attrs.field(init=False, default=None)
-    #: ``params``' fields read per token, and the EOS ids that end the row.
-    _max_tokens: int = attrs.field(init=False)
-    _min_tokens: int = attrs.field(init=False)
+    #: The EOS ids that end the row (none with ``ignore_eos``).
     _ends: frozenset[int] = attrs.field(init=False)
-    _stops: bool = attrs.field(init=False)
-    _want_lps: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.scanner = StopScanner(self.params.stop, self.params.include_stop_str_in_output)
-        self._max_tokens = self.params.max_tokens
-        self._min_tokens = self.params.min_tokens
         self._ends = frozenset() if self.params.ignore_eos else self.eos_ids
-        self._stops = bool(self.params.stop)
-        self._want_lps = bool(self.params.logprobs)
 
     def push(self, token: int, logprobs: Any, finish: str | None) -> RowEvent:
         """Take one generated token (and its log-probability vector) from a lane."""
@@ -144,15 +136,15 @@ class RowOutput:
     def add(self, token: int, logprobs: Any, finish: str | None = None) -> str | None:
         """Take one token into the next ``take``; returns the finish reason it set, if any."""
         self.generated += 1
-        if finish is None and self.generated >= self._max_tokens:
+        if finish is None and self.generated >= self.params.max_tokens:
             finish = "length"
-        active = self.generated >= self._min_tokens
+        active = self.generated >= self.params.min_tokens
         detokenizer = self.detokenizer
         if token in self._ends:
             detokenizer.finalize()
             text, _ = self.scanner.feed(detokenizer.last_segment, final=True, active=active)
             self._text.append(text)
-            if self._want_lps and self._lps is None:
+            if self.params.logprobs and self._lps is None:
                 self._lps = []
             self._finish = "stop"
             return "stop"
@@ -161,7 +153,7 @@ class RowOutput:
         if finish is not None:
             detokenizer.finalize()
             segment += detokenizer.last_segment
-        if self._stops:
+        if self.params.stop:
             text, stopped = self.scanner.feed(segment, final=finish is not None, active=active)
             if stopped:
                 finish = "stop"
@@ -169,12 +161,11 @@ class RowOutput:
             text = segment  # what the scanner returns when there is no stop string
         self._text.append(text)
         self._ids.append(token)
-        if self._want_lps:
-            lps = self._logprobs(token, logprobs)
-            if lps is not None:
-                if self._lps is None:
-                    self._lps = []
-                self._lps.extend(lps)
+        lps = self._logprobs(token, logprobs)
+        if lps is not None:
+            if self._lps is None:
+                self._lps = []
+            self._lps.extend(lps)
         self._finish = finish
         return finish
 

@@ -94,23 +94,28 @@ class StepPlanner:
         """Rows in the lane (decoding or parked) leave it with the next step or discard."""
         self._removes.extend(row_ids)
 
-    def unqueue(self, row_id: int) -> bool:
-        """Take back a row queued to be inserted or resumed; False: it is in the lane."""
-        if any(spec.id == row_id for spec in self._inserts):
-            self._inserts = [s for s in self._inserts if s.id != row_id]
-            return True
+    def _drop_insert(self, row_id: int) -> bool:
+        """Take a row out of the queued inserts; False when it is not there."""
+        kept = [spec for spec in self._inserts if spec.id != row_id]
+        dropped = len(kept) < len(self._inserts)
+        self._inserts = kept
+        return dropped
+
+    def _drop_resume(self, row_id: int) -> bool:
+        """Take a row out of the queued resumes; False when it is not there."""
         if row_id in self._resumes:
             self._resumes.remove(row_id)
             return True
         return False
 
+    def unqueue(self, row_id: int) -> bool:
+        """Take back a row queued to be inserted or resumed; False: it is in the lane."""
+        return self._drop_insert(row_id) or self._drop_resume(row_id)
+
     def withdraw(self, row_id: int) -> None:
         """A running row ended early (cancelled): drop it if queued, else take it out."""
-        if any(spec.id == row_id for spec in self._inserts):
-            self._inserts = [s for s in self._inserts if s.id != row_id]
-        else:
-            if row_id in self._resumes:
-                self._resumes.remove(row_id)
+        if not self._drop_insert(row_id):
+            self._drop_resume(row_id)  # a parked row still holds its slot: removed too
             self._removes.append(row_id)
 
     def take_removes(self) -> list[int]:
