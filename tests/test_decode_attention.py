@@ -51,27 +51,45 @@ def test_only_single_query_batch_calls_are_taken() -> None:
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on CUDA only")
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 9),
     kv_heads=st.sampled_from([1, 2, 8]),
-    group=st.sampled_from([1, 4]),
+    group=st.sampled_from([1, 4, 8]),
     dim=st.sampled_from([64, 128]),
-    length=st.integers(1, 300),
+    length=st.integers(1, 600),
+    spare=st.integers(0, 300),
+    warps=st.sampled_from([None, 1, 4, 8, 16]),
     data=st.data(),
 )
 def test_kernel_equals_masked_attention(
-    rows: int, kv_heads: int, group: int, dim: int, length: int, data: st.DataObject
+    rows: int,
+    kv_heads: int,
+    group: int,
+    dim: int,
+    length: int,
+    spare: int,
+    warps: int | None,
+    data: st.DataObject,
 ) -> None:
-    """Each row attends to its keys from its left padding on, as MLX's masked call does."""
+    """Each row attends to its keys from its left padding on, as MLX's masked call does.
+
+    The keys and values are views of a longer buffer, as the cache passes them,
+    and the warps that split a row's keys range from one to sixteen.
+    """
     start = mx.array(data.draw(st.lists(st.integers(0, length - 1), min_size=rows, max_size=rows)))
     q = mx.random.normal((rows, kv_heads * group, 1, dim)).astype(mx.bfloat16)
-    k = mx.random.normal((rows, kv_heads, length, dim)).astype(mx.bfloat16)
-    v = mx.random.normal((rows, kv_heads, length, dim)).astype(mx.bfloat16)
+    k = mx.random.normal((rows, kv_heads, length + spare, dim)).astype(mx.bfloat16)
+    v = mx.random.normal((rows, kv_heads, length + spare, dim)).astype(mx.bfloat16)
+    k, v = k[..., :length, :], v[..., :length, :]
     mask = (mx.arange(length)[None] >= start[:, None])[:, None, None, :]
     scale = dim**-0.5
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    got = _decode_attention.decode_attention(q, k, v, start, scale)
+    _decode_attention.WARPS = warps
+    try:
+        got = _decode_attention.decode_attention(q, k, v, start, scale)
+    finally:
+        _decode_attention.WARPS = None
     assert mx.allclose(got, want, atol=3e-2, rtol=3e-2).item()
 
 

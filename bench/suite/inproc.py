@@ -282,6 +282,10 @@ def closed_loop(job: dict[str, Any]) -> None:
     from mlx_lm.generate import BatchGenerator
 
     model, tokenizer = mlx_lm.load(job["model"])
+    if job.get("kernel"):  # the experiments' knob: the bare loop with trio-mlx's attention
+        from trio_mlx._decode_attention import install
+
+        install(model)
     length, max_tokens = job["prompt_len"], job["max_tokens"]
     pool = prompt_ids(tokenizer, 64, length, seed=7)
     rng = random.Random(0)

@@ -14,9 +14,13 @@ every stream.
 
 The mask of a decode step says one thing per row: its keys start at its left
 padding. :func:`decode_attention` takes exactly that (the cache's
-``left_padding``) and runs one kernel per call: one warp per (row, query head)
-walks the row's keys from its first real one, with an online softmax in
-float32, so no mask is built or read and padded keys are never touched.
+``left_padding``) and runs one kernel per call, so no mask is built or read
+and padded keys are never touched. A block is one (row, KV head) pair: its
+warps split the row's keys between them (a long row is walked by several
+warps at once, not one), each key and value is read once for all the query
+heads that share it, the softmax is online in float32, and the warps' partial
+sums are merged in shared memory. It reads the cache's keys and values where
+they lie (views into a larger buffer) instead of a contiguous copy of each.
 
 :func:`install` puts it in front of mlx-lm's ``scaled_dot_product_attention``
 in the model's own module, for calls it can take (one query, a
@@ -39,48 +43,99 @@ __all__ = ["decode_attention", "install"]
 
 logger = logging.getLogger("trio_mlx")
 
-#: The kernel's body: blocks are (query head, row); a block is one warp.
+#: The kernel's body. A block is one (KV head, row) pair and ``W`` warps: each
+#: warp walks every ``W``-th key of the row from its left padding on, for all
+#: ``G`` query heads that share the KV head (each key and value is read once
+#: for the group), with an online softmax in float32; the warps' partial sums
+#: are then merged through shared memory. Inputs are read through their
+#: strides: the cache's keys and values arrive as views of its larger buffer,
+#: and a row-contiguous copy of them would cost two more kernels per layer.
 _SOURCE = """
-    const int head = blockIdx.x;
-    const int row = blockIdx.y;
-    const int lane = threadIdx.x;
-    const int heads = gridDim.x;
-    const int kv_heads = heads / GQA;
-    const int length = klen[0];
-    const int first = start[row];
     constexpr int E = D / 32;
+    const int kv_head = blockIdx.x;
+    const int row = blockIdx.y;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int heads = gridDim.x * G;
+    const int length = k_shape[2];
+    const int first = start[row * start_strides[0]];
     const float softmax_scale = scale[0];
-    float qv[E];
-    float acc[E];
-    const size_t qo = ((size_t)row * heads + head) * D + lane * E;
-    for (int e = 0; e < E; ++e) {
-        qv[e] = static_cast<float>(q[qo + e]) * softmax_scale;
-        acc[e] = 0.0f;
-    }
-    const size_t kv = ((size_t)row * kv_heads + head / GQA) * (size_t)length * D + lane * E;
-    float best = __int_as_float(0xff800000);  // -infinity
-    float total = 0.0f;
-    for (int j = first; j < length; ++j) {
-        const size_t at = kv + (size_t)j * D;
-        float score = 0.0f;
+    float qv[G][E];
+    float acc[G][E];
+    float best[G];
+    float total[G];
+    for (int g = 0; g < G; ++g) {
+        const int64_t at = row * q_strides[0] + (kv_head * G + g) * q_strides[1]
+            + (int64_t)(lane * E) * q_strides[3];
         for (int e = 0; e < E; ++e) {
-            score += qv[e] * static_cast<float>(k[at + e]);
+            qv[g][e] = static_cast<float>(q[at + e * q_strides[3]]) * softmax_scale;
+            acc[g][e] = 0.0f;
+        }
+        best[g] = __int_as_float(0xff800000);  // -infinity
+        total[g] = 0.0f;
+    }
+    const int64_t kb = row * k_strides[0] + kv_head * k_strides[1] + (int64_t)(lane * E) * k_strides[3];
+    const int64_t vb = row * v_strides[0] + kv_head * v_strides[1] + (int64_t)(lane * E) * v_strides[3];
+    for (int j = first + warp; j < length; j += W) {
+        float kk[E];
+        float vv[E];
+        for (int e = 0; e < E; ++e) {
+            kk[e] = static_cast<float>(k[kb + j * k_strides[2] + e * k_strides[3]]);
+            vv[e] = static_cast<float>(v[vb + j * v_strides[2] + e * v_strides[3]]);
+        }
+        float score[G];
+        for (int g = 0; g < G; ++g) {
+            score[g] = 0.0f;
+            for (int e = 0; e < E; ++e) {
+                score[g] += qv[g][e] * kk[e];
+            }
         }
         for (int step = 16; step > 0; step >>= 1) {
-            score += __shfl_xor_sync(0xffffffff, score, step);
+            for (int g = 0; g < G; ++g) {
+                score[g] += __shfl_xor_sync(0xffffffff, score[g], step);
+            }
         }
-        const float top = fmaxf(best, score);
-        const float shrink = __expf(best - top);
-        const float weight = __expf(score - top);
-        total = total * shrink + weight;
-        for (int e = 0; e < E; ++e) {
-            acc[e] = acc[e] * shrink + weight * static_cast<float>(v[at + e]);
+        for (int g = 0; g < G; ++g) {
+            const float top = fmaxf(best[g], score[g]);
+            const float shrink = __expf(best[g] - top);
+            const float weight = __expf(score[g] - top);
+            total[g] = total[g] * shrink + weight;
+            for (int e = 0; e < E; ++e) {
+                acc[g][e] = acc[g][e] * shrink + weight * vv[e];
+            }
+            best[g] = top;
         }
-        best = top;
     }
-    const float norm = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int e = 0; e < E; ++e) {
-        out[qo + e] = static_cast<T>(acc[e] * norm);
+    __shared__ float merged_best[W][G];
+    __shared__ float merged_total[W][G];
+    __shared__ float merged_acc[W][G][D];
+    for (int g = 0; g < G; ++g) {
+        for (int e = 0; e < E; ++e) {
+            merged_acc[warp][g][lane * E + e] = acc[g][e];
+        }
+        if (lane == 0) {
+            merged_best[warp][g] = best[g];
+            merged_total[warp][g] = total[g];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += 32 * W) {
+        const int g = i / D;
+        const int d = i % D;
+        float top = __int_as_float(0xff800000);
+        for (int w = 0; w < W; ++w) {
+            top = fmaxf(top, merged_best[w][g]);
+        }
+        float sum = 0.0f;
+        float value = 0.0f;
+        for (int w = 0; w < W; ++w) {
+            // A warp that saw no key holds -infinity: it weighs nothing.
+            const float weight = merged_total[w][g] > 0.0f ? __expf(merged_best[w][g] - top) : 0.0f;
+            sum += merged_total[w][g] * weight;
+            value += merged_acc[w][g][d] * weight;
+        }
+        out[((int64_t)row * heads + kv_head * G + g) * D + d] =
+            static_cast<T>(sum > 0.0f ? value / sum : 0.0f);
     }
 """
 
@@ -94,9 +149,10 @@ def _kernel() -> Any:
 
         _KERNEL = mx.fast.cuda_kernel(
             name="trio_mlx_decode_attention",
-            input_names=["q", "k", "v", "start", "klen", "scale"],
+            input_names=["q", "k", "v", "start", "scale"],
             output_names=["out"],
             source=_SOURCE,
+            ensure_row_contiguous=False,
         )
     return _KERNEL
 
@@ -105,30 +161,46 @@ def decode_attention(queries: Any, keys: Any, values: Any, start: Any, scale: fl
     """Attention of one query per row over keys ``start[row]:`` (CUDA only).
 
     ``queries`` is (rows, heads, 1, dim), ``keys`` and ``values`` (rows,
-    kv_heads, length, dim), ``start`` (rows,) int: the first real key of each
-    row. The same as ``mx.fast.scaled_dot_product_attention`` with the mask
-    ``arange(length) >= start[:, None]``.
+    kv_heads, length, dim), any strides; ``start`` (rows,) int: the first real
+    key of each row. The same as ``mx.fast.scaled_dot_product_attention`` with
+    the mask ``arange(length) >= start[:, None]``.
     """
     import mlx.core as mx
 
     rows, heads, _, dim = queries.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    warps = _warps(rows * kv_heads, group, dim)
     (out,) = _kernel()(
         inputs=[
             queries,
             keys,
             values,
             start if start.dtype == mx.int32 else start.astype(mx.int32),
-            _scalar(length, "int32"),
             _scalar(scale, "float32"),
         ],
-        template=[("T", queries.dtype), ("D", dim), ("GQA", heads // kv_heads)],
-        grid=(32 * heads, rows, 1),
-        threadgroup=(32, 1, 1),
-        output_shapes=[queries.shape],
+        template=[("T", queries.dtype), ("D", dim), ("G", group), ("W", warps)],
+        grid=(32 * warps * kv_heads, rows, 1),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(rows, heads, 1, dim)],
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+#: Set to force the warps per block (the experiments' knob); None: :func:`_warps` decides.
+WARPS: int | None = None
+
+#: Static shared memory a block may use (the CUDA limit without opting in is 48 KiB).
+_SHARED_BYTES = 48 * 1024
+
+
+def _warps(blocks: int, group: int, dim: int) -> int:
+    """Warps per block: more when there are few blocks, as many as shared memory holds."""
+    warps = WARPS or (8 if blocks >= 256 else 16)
+    while warps > 1 and warps * group * (dim + 2) * 4 > _SHARED_BYTES:
+        warps //= 2
+    return warps
 
 
 @functools.lru_cache(maxsize=16)
@@ -159,6 +231,10 @@ def _works() -> bool:
         return False
 
 
+#: The most query-head elements a lane holds (group size x dim / 32); beyond it, mlx-lm's.
+_REGISTERS = 32
+
+
 @functools.cache
 def _batch_cache() -> type:
     """mlx-lm's ``BatchKVCache``, imported once (``_takes`` runs per layer per step)."""
@@ -178,6 +254,8 @@ def _takes(queries: Any, keys: Any, values: Any, cache: Any, sinks: Any) -> bool
         and dim <= 256
         and values.shape[-1] == dim
         and queries.shape[1] % keys.shape[1] == 0
+        # Each lane keeps a query and a sum per head of the group: bounded registers.
+        and (queries.shape[1] // keys.shape[1]) * (dim // 32) <= _REGISTERS
     )
 
 
