@@ -166,3 +166,8 @@ def test_the_readme_configuration_table_names_every_flag() -> None:
             for option in action.option_strings:
                 if option.startswith("--") and option != "--help":
                     assert f"`{option}`" in section, f"README's Configuration lacks {option}"
+
+
+def test_a_prefill_budget_below_one_is_named() -> None:
+    result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--prefill-budget", "0")
+    _assert_short_error(result, "prefill_budget", "check --prefill-budget")

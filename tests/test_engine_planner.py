@@ -21,6 +21,7 @@ import trio_mlx.testing
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import SamplingParams
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._loading import CPU_PREFILL_BUDGET
 
 pytestmark = [pytest.mark.model]
 
@@ -323,6 +324,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
     waited = next(i for i, s in enumerate(steps) if 10 in s) - arrived
     assert waited >= len(long_prompt) // 16
     assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
+
+
+async def test_the_prefill_budget_reaches_the_lane_and_is_checked(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path, prefill_budget=96) as engine:
+        assert engine._loaded.lane.prefill_budget == 96
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        assert engine._loaded.lane.prefill_budget == CPU_PREFILL_BUDGET  # the device's default
+    for bad in (0, -5, 2.5):
+        with pytest.raises(trio_mlx.InvalidRequest, match="prefill_budget"):
+            async with trio_mlx.open_engine(tiny_model_path, prefill_budget=bad):  # type: ignore[arg-type]
+                pass
 
 
 async def test_an_arrival_held_for_its_group_does_not_cut_the_burst(tiny_model_path: Path) -> None:

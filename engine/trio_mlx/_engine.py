@@ -110,6 +110,7 @@ async def open_engine(
     grace_period: float = 5.0,
     prefill_step_size: int = 2048,
     prefill_batch_size: int = 16,
+    prefill_budget: int | None = None,
     parallel: str = "auto",
     chat_template: str | None = None,
     grammar_timeout: float = COMPILE_TIMEOUT,
@@ -128,7 +129,11 @@ async def open_engine(
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
     caps the prompt cache (0 disables it). ``prefill_step_size`` and
     ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
-    prompts prefilled together. ``parallel`` only matters when the process was
+    prompts prefilled together. ``prefill_budget`` bounds the prompt tokens
+    (padded) prefilled between two decode steps: a longer prompt is prefilled
+    a chunk per step, so running streams keep their pace while it arrives
+    (``None``: 1,536 on a GPU, 512 on the CPU; see ``design/performance.md``).
+    ``parallel`` only matters when the process was
     started by ``mlx.launch`` as one of several ranks (see
     ``design/distributed.md``): ``"tensor"`` or ``"pipeline"`` forces how
     the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
@@ -181,6 +186,7 @@ async def open_engine(
         prefill_step_size=prefill_step_size,
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
+        prefill_budget=prefill_budget,
     )
     loader = partial(load, path, settings, chat_template=chat_template)
     # Errors of the start and of the body are re-raised as themselves, not

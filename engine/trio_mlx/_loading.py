@@ -158,6 +158,8 @@ class LoadSettings:
     prefill_step_size: int = 2048
     prefill_batch_size: int = 16
     parallel: str = "auto"
+    #: Prompt tokens prefilled per decode step (``BatchLane.prefill_budget``); None: the device's.
+    prefill_budget: int | None = None
 
 
 def load_settings(
@@ -168,11 +170,14 @@ def load_settings(
     prefill_step_size: int,
     prefill_batch_size: int,
     parallel: str,
+    prefill_budget: int | None = None,
 ) -> LoadSettings:
     """Check :func:`~trio_mlx.open_engine`'s loading arguments and bundle them."""
     check_adapter(adapter_path)
     if prefill_step_size < 1 or prefill_batch_size < 1:
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
+    if prefill_budget is not None and (type(prefill_budget) is not int or prefill_budget < 1):
+        raise InvalidRequest("prefill_budget must be an integer >= 1", param="prefill_budget")
     if parallel not in _distributed.PARALLEL:
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
@@ -184,6 +189,7 @@ def load_settings(
         prefill_step_size=prefill_step_size,
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
+        prefill_budget=prefill_budget,
     )
 
 
@@ -260,7 +266,9 @@ def load(
         leader = lane.leader = _distributed.Leader(channel)
     grouping = mx.default_device() != mx.cpu
     # A long prompt is prefilled a chunk per decode step: it never stalls the batch.
-    lane.prefill_budget = GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
+    lane.prefill_budget = settings.prefill_budget or (
+        GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
+    )
     if not grouping:
         lane.removal_delay = 0  # every dead row leaves at the end of its step
         lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix

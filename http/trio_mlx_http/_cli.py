@@ -101,7 +101,15 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--prompt-concurrency",
         type=int,
         default=None,
-        help="prompts prefilled together (default: the engine's, 8)",
+        help="prompts prefilled together (default: the engine's, 16)",
+    )
+    parser.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="prompt tokens prefilled between two decode steps; a longer prompt is "
+        "prefilled in chunks (default: 1536 on a GPU, 512 on the CPU)",
     )
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait")
     parser.add_argument(

@@ -37,6 +37,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_cache_bytes",
         "grammar_timeout",
         "max_loras",
+        "prefill_budget",
     ):
         value = getattr(args, name, None)
         if value is not None:
