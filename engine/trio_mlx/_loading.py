@@ -137,8 +137,10 @@ def fuse_lora(model: Any) -> None:
 
 
 #: Prompt tokens (padded) prefilled per decode step on a GPU (``BatchLane.prefill_budget``):
-#: a group of 16 chat arrivals of ~90 tokens fits in one pass, and a 4,000-token prompt
-#: takes three steps of at most 1,536 tokens instead of two of 2,048 (chosen, not measured).
+#: a group of 16 chat arrivals of ~90 tokens fits in one pass. On the H200, 63 streams while
+#: 2,197-word prompts arrived (``bench/experiments/prefill_budget.py``): 256 and 512 did not
+#: lower the streams' gap p99 (106 and 96 ms against 75-125 at 1,536) and cost 42% of the
+#: throughput and 2-4x the long prompts' TTFT.
 GPU_PREFILL_BUDGET = 1536
 #: The same on the CPU, where prefill costs its compute whatever the chunk: with the bundled
 #: model, C=4 streams and ~1,000-token prompts arriving, the streams' ITL p99 while one was
