@@ -48,6 +48,21 @@ def test_only_single_query_batch_calls_are_taken() -> None:
     assert not _decode_attention._takes(q1, kv, kv, KVCache(), None)
     assert not _decode_attention._takes(q1, kv, kv, batch, mx.zeros((8,)))
     assert not _decode_attention._takes(mx.zeros((2, 8, 1, 80)), kv, kv, batch, None)
+    # 32 query heads per KV head at dim 64: 64 registers of query and sum per lane, too many.
+    assert not _decode_attention._takes(mx.zeros((2, 64, 1, 64)), kv, kv, batch, None)
+    assert _decode_attention._takes(mx.zeros((2, 32, 1, 64)), kv, kv, batch, None)
+
+
+def test_warps_fill_few_blocks_and_fit_shared_memory() -> None:
+    """Few (row, KV head) blocks get more warps; a block's merge buffers fit in 48 KiB."""
+    assert _decode_attention._warps(blocks=64, group=4, dim=64) == 16
+    assert _decode_attention._warps(blocks=512, group=4, dim=64) == 8
+    for group in (1, 2, 4, 8, 16):
+        for dim in (32, 64, 128, 256):
+            for blocks in (1, 255, 256, 4096):
+                warps = _decode_attention._warps(blocks, group, dim)
+                assert warps >= 1
+                assert warps * group * (dim + 2) * 4 <= 48 * 1024
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on CUDA only")
