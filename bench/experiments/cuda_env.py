@@ -61,7 +61,13 @@ def main() -> None:
         # Alternating order: a drift of the machine does not favour one variant.
         names = list(VARIANTS) if i % 2 == 0 else list(reversed(VARIANTS))
         for name in names:
-            got[name].append(_once(str(model.path), name, VARIANTS[name], seconds))
+            run = _once(str(model.path), name, VARIANTS[name], seconds)
+            got[name].append(run)
+            cells = ", ".join(
+                f"B={b} {r['together']['tok_s']:.0f}/{r['staggered']['tok_s']:.0f}"
+                for b, r in sorted(run.items())
+            )
+            print(f"round {i + 1} {name}: {cells} tok/s (together/staggered)", flush=True)
     for name, runs in got.items():
         for b in (8, 64):
             cells = []
