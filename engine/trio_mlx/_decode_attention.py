@@ -9,8 +9,8 @@ padding, on every step and even when no row is padded. With an array mask,
 MLX 0.32's CUDA attention for a single query is 2-9x slower than without
 (``bench/experiments/sdpa_mask.py``: 287 against 62 us per call at 64 rows
 and 384 positions, 804 against 86 at 1,536; design/performance.md), for every
-layer of every decode step; the cost grows with the batch's longest row, so one long prompt slows
-every stream.
+layer of every decode step; the cost grows with the batch's longest row, so
+one long prompt slows every stream.
 
 The mask of a decode step says one thing per row: its keys start at its left
 padding. :func:`decode_attention` takes exactly that (the cache's
@@ -205,7 +205,7 @@ def _warps(blocks: int, group: int, dim: int) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _scalar(value: float, dtype: str) -> Any:
-    """A one-element array, made once: every layer of a step passes the same length and scale."""
+    """A one-element array, made once: every layer of every step passes the same scale."""
     import mlx.core as mx
 
     return mx.array([value], dtype=getattr(mx, dtype))

@@ -133,12 +133,12 @@ async def open_engine(
     (padded) prefilled between two decode steps: a longer prompt is prefilled
     a chunk per step, so running streams keep their pace while it arrives
     (``None``: 1,536 on a GPU, 512 on the CPU; see ``design/performance.md``).
-    ``parallel`` only matters when the process was
-    started by ``mlx.launch`` as one of several ranks (see
-    ``design/distributed.md``): ``"tensor"`` or ``"pipeline"`` forces how
-    the model is split, ``"auto"`` lets mlx-lm choose (tensor where the
-    architecture supports it). ``chat_template`` (Jinja text) replaces the
-    model's chat template, as ``mlx_lm.server --chat-template`` does.
+    ``parallel`` only matters when the process was started by ``mlx.launch``
+    as one of several ranks (see ``design/distributed.md``): ``"tensor"`` or
+    ``"pipeline"`` forces how the model is split, ``"auto"`` lets mlx-lm
+    choose (tensor where the architecture supports it). ``chat_template``
+    (Jinja text) replaces the model's chat template, as
+    ``mlx_lm.server --chat-template`` does.
     ``grammar_timeout`` bounds how many seconds a request's JSON schema, regex
     or grammar may take to compile (in a worker thread) before the request is
     refused with :class:`~trio_mlx.InvalidGrammar`.
