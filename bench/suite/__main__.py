@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,24 @@ def chat_prompt_len(model: Model, words: int) -> int:
     return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
+    """``--variant LABEL:VAR=VALUE,--flag=VALUE``: its label, environment and server flags."""
+    label, sep, rest = text.partition(":")
+    if not sep or not label or not rest:
+        raise SystemExit(f"--variant {text!r}: expected LABEL:SETTING[,SETTING...]")
+    env: dict[str, str] = {}
+    flags: list[str] = []
+    for item in rest.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not NAME=VALUE")
+        if name.startswith("--"):
+            flags += [name, value]
+        else:
+            env[name] = value
+    return label, env, flags
+
+
 class Suite:
     """One run: the profile, the models, what is available, and the results so far."""
 
@@ -233,6 +252,7 @@ class Suite:
             cs = [int(c) for c in args.concurrency.split(",")]
             self.profile["traffic"] = {**self.profile["traffic"], "concurrency": cs}
         self.traffic_parts = set(args.traffic.split(","))
+        self.variants = [parse_variant(v) for v in args.variant]
         self.env = model_env()
         self.out = Path(args.out) if args.out else ROOT / "bench" / "results" / args.machine
         self.results: dict[str, Any] = {
@@ -451,6 +471,9 @@ class Suite:
         p["prompt_words"] = 60
         length = chat_prompt_len(model, p["prompt_words"])
         data: dict[str, Any] = {"settings": t, "prompt_tokens": length, "servers": {}, "open": {}}
+        data["variants"] = {
+            label: {"env": env, "flags": flags} for label, env, flags in self.variants
+        }
         self.results["traffic"] = data
         self.log(f"8. continuous traffic on {model.name}: bare closed loops, C = {cs}")
         job = _job("closed", model, batches=cs, max_tokens=t["max_tokens"], prompt_len=length,
@@ -467,8 +490,14 @@ class Suite:
             starters["trio-mlx"] = lambda: trio_mlx_server(
                 model.path, max_batch=max(cs), env=self.env, log_dir=logs
             )
-        # trio-mlx first: its capacity sets the open-loop rates for both servers.
-        order = [n for n in ("trio-mlx", "mlx_lm.server") if n in starters]
+            for label, env, flags in self.variants:
+                starters[f"trio-mlx ({label})"] = partial(
+                    trio_mlx_server, model.path, max_batch=max(cs), env={**self.env, **env},
+                    log_dir=logs / label, extra=flags,
+                )  # fmt: skip
+        # trio-mlx first: its capacity sets the open-loop rates for every server.
+        order = ["trio-mlx", *(n for n in starters if n.startswith("trio-mlx (")), "mlx_lm.server"]
+        order = [n for n in order if n in starters]
         capacity = None
         for name in order:
             self.log(f"starting {name} on {model.name}")
@@ -609,6 +638,10 @@ def main() -> None:
     parser.add_argument("--traffic", default="closed,long,open",
                         help="the traffic part's measures: closed (closed loops per C), long "
                         "(long prompts among C - 1 streams), open (Poisson arrivals)")  # fmt: skip
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:SETTING,...",
+                        help="the traffic part also runs trio-mlx with these settings, as "
+                        "'trio-mlx (LABEL)': VAR=VALUE sets an environment variable, --flag=VALUE "
+                        "a server flag (repeatable), e.g. 'no-cudnn:MLX_CUDA_USE_CUDNN_SDPA=0'")  # fmt: skip
     parser.set_defaults(profile="full")
     args = parser.parse_args()
     if args.machine is None:
