@@ -21,7 +21,7 @@ import trio_mlx.testing
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import SamplingParams
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._loading import CPU_PREFILL_BUDGET
+from trio_mlx._loading import CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET
 
 pytestmark = [pytest.mark.model]
 
@@ -329,9 +329,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
 async def test_the_prefill_budget_reaches_the_lane_and_is_checked(tiny_model_path: Path) -> None:
     async with trio_mlx.open_engine(tiny_model_path, prefill_budget=96) as engine:
         assert engine._loaded.lane.prefill_budget == 96
+    import mlx.core as mx
+
+    default = CPU_PREFILL_BUDGET if mx.default_device() == mx.cpu else GPU_PREFILL_BUDGET
     async with trio_mlx.open_engine(tiny_model_path) as engine:
-        assert engine._loaded.lane.prefill_budget == CPU_PREFILL_BUDGET  # the device's default
-    for bad in (0, -5, 2.5):
+        assert engine._loaded.lane.prefill_budget == default
+    for bad in (0, -5, 2.5, True):
         with pytest.raises(trio_mlx.InvalidRequest, match="prefill_budget"):
             async with trio_mlx.open_engine(tiny_model_path, prefill_budget=bad):  # type: ignore[arg-type]
                 pass
