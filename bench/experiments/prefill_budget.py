@@ -11,14 +11,12 @@ long prompts' TTFT and the throughput. It chose ``GPU_PREFILL_BUDGET``.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.suite import models, report, servers, traffic
-from bench.suite.__main__ import PROFILES, chat_prompt_len, model_env
+from bench.suite.__main__ import PROFILES, client_processes, model_env, traffic_profile
 
 
 def main() -> None:
@@ -26,14 +24,8 @@ def main() -> None:
     c = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     budgets = [int(b) for b in sys.argv[3:]] or [512, 1024, 1536]
     model = models.prepare(name)
-    # As the suite: enough client processes that none is busy.
-    p = {**PROFILES["gpu"], "client_processes": max(2, min(8, (os.cpu_count() or 2) // 2))}
-    p["logit_bias"] = {str(k): -100 for k in models.EOS_IDS} if model.logit_bias else None
-    t = dict(p["traffic"])
-    context = json.loads((model.path / "config.json").read_text())["max_position_embeddings"]
-    per_word = chat_prompt_len(model, 400) / 400
-    t["long_words"] = int(min(t["long_tokens"], context - t["max_tokens"] - 64) / per_word)
-    p["traffic"], p["prompt_words"] = t, 60
+    p = traffic_profile({**PROFILES["gpu"], "client_processes": client_processes()}, model)
+    t = p["traffic"]
     warm = {**p, "traffic": {**t, "duration": 5.0, "warm": 1.0, "long_prompts": 1}}
     for budget in budgets:
         extra = ["--prefill-budget", str(budget)]

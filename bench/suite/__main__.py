@@ -219,6 +219,27 @@ def chat_prompt_len(model: Model, words: int) -> int:
     return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
+def client_processes() -> int:
+    """Enough load-generator processes that none is busy (see client CPU in the report)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+def traffic_profile(profile: dict[str, Any], model: Model) -> dict[str, Any]:
+    """``profile`` for the traffic part on ``model``: its EOS bias, and the long and mixed
+    prompts' lengths in words, cut to what the model's context holds."""
+    p = {**profile, "logit_bias": {str(k): -100 for k in EOS_IDS} if model.logit_bias else None}
+    t = dict(p["traffic"])
+    context = json.loads((model.path / "config.json").read_text())["max_position_embeddings"]
+    per_word = chat_prompt_len(model, 400) / 400
+    room = context - t["max_tokens"] - 64
+    t["long_words"] = int(min(t["long_tokens"], room) / per_word)
+    lo, hi = t["prompt_words_spread"]
+    t["prompt_words_spread"] = [lo, int(min(hi * per_word, room / 2) / per_word)]
+    p["traffic"] = t
+    p["prompt_words"] = 60
+    return p
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
     """``--variant LABEL:VAR=VALUE,--flag=VALUE``: its label, environment and server flags."""
     label, sep, rest = text.partition(":")
@@ -243,9 +264,7 @@ class Suite:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.log = Log()
-        # Enough client processes that none is busy (see client CPU in the report).
-        clients = max(2, min(8, (os.cpu_count() or 2) // 2))
-        self.profile = {**PROFILES[args.profile], "client_processes": clients}
+        self.profile = {**PROFILES[args.profile], "client_processes": client_processes()}
         if args.batches:
             self.profile["batches"] = [int(b) for b in args.batches.split(",")]
         if args.concurrency:
@@ -457,18 +476,9 @@ class Suite:
         """Part 8: continuous traffic (see :mod:`bench.suite.traffic`)."""
         from bench.suite import traffic
 
-        p = {**self.profile,
-             "logit_bias": {str(k): -100 for k in EOS_IDS} if model.logit_bias else None}  # fmt: skip
-        t = dict(p["traffic"])
+        p = traffic_profile(self.profile, model)
+        t = p["traffic"]
         cs = t["concurrency"]
-        context = json.loads((model.path / "config.json").read_text())["max_position_embeddings"]
-        per_word = chat_prompt_len(model, 400) / 400
-        room = context - t["max_tokens"] - 64
-        t["long_words"] = int(min(t["long_tokens"], room) / per_word)
-        lo, hi = t["prompt_words_spread"]
-        t["prompt_words_spread"] = [lo, int(min(hi * per_word, room / 2) / per_word)]
-        p["traffic"] = t
-        p["prompt_words"] = 60
         length = chat_prompt_len(model, p["prompt_words"])
         data: dict[str, Any] = {"settings": t, "prompt_tokens": length, "servers": {}, "open": {}}
         data["variants"] = {

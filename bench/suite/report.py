@@ -249,10 +249,9 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
                 f"{_num(per, 1)} | {row['failed']} | {row.get('exact_tokens')} |"
             )
     servers = data.get("servers", {})
-    for name in (n for n in servers if n.startswith("trio-mlx")):
-        if "mlx_lm.server" not in servers:
-            break
-        pairs = zip(servers[name], servers["mlx_lm.server"], strict=False)
+    reference = servers.get("mlx_lm.server")
+    for name in (n for n in servers if n.startswith("trio-mlx") and reference):
+        pairs = zip(servers[name], reference, strict=False)
         vs = ", ".join(f"C={a['concurrency']}: {_ratio(a['tok_s'], b['tok_s'])}" for a, b in pairs)
         lines += ["", f"{name} / mlx_lm.server tok/s: {vs}"]
     if data.get("long"):
