@@ -142,10 +142,15 @@ class Log:
 
 
 def model_env() -> dict[str, str]:
-    """The environment for processes that run MLX: an optimized BLAS preloaded where one exists."""
+    """The environment for processes that run MLX: an optimized BLAS preloaded where one exists,
+    and the engine's MLX CUDA settings (unless set), so the bare loops and ``mlx_lm.server`` run
+    under the same MLX settings as trio-mlx: like with like."""
     from trio_mlx._blas import preload_env
+    from trio_mlx._cuda_settings import DEFAULTS
 
     env = preload_env(dict(os.environ))
+    for name, value in DEFAULTS.items():
+        env.setdefault(name, value)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -170,6 +175,10 @@ def environment(env: dict[str, str]) -> dict[str, Any]:
     )
     info = json.loads(_probe(env, code) or "{}")
     info["cpus"] = os.cpu_count()
+    if "cuda" in info.get("device", "") or "gpu" in info.get("device", ""):
+        from trio_mlx._cuda_settings import DEFAULTS
+
+        info["mlx_settings"] = {name: env.get(name) for name in DEFAULTS}
     return info
 
 

@@ -350,7 +350,11 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"{results['started']}; {env.get('device')}; mlx {env.get('mlx')}, mlx-lm "
         f"{env.get('mlx_lm')}, {env.get('cpus')} CPUs; {env.get('blas', '')}. Models: {models}. "
-        f"Run took {results.get('duration_s', 0):,.0f} s.",
+        f"Run took {results.get('duration_s', 0):,.0f} s."
+        + "".join(
+            f" Every MLX process ran with {name}={value}."
+            for name, value in env.get("mlx_settings", {}).items()
+        ),
         "",
     ]
     if results.get("bound"):

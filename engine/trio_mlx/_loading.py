@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx import _decode_attention, _distributed
+from trio_mlx import _cuda_settings, _decode_attention, _distributed
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._params import SamplingParams
@@ -211,6 +211,7 @@ def load(
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
+    _cuda_settings.apply()  # before any attention call: MLX reads them once
     lane_type: type[BatchLane] = BatchLane
     channel = None
     result: Any  # (model, tokenizer, config)

@@ -1,0 +1,65 @@
+"""The MLX CUDA backend settings trio-mlx chooses, unless the user chose.
+
+Theory of operation
+===================
+
+MLX reads a few of its CUDA backend's settings from the environment once, the
+first time the setting is needed, and keeps the value for the process. One of
+them costs served traffic a great deal: ``MLX_CUDA_USE_CUDNN_SDPA`` (default
+on) sends prefill attention to cuDNN, which builds an execution plan for each
+new shape. In a server every prefill group has its own shape (the number of
+rows, their padded length, the cached prefix), so the plans are built again
+and again on the one MLX thread while the GPU idles. Measured side by side on
+the H200 (``bench/results/h200-variants``; design/performance.md): with cuDNN
+attention off, served throughput rose 24-35% at 8-64 streams, time to first
+token halved, and long prompts reached their first token 26-45% sooner.
+Without cuDNN, MLX's own attention serves prefill (matmuls and a softmax),
+which holds one chunk's score matrix at a time: bounded by the prefill
+budget.
+
+:func:`apply` sets the engine's defaults in ``os.environ`` before the model
+loads (on the MLX thread, ahead of any attention call), only on the CUDA
+backend and only for variables the user has not set: exporting
+``MLX_CUDA_USE_CUDNN_SDPA=1`` keeps cuDNN. Because MLX keeps the first value
+it read, an embedding program that ran MLX attention on CUDA before opening
+the engine keeps whatever was in force then (:func:`apply` cannot tell; it
+logs what it set). :data:`DEFAULTS` is public to the bench suite, which runs
+its reference loops and ``mlx_lm.server`` under the same settings, so that
+comparisons stay like with like.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import MutableMapping
+
+__all__ = ["DEFAULTS", "apply"]
+
+logger = logging.getLogger("trio_mlx")
+
+#: Variable -> the engine's value on CUDA (see the module's docstring for why).
+DEFAULTS: dict[str, str] = {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+
+
+def apply(
+    environ: MutableMapping[str, str] | None = None, *, cuda: bool | None = None
+) -> dict[str, str]:
+    """Set :data:`DEFAULTS` that are unset, on the CUDA backend; return what was set.
+
+    ``environ`` defaults to ``os.environ`` and ``cuda`` to whether MLX's CUDA
+    backend is available (both are parameters for the tests).
+    """
+    if environ is None:
+        environ = os.environ
+    if cuda is None:
+        import mlx.core as mx
+
+        cuda = bool(mx.cuda.is_available())
+    if not cuda:
+        return {}
+    chosen = {name: value for name, value in DEFAULTS.items() if name not in environ}
+    environ.update(chosen)
+    if chosen:
+        logger.info("MLX CUDA settings chosen by trio-mlx: %s", chosen)
+    return chosen
