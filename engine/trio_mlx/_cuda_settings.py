@@ -14,8 +14,11 @@ the H200 (``bench/results/h200-variants``; design/performance.md): with cuDNN
 attention off, served throughput rose 24-35% at 8-64 streams, time to first
 token halved, and long prompts reached their first token 26-45% sooner.
 Without cuDNN, MLX's own attention serves prefill (matmuls and a softmax),
-which holds one chunk's score matrix at a time: bounded by the prefill
-budget.
+which holds one chunk's score matrix at a time: query heads x chunk tokens x
+keys, in the model's dtype (Llama-3.2-1B's 32 heads, a 1,536-token chunk and
+4,096 keys in bf16: 0.4 GB; against 32,768 keys: 3.2 GB). On a GPU with
+little memory to spare for very long prompts, a smaller ``prefill_budget``
+bounds it, or ``MLX_CUDA_USE_CUDNN_SDPA=1`` brings cuDNN back.
 
 :func:`apply` sets the engine's defaults in ``os.environ`` before the model
 loads (on the MLX thread, ahead of any attention call), only on the CUDA
