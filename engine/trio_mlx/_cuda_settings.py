@@ -26,7 +26,8 @@ backend and only for variables the user has not set: exporting
 ``MLX_CUDA_USE_CUDNN_SDPA=1`` keeps cuDNN. Because MLX keeps the first value
 it read, an embedding program that ran MLX attention on CUDA before opening
 the engine keeps whatever was in force then (:func:`apply` cannot tell; it
-logs what it set). :data:`DEFAULTS` is public to the bench suite, which runs
+logs what it set), and the variable stays in the process's environment, so
+child processes started afterwards inherit it. :data:`DEFAULTS` is public to the bench suite, which runs
 its reference loops and ``mlx_lm.server`` under the same settings, so that
 comparisons stay like with like.
 """
