@@ -35,7 +35,9 @@ def test_other_backends_are_left_alone() -> None:
 
 def test_this_machines_backend_decides(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without ``cuda=``, MLX says whether its CUDA backend is there; ``os.environ`` is the target."""
-    monkeypatch.delenv("MLX_CUDA_USE_CUDNN_SDPA", raising=False)
+    # setenv first records the variable's state, so teardown undoes what apply() sets.
+    monkeypatch.setenv("MLX_CUDA_USE_CUDNN_SDPA", "placeholder")
+    monkeypatch.delenv("MLX_CUDA_USE_CUDNN_SDPA")
     chosen = _cuda_settings.apply()
     if mx.cuda.is_available():
         assert chosen == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}

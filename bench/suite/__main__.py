@@ -170,12 +170,13 @@ def environment(env: dict[str, str]) -> dict[str, Any]:
         "from trio_mlx import backend_info\n"
         "i = backend_info()\n"
         "print(json.dumps({'mlx': m.version('mlx'), 'mlx_lm': m.version('mlx-lm'),"
-        " 'device': str(mx.default_device()), 'blas': i.describe(),"
+        " 'device': str(mx.default_device()), 'cuda': mx.cuda.is_available(),"
+        " 'blas': i.describe(),"
         " 'engine': hasattr(__import__('trio_mlx'), 'open_engine')}))"
     )
     info = json.loads(_probe(env, code) or "{}")
     info["cpus"] = os.cpu_count()
-    if "cuda" in info.get("device", "") or "gpu" in info.get("device", ""):
+    if info.get("cuda"):
         from trio_mlx._cuda_settings import DEFAULTS
 
         info["mlx_settings"] = {name: env.get(name) for name in DEFAULTS}

@@ -27,9 +27,9 @@ backend and only for variables the user has not set: exporting
 it read, an embedding program that ran MLX attention on CUDA before opening
 the engine keeps whatever was in force then (:func:`apply` cannot tell; it
 logs what it set), and the variable stays in the process's environment, so
-child processes started afterwards inherit it. :data:`DEFAULTS` is public to the bench suite, which runs
-its reference loops and ``mlx_lm.server`` under the same settings, so that
-comparisons stay like with like.
+child processes started afterwards inherit it. :data:`DEFAULTS` is public to
+the bench suite, which runs its reference loops and ``mlx_lm.server`` under
+the same settings, so that comparisons stay like with like.
 """
 
 from __future__ import annotations
