@@ -122,3 +122,35 @@ def test_a_base_model_changed_under_the_registry_fails_loudly(
     finally:
         layer.weight = original
         mx.eval(layer.weight)
+
+
+async def _answers(model: Path, adapters: dict[str, Path]) -> dict[str | None, tuple[int, ...]]:
+    """Greedy answers of the base and each adapter, alone and in one batch."""
+    async with trio_mlx.open_engine(model) as engine:
+        stacked = await engine.run_exclusive(
+            lambda m, _: sum(type(x).__name__.startswith("Fused") for _, x in m.named_modules())
+        )
+        for name, path in adapters.items():
+            await engine.mount_adapter(name, path)
+        answers: dict[str | None, tuple[int, ...]] = {"stacked": (stacked,)}
+        for adapter in (None, *adapters):
+            params = SamplingParams(max_tokens=12, logit_bias=NO_EOS, adapter=adapter)
+            answers[adapter] = tuple((await engine.complete(PROMPT, params)).token_ids)
+    return answers
+
+
+async def test_adapters_answer_alike_with_sibling_projections_stacked_or_not(
+    tiny_model_path: Path, tiny_adapter_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LoRA (batched) and DoRA (which computes with the weight itself) see the plain model."""
+    adapters = {
+        "lora": tiny_adapter_path,
+        "dora": _variant(tiny_adapter_path, tmp_path / "dora", fine_tune_type="dora"),
+    }
+    stacked = await _answers(tiny_model_path, adapters)
+    monkeypatch.setenv("TRIO_MLX_FUSED_PROJECTIONS", "0")
+    plain = await _answers(tiny_model_path, adapters)
+    assert stacked.pop("stacked") == (5 * 2,)  # q, k, v, gate, up in each of 2 layers
+    assert plain.pop("stacked") == (0,)
+    assert stacked == plain
+    assert len(set(stacked.values())) == 3  # each adapter changed the answer

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx import _cuda_settings, _decode_attention, _distributed
+from trio_mlx import _cuda_settings, _decode_attention, _distributed, _fused_projections
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._params import SamplingParams
@@ -245,6 +245,7 @@ def load(
         set_chat_template(tokenizer, chat_template)
     if settings.adapter_path is not None:
         fuse_lora(model)
+    _fused_projections.install(model)  # sibling projections: one matmul per group
     _decode_attention.install(model)  # CUDA only: the padded batch's decode attention fused
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
     lane = lane_type(
