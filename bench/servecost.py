@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests per stream")
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--prompt-words", type=int, default=16, help="words per prompt")
     parser.add_argument("--py-spy", default=None, help="also record a py-spy raw profile here")
     args = parser.parse_args()
     model = models.prepare(args.model)
@@ -48,7 +49,7 @@ def main() -> None:
     ) as server:
         spec = {
             "mode": "closed", "url": server.url, "streams": args.streams, "requests": 1,
-            "max_tokens": 4, "prompt_words": 16, "model": server.model,
+            "max_tokens": 4, "prompt_words": args.prompt_words, "model": server.model,
             "logit_bias": model.logit_bias,
         }  # fmt: skip
         loadgen.run_clients([spec])  # warm-up: compile, first batch shapes

@@ -518,6 +518,8 @@ class Suite:
         # trio-mlx first: its capacity sets the open-loop rates for every server.
         order = ["trio-mlx", *(n for n in starters if n.startswith("trio-mlx (")), "mlx_lm.server"]
         order = [n for n in order if n in starters]
+        if self.args.no_mlx_lm_server:
+            order.remove("mlx_lm.server")
         capacity = None
         for name in order:
             self.log(f"starting {name} on {model.name}")
@@ -662,6 +664,9 @@ def main() -> None:
                         help="the traffic part also runs trio-mlx with these settings, as "
                         "'trio-mlx (LABEL)': VAR=VALUE sets an environment variable, --flag=VALUE "
                         "a server flag (repeatable), e.g. 'no-cudnn:MLX_CUDA_USE_CUDNN_SDPA=0'")  # fmt: skip
+    parser.add_argument("--no-mlx-lm-server", action="store_true",
+                        help="the traffic part runs trio-mlx (and its variants) only: for "
+                        "variant-only runs; every ratio to mlx_lm.server needs it")  # fmt: skip
     parser.set_defaults(profile="full")
     args = parser.parse_args()
     if args.machine is None:

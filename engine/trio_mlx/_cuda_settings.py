@@ -20,6 +20,16 @@ keys, in the model's dtype (Llama-3.2-1B's 32 heads, a 1,536-token chunk and
 little memory to spare for very long prompts, a smaller ``prefill_budget``
 bounds it, or ``MLX_CUDA_USE_CUDNN_SDPA=1`` brings cuDNN back.
 
+The second is ``MLX_ENABLE_CACHE_THRASHING_CHECK`` (default on): once one of
+MLX's CUDA caches has missed more than twice its capacity, the evaluation that
+missed raises "Cache thrashing". For a notebook that is a hint to raise the
+cache size; for a server it fails every row in the batch, and served prefill
+shapes never stop being new. Measured on the H200
+(``bench/experiments/cache_thrashing.py``): with ``MLX_CUDA_USE_CUDNN_SDPA=1``
+a process raised it before its 700th distinct prompt length, and with the check
+off it ran all 700. The engine turns the check off (a cache that misses then
+costs time, not the batch); a user who sets either variable keeps their value.
+
 :func:`apply` sets the engine's defaults in ``os.environ`` before the model
 loads (on the MLX thread, ahead of any attention call), only on the CUDA
 backend and only for variables the user has not set: exporting
@@ -43,7 +53,10 @@ __all__ = ["DEFAULTS", "apply"]
 logger = logging.getLogger("trio_mlx")
 
 #: Variable -> the engine's value on CUDA (see the module's docstring for why).
-DEFAULTS: dict[str, str] = {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+DEFAULTS: dict[str, str] = {
+    "MLX_CUDA_USE_CUDNN_SDPA": "0",
+    "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+}
 
 
 def apply(
