@@ -154,3 +154,25 @@ def test_installing_twice_stacks_nothing_more(tiny_model_path: Path) -> None:
     model = _load(tiny_model_path, True)
     assert _fused_projections.install(model, {}) == 0
     assert _same(_logits(model), _logits(_load(tiny_model_path, False)))
+
+
+def test_stacking_takes_no_more_memory(tiny_model_path: Path) -> None:
+    """The members' weights become views of the stacked matrix: the model's memory is unchanged."""
+    import gc
+
+    model, _ = mlx_lm.load(str(tiny_model_path))
+    mx.eval(model.parameters())
+    gc.collect()
+    before = mx.get_active_memory()
+    assert _fused_projections.install(model, {}) == 2 * len(model.layers)
+    gc.collect()
+    stacked = sum(
+        getattr(layer, part)[name].weight.nbytes
+        for layer in model.layers
+        for part, names in (
+            ("self_attn", ("q_proj", "k_proj", "v_proj")),
+            ("mlp", ("gate_proj", "up_proj")),
+        )
+        for name in names
+    )
+    assert mx.get_active_memory() - before < stacked // 10  # a copy would add all of it
