@@ -176,3 +176,20 @@ def test_stacking_takes_no_more_memory(tiny_model_path: Path) -> None:
         for name in names
     )
     assert mx.get_active_memory() - before < stacked // 10  # a copy would add all of it
+
+
+def test_a_member_behind_mlx_lms_lora_layer_keeps_the_group_stacked(tiny_model_path: Path) -> None:
+    """``LoRALinear`` calls its layer on the input, so the group stays one matmul under it."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    plain, fused = _load(tiny_model_path, False), _load(tiny_model_path, True)
+    for model in (plain, fused):
+        attention = model.layers[0].self_attn
+        lora = LoRALinear.from_base(attention.k_proj, r=4, scale=2.0)
+        lora.lora_a = mx.random.normal(lora.lora_a.shape, key=mx.random.key(3)) * 0.1
+        lora.lora_b = mx.random.normal(lora.lora_b.shape, key=mx.random.key(4)) * 0.1
+        attention.k_proj = lora
+    group = fused.layers[0].self_attn.q_proj._fusion
+    assert group.intact()
+    assert _same(_logits(plain), _logits(fused))
+    assert not _same(_logits(plain), _logits(_load(tiny_model_path, False)))  # LoRA took part

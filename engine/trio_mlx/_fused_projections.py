@@ -98,7 +98,7 @@ class _Group:
                 continue
             if getattr(holder, "base", None) is member:  # the multi-LoRA layer
                 continue
-            if type(holder).__name__ == "LoRALinear" and getattr(holder, "linear", None) is member:
+            if _is_lora(holder) and holder.linear is member:
                 continue
             return False
         return True
@@ -110,6 +110,15 @@ class _Group:
         y = self.whole(x)
         parts: list[Any] = mx.split(y, self.bounds[1:-1], axis=-1)  # type: ignore[assignment]
         return parts
+
+
+def _is_lora(module: Any) -> bool:
+    """Whether ``module`` is mlx-lm's ``LoRALinear`` (which calls its layer on the input).
+
+    By name: importing ``mlx_lm.tuner`` costs a second and a half at load.
+    """
+    kind = type(module)
+    return kind.__name__ == "LoRALinear" and kind.__module__ == "mlx_lm.tuner.lora"
 
 
 class _Member:
