@@ -193,3 +193,25 @@ def test_a_member_behind_mlx_lms_lora_layer_keeps_the_group_stacked(tiny_model_p
     assert group.intact()
     assert _same(_logits(plain), _logits(fused))
     assert not _same(_logits(plain), _logits(_load(tiny_model_path, False)))  # LoRA took part
+
+
+def _q_only(attention: Any) -> None:
+    """Make ``attention`` call its ``q_proj`` alone, as Gemma 3n's KV-shared layers do."""
+
+    class QOnly(type(attention)):  # type: ignore[misc]
+        def __call__(self, x: Any, mask: Any = None, cache: Any = None) -> Any:
+            return self.o_proj(self.q_proj(x))
+
+    attention.__class__ = QOnly
+
+
+def test_a_group_whose_siblings_are_not_all_called_is_unstacked(tiny_model_path: Path) -> None:
+    """The load-time probe pass finds it: no matmul computes outputs that nobody takes."""
+    plain, _ = mlx_lm.load(str(tiny_model_path))
+    fused, _ = mlx_lm.load(str(tiny_model_path))
+    for model in (plain, fused):
+        _q_only(model.layers[0].self_attn)
+    assert _fused_projections.install(fused, {}) == 2 * len(fused.layers) - 1
+    assert type(fused.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(fused.layers[0].mlp.up_proj).__name__ == "FusedLinear"
+    assert _same(_logits(plain), _logits(fused))

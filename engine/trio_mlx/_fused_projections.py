@@ -30,6 +30,11 @@ It leaves the model as it was for everything else:
   array itself (identity, not value), and leave it when taken; a call with any
   other input computes afresh. So a stash never serves a stale or foreign
   input, and it holds at most one layer's outputs between calls.
+* Some models do not call every sibling: Gemma 3n's KV-shared layers call
+  ``q_proj`` alone while they have a cache. There the stacked matmul would
+  compute outputs nobody takes, and the stash would hold them until the next
+  call. So :func:`install` runs one forward pass over a two-token prompt with
+  a fresh cache and unstacks every group that left outputs behind.
 
 Only exact ``nn.Linear`` and ``nn.QuantizedLinear`` members of one kind,
 shape of input and dtype are stacked (quantized ones with equal group size,
@@ -86,6 +91,15 @@ class _Group:
         #: The input the stash answers for, and member index -> its output.
         self.stash_input: Any = None
         self.stash: dict[int, Any] = {}
+        #: The members' classes before stacking (:meth:`unstack` restores them).
+        self.kinds = [type(m) for m in members]
+
+    def unstack(self) -> None:
+        """Make the members plain layers again (their weights stay views: same values)."""
+        for member, kind in zip(self.members, self.kinds, strict=True):
+            member.__class__ = kind
+            del member._fusion, member._fusion_index
+        self.stash_input, self.stash = None, {}
 
     def intact(self) -> bool:
         """Whether every member holds its views and will be called with the input itself."""
@@ -184,7 +198,7 @@ def install(model: Any, environ: dict[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     if env.get("TRIO_MLX_FUSED_PROJECTIONS", "1") == "0":
         return 0
-    stacked = 0
+    groups: list[_Group] = []
     for _, module in model.named_modules():
         for names in GROUPS:
             members = [module.get(name) for name in names]
@@ -195,7 +209,30 @@ def install(model: Any, environ: dict[str, str] | None = None) -> int:
                 member.__class__ = _member_class(type(member))
                 member._fusion = group
                 member._fusion_index = index
-            stacked += 1
-    if stacked:
-        logger.info("stacked %d groups of sibling projections into one matmul each", stacked)
-    return stacked
+            groups.append(group)
+    if groups:
+        groups = _called_whole(model, groups)
+    if groups:
+        logger.info("stacked %d groups of sibling projections into one matmul each", len(groups))
+    return len(groups)
+
+
+def _called_whole(model: Any, groups: list[_Group]) -> list[_Group]:
+    """The groups whose every member a forward pass calls; the others are unstacked again."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        mx.eval(model(mx.array([[0, 0]]), cache=make_prompt_cache(model)))
+    except Exception as exc:  # a model this probe cannot drive: leave it as it was
+        logger.warning("sibling projections left unstacked: the probe pass failed: %s", exc)
+        for group in groups:
+            group.unstack()
+        return []
+    kept = []
+    for group in groups:
+        if group.stash:
+            group.unstack()
+        else:
+            kept.append(group)
+    return kept
