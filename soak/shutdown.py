@@ -40,10 +40,10 @@ async def _one(http: httpx.AsyncClient, spec: Spec, deadline: float) -> str:
     return f"bad:{answer.status}:{answer.detail[:80]}"
 
 
-def _specs(short: int, long: int) -> dict[str, list[Spec]]:
+def _specs(short: int, long: int, short_tokens: int = 48) -> dict[str, list[Spec]]:
     return {
         "short": [
-            Spec(chat=i % 2 == 0, stream=i % 3 == 0, max_tokens=48, no_eos=True)
+            Spec(chat=i % 2 == 0, stream=i % 3 == 0, max_tokens=short_tokens, no_eos=True)
             for i in range(short)
         ],
         "long": [
@@ -53,13 +53,15 @@ def _specs(short: int, long: int) -> dict[str, list[Spec]]:
     }
 
 
-async def short_requests_seconds(server: ServerProcess, *, short: int, long: int) -> float:
+async def short_requests_seconds(
+    server: ServerProcess, *, short: int, long: int, short_tokens: int = 48
+) -> float:
     """Seconds ``short`` requests take beside ``long`` ones on this server, now.
 
     The machine's pace: a grace period that must fit the short requests is a
     multiple of this, so the shutdown check holds on a busy machine too.
     """
-    specs = _specs(short, long)
+    specs = _specs(short, long, short_tokens)
     limits = httpx.Limits(max_connections=short + long + 8)
     async with (
         httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None) as http,
@@ -101,10 +103,15 @@ async def _late_requests(server: ServerProcess, outcomes: Counter[str], limit: f
 
 
 async def run_shutdown(
-    server: ServerProcess, *, short: int, long: int, grace: float
+    server: ServerProcess, *, short: int, long: int, grace: float, short_tokens: int = 48
 ) -> dict[str, Any]:
-    """``short`` requests that fit in the grace period, ``long`` ones that do not; then SIGTERM."""
-    specs = _specs(short, long)
+    """``short`` requests that fit in the grace period, ``long`` ones that do not; then SIGTERM.
+
+    A short request asks for ``short_tokens`` tokens, a long one for 100,000: it runs
+    until the deadline, or the model's context ends it (the grace must be too short
+    for that: a context-limited ``length`` counts as a bad answer here).
+    """
+    specs = _specs(short, long, short_tokens)
     outcomes: dict[str, Counter[str]] = {"short": Counter(), "long": Counter(), "late": Counter()}
     limits = httpx.Limits(max_connections=short + long + 8)
     async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=None) as http:
