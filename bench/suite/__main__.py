@@ -501,11 +501,9 @@ class Suite:
         data["bare"] = traffic.bare(job, self.env, self.log)
         self.write()
         logs = self.out / "logs"
-        starters: dict[str, Any] = {
-            "mlx_lm.server": lambda: mlx_lm_server(
-                model.path, max_batch=max(cs), env=self.env, log_dir=logs
-            )
-        }
+        # In the order they run. trio-mlx first: its capacity sets the open-loop rates for
+        # every server.
+        starters: dict[str, Any] = {}
         if self.server:
             starters["trio-mlx"] = lambda: trio_mlx_server(
                 model.path, max_batch=max(cs), env=self.env, log_dir=logs
@@ -515,13 +513,12 @@ class Suite:
                     trio_mlx_server, model.path, max_batch=max(cs), env={**self.env, **env},
                     log_dir=logs / label, extra=flags,
                 )  # fmt: skip
-        # trio-mlx first: its capacity sets the open-loop rates for every server.
-        order = ["trio-mlx", *(n for n in starters if n.startswith("trio-mlx (")), "mlx_lm.server"]
-        order = [n for n in order if n in starters]
-        if self.args.no_mlx_lm_server:
-            order.remove("mlx_lm.server")
+        if not self.args.no_mlx_lm_server:
+            starters["mlx_lm.server"] = lambda: mlx_lm_server(
+                model.path, max_batch=max(cs), env=self.env, log_dir=logs
+            )
         capacity = None
-        for name in order:
+        for name in starters:
             self.log(f"starting {name} on {model.name}")
             try:
                 with starters[name]() as server:

@@ -250,7 +250,8 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
             )
     servers = data.get("servers", {})
     reference = servers.get("mlx_lm.server")
-    for name in (n for n in servers if n.startswith("trio-mlx") and reference):
+    compared = [n for n in servers if n.startswith("trio-mlx")] if reference else []
+    for name in compared:
         pairs = zip(servers[name], reference, strict=False)
         vs = ", ".join(f"C={a['concurrency']}: {_ratio(a['tok_s'], b['tok_s'])}" for a, b in pairs)
         lines += ["", f"{name} / mlx_lm.server tok/s: {vs}"]
