@@ -391,6 +391,40 @@ def _sampled(batch: Any, logprobs: Any) -> Any:
     return mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(chosen)], axis=0)
 
 
+def _batch_cache() -> type:
+    from mlx_lm.models.cache import BatchKVCache
+
+    return BatchKVCache
+
+
+def _plain_cache(cache: Any, padding: int) -> Any:
+    """A one-row ``BatchKVCache`` as a plain ``KVCache`` over the same buffers.
+
+    Without left padding the row's keys start at position 0, so the plain cache
+    takes the batch cache's arrays as they are (no copy); with padding, the
+    row's part is copied out.
+    """
+    from mlx_lm.models.cache import KVCache
+
+    if padding:
+        return cache.extract(0)
+    plain = KVCache()  # type: ignore[no-untyped-call]
+    plain.keys, plain.values, plain.offset = cache.keys, cache.values, cache._idx
+    return plain
+
+
+def _one_row_cache(plain: Any) -> Any:
+    """A plain ``KVCache`` back as a one-row ``BatchKVCache`` over the same buffers."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = BatchKVCache([0])
+    if plain.keys is not None:
+        cache.keys, cache.values, cache._idx = plain.keys, plain.values, plain.offset
+        cache.offset = mx.array([plain.offset])
+    return cache
+
+
 _GENERATION_CLASS: Any = None
 
 
@@ -442,7 +476,35 @@ def _generation_class() -> Any:
         #: Uids of constrained rows (a superset of those in the batch).
         grammar_uids: set[int]
 
+        #: The one row's caches as mlx-lm's plain ``KVCache`` while it decodes alone.
+        solo: bool = False
+        solo_allowed: bool = True
+
+        def _enter_solo(self) -> None:
+            b: Any = self
+            caches = b.prompt_cache
+            if not caches or any(type(c) is not _batch_cache() for c in caches):
+                return
+            padding = int(caches[0].left_padding.item())
+            b.prompt_cache = [_plain_cache(c, padding) for c in caches]
+            self.solo = True
+
+        def _leave_solo(self) -> None:
+            if self.solo:
+                b: Any = self
+                b.prompt_cache = [_one_row_cache(c) for c in b.prompt_cache]
+                self.solo = False
+
+        def extract_cache(self, idx: int) -> list[Any]:
+            self._leave_solo()
+            return super().extract_cache(idx)
+
+        def filter(self, keep: list[int]) -> None:
+            self._leave_solo()
+            super().filter(keep)
+
         def extend(self, batch: Any) -> None:
+            self._leave_solo()
             if getattr(batch, "unstepped", False):
                 if self.uids:
                     self.fresh.update(batch.uids)
@@ -482,6 +544,8 @@ def _generation_class() -> Any:
             # the host turns them into text. The returned tokens are that last
             # step's, which the KV cache now holds.
             b: Any = self  # mlx-lm's attributes are untyped
+            if not self.solo and len(b.uids) == 1 and not self.fresh and self.solo_allowed:
+                self._enter_solo()
             queued, queued_lps = b._next_tokens, b._next_logprobs
             b._current_tokens, b._current_logprobs = queued, queued_lps
             logits, contexts = _processed(
@@ -658,6 +722,9 @@ class BatchLane:
     #: Compute every constrained row's grammar mask of a decode step together
     #: (:class:`~trio_mlx._structured.GrammarBatch`); False: each row's processor alone.
     grammar_batch: bool = True
+    #: Decode a row alone in the batch over plain ``KVCache``s (see ``_Generation``);
+    #: False: as a one-row batch (``TRIO_MLX_SOLO_DECODE=0``, for side-by-side runs).
+    solo_decode: bool = True
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
@@ -703,6 +770,7 @@ class BatchLane:
         generation.fresh = set()
         generation.logprob_uids = set()
         generation.grammar_uids = set()
+        generation.solo_allowed = self.solo_decode
         generator._generation_batch = generation
         generator._prompt_batch = _prompt_class().empty(
             model, generator.sampler, prefill_step_size=self.prefill_step_size
@@ -773,6 +841,11 @@ class BatchLane:
     def dead_rows(self) -> int:
         """Finished or cancelled rows whose KV slots the batch still holds."""
         return len(self._dead)
+
+    @property
+    def solo(self) -> bool:
+        """Whether the batch's one row is decoding over plain caches (``solo_decode``)."""
+        return bool(self._generator._generation_batch.solo)
 
     def _result(self, events: list[RowEvent], cached: dict[int, int], steps: int) -> StepResult:
         return StepResult(

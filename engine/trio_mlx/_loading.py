@@ -254,6 +254,7 @@ def load(
         settings.max_batch,
         prefill_step_size=settings.prefill_step_size,
         prefill_batch_size=settings.prefill_batch_size,
+        solo_decode=os.environ.get("TRIO_MLX_SOLO_DECODE", "1") != "0",
     )
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
