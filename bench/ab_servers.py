@@ -1,6 +1,9 @@
 """Interleaved A/B of ``trio-mlx serve`` from two source trees, closed-loop streaming clients.
 
     python bench/ab_servers.py /work/main /path/to/branch [--model default] [--rounds 3]
+    python bench/ab_servers.py . .:TRIO_MLX_SOLO_DECODE=0   # one tree, two environments
+
+A tree may carry ``:VAR=VALUE,...``: settings added to that server's environment.
 
 Both servers stay up for the whole run and the rounds alternate between them (and reverse
 their order every other round), so load that comes and goes on a shared machine hits both
@@ -33,16 +36,21 @@ def main() -> None:
     parser.add_argument("--concurrency", default="4,16")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
     args = parser.parse_args()
     model = prepare(args.model)
     bias = {str(k): -100 for k in EOS_IDS} if model.logit_bias else None
     profile = {"prompt_words": 60, "client_processes": 2, "logit_bias": bias,
-               "traffic": {"duration": args.seconds, "warm": 2.0, "max_tokens": 64}}  # fmt: skip
+               "traffic": {"duration": args.seconds, "warm": 2.0, "max_tokens": args.tokens}}  # fmt: skip
     with contextlib.ExitStack() as stack:
         servers = []
-        for i, tree in enumerate(args.trees):
+        for i, spec in enumerate(args.trees):
+            tree, _, settings = spec.partition(":")
             env = model_env()
-            env["PYTHONPATH"] = f"{tree}/engine:{tree}/http:{ROOT}"
+            env.update(item.split("=", 1) for item in settings.split(",") if item)
+            tree = str(Path(tree).resolve())
+            rest = env.get("PYTHONPATH")  # where the dependencies are installed (GPU machine)
+            env["PYTHONPATH"] = f"{tree}/engine:{tree}/http:{ROOT}" + (f":{rest}" if rest else "")
             command = [sys.executable, "-m", "trio_mlx_http", "serve", "--model", str(model.path),
                        "--host", "127.0.0.1", "--port", "{port}", "--max-batch", str(args.max_batch)]  # fmt: skip
             server = stack.enter_context(
@@ -50,7 +58,7 @@ def main() -> None:
             )
             warm = {**profile, "traffic": {**profile["traffic"], "duration": 3.0}}
             traffic.closed(server, warm, 4)
-            servers.append((tree, server))
+            servers.append((spec, server))
         for rnd in range(args.rounds):
             for c in (int(x) for x in args.concurrency.split(",")):
                 for tree, server in servers if rnd % 2 == 0 else servers[::-1]:

@@ -40,12 +40,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--prompt-words", type=int, default=16, help="words per prompt")
+    parser.add_argument("--max-batch", type=int, default=0, help="default: max(2, streams)")
     parser.add_argument("--py-spy", default=None, help="also record a py-spy raw profile here")
     args = parser.parse_args()
     model = models.prepare(args.model)
     env = dict(os.environ)
     with servers.trio_mlx_server(
-        model.path, max_batch=args.streams, env=env, log_dir=Path(tempfile.mkdtemp())
+        model.path,
+        max_batch=args.max_batch or max(2, args.streams),
+        env=env,
+        log_dir=Path(tempfile.mkdtemp()),
     ) as server:
         spec = {
             "mode": "closed", "url": server.url, "streams": args.streams, "requests": 1,
