@@ -139,3 +139,37 @@ async def test_the_switch_reaches_the_lane(
         monkeypatch.setenv("TRIO_MLX_SOLO_DECODE", value)
         async with trio_mlx.open_engine(tiny_model_path, max_batch=2) as engine:
             assert engine._loaded.lane.solo_decode is expected
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [(5, 300), (300, 5), (7, 7)], ids=str)
+def test_rows_joining_the_batch_get_the_caches_mlx_lm_would_build(ours: int, theirs: int) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from trio_mlx._batch import _join_caches
+
+    def cache(rows: int, length: int, padding: list[int], seed: int) -> BatchKVCache:
+        c = BatchKVCache(padding)
+        key = mx.random.key(seed)
+        c.update_and_fetch(
+            mx.random.normal((rows, 2, length, 4), key=key),
+            mx.random.normal((rows, 2, length, 4), key=mx.random.split(key)[0]),
+        )
+        return c
+
+    def pair() -> tuple[BatchKVCache, BatchKVCache]:
+        return cache(3, ours, [0, 2, 1], 1), cache(2, theirs, [1, 0], 2)
+
+    expected, other = pair()
+    expected.extend(other)  # mlx-lm's
+    layers = [pair(), pair()]
+    assert _join_caches([a for a, _ in layers], [b for _, b in layers])
+    for joined, _ in layers:
+        assert joined._idx == expected._idx
+        assert joined.left_padding.tolist() == expected.left_padding.tolist()
+        assert joined.offset.tolist() == expected.offset.tolist()
+        for got, want in zip(joined.keys_and_values(), expected.keys_and_values(), strict=True):
+            assert got.shape == want.shape
+            assert mx.array_equal(got, want).item()
+    # Anything but plain batch caches is left to mlx-lm.
+    assert not _join_caches([BatchKVCache([0])], [cache(1, 3, [0], 3)])

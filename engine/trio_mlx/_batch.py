@@ -391,7 +391,7 @@ def _sampled(batch: Any, logprobs: Any) -> Any:
     return mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(chosen)], axis=0)
 
 
-def _batch_cache() -> type:
+def _batch_cache() -> Any:
     from mlx_lm.models.cache import BatchKVCache
 
     return BatchKVCache
@@ -423,6 +423,54 @@ def _one_row_cache(plain: Any) -> Any:
         cache.keys, cache.values, cache._idx = plain.keys, plain.values, plain.offset
         cache.offset = mx.array([plain.offset])
     return cache
+
+
+def _join_caches(ours: list[Any], theirs: list[Any]) -> bool:
+    """Append ``theirs``' rows to ``ours``, layer by layer, as ``BatchKVCache.extend`` does.
+
+    mlx-lm pads both caches to the longer one (a copy of every row) and then
+    concatenates them (a second copy of every row). When a long prompt joins
+    rows with short contexts, that is two copies of the whole batch at the long
+    row's length, on the step every running row waits for. Here each layer's
+    keys and values are one new zeroed array that each side's used positions
+    are written into: the same arrays (the unused tail is zero instead of
+    whatever the buffers held), one allocation and one copy of what is used.
+    False, and nothing changed, unless every layer of both is a plain
+    ``BatchKVCache`` with keys of one dtype.
+    """
+    kind = _batch_cache()
+    pairs: list[tuple[Any, Any]] = list(zip(ours, theirs, strict=True))
+    for a, b in pairs:
+        if type(a) is not kind or type(b) is not kind or a.keys is None or b.keys is None:
+            return False
+        if a.keys.dtype != b.keys.dtype or a.values.dtype != b.values.dtype:
+            return False
+    import mlx.core as mx
+
+    for a, b in pairs:
+        idx = max(a._idx, b._idx)
+        size = max(a.keys.shape[2], b.keys.shape[2])
+        a.keys = _right_justified(a.keys, a._idx, b.keys, b._idx, idx, size)
+        a.values = _right_justified(a.values, a._idx, b.values, b._idx, idx, size)
+        a.left_padding = mx.concatenate(
+            [a.left_padding + (idx - a._idx), b.left_padding + (idx - b._idx)]
+        )
+        a.offset = mx.concatenate([a.offset, b.offset])
+        a._idx = idx
+    return True
+
+
+def _right_justified(x: Any, x_used: int, y: Any, y_used: int, end: int, size: int) -> Any:
+    """``x``'s rows over ``y``'s, each one's first ``*_used`` positions ending at ``end``."""
+    import mlx.core as mx
+
+    rows = x.shape[0]
+    out = mx.zeros((rows + y.shape[0], x.shape[1], size, x.shape[3]), dtype=x.dtype)
+    if x_used:
+        out[:rows, :, end - x_used : end] = x[..., :x_used, :]
+    if y_used:
+        out[rows:, :, end - y_used : end] = y[..., :y_used, :]
+    return out
 
 
 _GENERATION_CLASS: Any = None
@@ -512,6 +560,13 @@ def _generation_class() -> Any:
                     # Nothing decodes: no pass to share, so the arrivals' own first
                     # step now (mlx-lm's), and an idle engine's TTFT stays as it was.
                     batch._step()
+            b: Any = self
+            if (
+                b.prompt_cache
+                and batch.prompt_cache
+                and _join_caches(b.prompt_cache, batch.prompt_cache)
+            ):
+                batch.prompt_cache = []  # joined: mlx-lm's extend keeps ours as it is
             super().extend(batch)  # type: ignore[no-untyped-call]
 
         def _step(self) -> Any:

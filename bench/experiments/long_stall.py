@@ -1,0 +1,98 @@
+"""Which lane steps stall the running rows while a long prompt is prefilled.
+
+``python bench/experiments/long_stall.py [MODEL] [ROWS] [LONG ...] [budget=N]``
+(default ``llama-1b``, 63 rows, long prompts of 3000, 3500 and 4000 tokens) loads
+the model as the engine does (its prefill budget for the device, or N; with
+``mlx-join``, rows join the batch by mlx-lm's ``BatchKVCache.extend`` instead of
+the lane's ``_join_caches``), lets ROWS rows
+decode, then inserts one long prompt at a time and calls ``BatchLane.step``
+one decode step per call until the long row's first token. Every call's wall
+time is the running rows' gap for that step (decode is pipelined, so a call
+waits for the step before it). It prints the median gap of the steady steps
+before each arrival, every step from the arrival to the first token with what
+it did (prompt tokens prefilled, whether the long row joined, garbage
+collections), and the largest gap over the median: the issue's latency ratio
+without HTTP, clients or the actor.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from typing import Any
+
+from bench.suite import models
+from bench.suite.inproc import prompt_ids
+
+from trio_mlx import SamplingParams
+from trio_mlx._batch import RowSpec, StepPlan
+from trio_mlx._loading import LoadSettings, load
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"
+    rows = int(sys.argv[2]) if len(sys.argv) > 2 else 63
+    budget = [int(x[7:]) for x in sys.argv[3:] if x.startswith("budget=")]
+    longs = [int(x) for x in sys.argv[3:] if x.isdigit()] or [3000, 3500, 4000]
+    if "mlx-join" in sys.argv:
+        import trio_mlx._batch
+
+        trio_mlx._batch._join_caches = lambda ours, theirs: False
+    settings = LoadSettings(max_batch=rows + 1, prefill_budget=budget[-1] if budget else None)
+    loaded = load(str(models.prepare(name).path), settings)
+    lane, tokenizer = loaded.lane, loaded.tokenizer
+    print(f"prefill budget {lane.prefill_budget}, {rows} rows", flush=True)
+    collections: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(time.perf_counter())
+
+    gc.callbacks.append(on_gc)
+    params = SamplingParams(max_tokens=100_000, temperature=0.0)
+    prompts = prompt_ids(tokenizer, rows, 123, seed=3)
+    lane.step(StepPlan([RowSpec(i + 1, tuple(p), params) for i, p in enumerate(prompts)]))
+    for _ in range(40):
+        lane.step()
+    row_id = 1000
+    for length in longs:
+        steady = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            lane.step()
+            steady.append(time.perf_counter() - t0)
+        median = statistics.median(steady)
+        row_id += 1
+        long_prompt = tuple(prompt_ids(tokenizer, 1, length * 2, seed=length)[0][:length])
+        plan = StepPlan([RowSpec(row_id, long_prompt, SamplingParams(max_tokens=4))])
+        print(f"long prompt {len(long_prompt)} tokens; steady gap median {median * 1e3:.1f} ms")
+        worst, k = 0.0, 0
+        while True:
+            before = lane._prefilling.get(next(iter(lane._prefilling), -1), None)
+            mark = len(collections)
+            t0 = time.perf_counter()
+            result = lane.step(plan)
+            gap = time.perf_counter() - t0
+            plan = StepPlan()
+            first = any(e.id == row_id and e.token_ids for e in result.events)
+            worst = max(worst, gap)
+            print(f"  step {k}: {gap * 1e3:7.1f} ms  ({gap / median:4.1f}x)  "
+                  f"left to prefill before {before}  gc {len(collections) - mark}"
+                  f"{'  first token' if first else ''}", flush=True)  # fmt: skip
+            k += 1
+            if first or k > 50:
+                break
+        after = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            lane.step()
+            after.append(time.perf_counter() - t0)
+        print(f"  worst {worst * 1e3:.1f} ms = {worst / median:.1f}x the median; "
+              f"next 10 steps median {statistics.median(after) * 1e3:.1f} ms", flush=True)  # fmt: skip
+        lane.step(StepPlan(removes=[row_id]))
+
+
+if __name__ == "__main__":
+    main()
