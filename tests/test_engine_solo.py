@@ -173,3 +173,19 @@ def test_rows_joining_the_batch_get_the_caches_mlx_lm_would_build(ours: int, the
             assert mx.array_equal(got, want).item()
     # Anything but plain batch caches is left to mlx-lm.
     assert not _join_caches([BatchKVCache([0])], [cache(1, 3, [0], 3)])
+
+
+def test_a_model_whose_caches_are_not_plain_batch_caches_never_goes_solo(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+    from trio_mlx._batch import _generation_class
+
+    model, _ = tiny_model
+    generation = _generation_class().empty(model, None)
+    generation.prompt_cache = [BatchKVCache([0]), BatchRotatingKVCache(16, [0])]
+    generation._enter_solo()
+    assert not generation.solo
+    assert not generation.solo_allowed, "the model's cache kinds do not change: not tried again"
+    assert type(generation.prompt_cache[1]) is BatchRotatingKVCache

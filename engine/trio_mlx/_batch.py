@@ -524,14 +524,19 @@ def _generation_class() -> Any:
         #: Uids of constrained rows (a superset of those in the batch).
         grammar_uids: set[int]
 
-        #: The one row's caches as mlx-lm's plain ``KVCache`` while it decodes alone.
+        #: Whether the one row's caches are mlx-lm's plain ``KVCache``s (it decodes alone).
         solo: bool = False
+        #: Whether a row alone may go solo (the lane's ``solo_decode``; off for good
+        #: once the model's caches turn out not to be plain ``BatchKVCache``s).
         solo_allowed: bool = True
 
         def _enter_solo(self) -> None:
             b: Any = self
             caches = b.prompt_cache
-            if not caches or any(type(c) is not _batch_cache() for c in caches):
+            if not caches:
+                return
+            if any(type(c) is not _batch_cache() for c in caches):
+                self.solo_allowed = False  # rotating, quantized, state-space...: the model's kinds
                 return
             padding = int(caches[0].left_padding.item())
             b.prompt_cache = [_plain_cache(c, padding) for c in caches]
