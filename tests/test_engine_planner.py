@@ -54,7 +54,9 @@ job = st.tuples(st.just(-1), st.just(0), st.none(), st.sampled_from([0.002, 0.01
 HOLD: dict[str, Any] = {"admit_wait_steps": 10**6, "admit_wait_seconds": 3600.0}
 
 
-async def _check_schedule(model: Path, ops: list[tuple[Any, ...]], budget: int | None) -> None:
+async def _check_schedule(
+    model: Path, ops: list[tuple[Any, ...]], budget: int | None, width_multiple: int = 1
+) -> None:
     solo = await _solo_tokens(model)
     got: dict[int, tuple[str, list[int]]] = {}
     # Small bounds so that holding, grouping and deferred removal all happen; a small
@@ -67,6 +69,7 @@ async def _check_schedule(model: Path, ops: list[tuple[Any, ...]], budget: int |
         "removal_delay": 4,
         "removal_fraction": 2,
         "prefill_budget": budget,
+        "prefill_width_multiple": width_multiple,
     }
     async with trio_mlx.open_engine(
         model, max_batch=6, max_queue=16, drain_timeout=0.005, min_batch_steps=1, _tune=tune
@@ -113,11 +116,12 @@ async def _check_schedule(model: Path, ops: list[tuple[Any, ...]], budget: int |
 @given(
     ops=st.lists(st.one_of(row, row, row, job), min_size=1, max_size=12),
     budget=st.sampled_from([None, 5, 24]),
+    width_multiple=st.sampled_from([1, 1, 8]),
 )
 def test_rows_grouped_chunked_removed_in_bulk_cancelled_and_parked_equal_their_solo_runs(
-    tiny_model_path: Path, ops: list[tuple[Any, ...]], budget: int | None
+    tiny_model_path: Path, ops: list[tuple[Any, ...]], budget: int | None, width_multiple: int
 ) -> None:
-    trio.run(_check_schedule, tiny_model_path, ops, budget)
+    trio.run(_check_schedule, tiny_model_path, ops, budget, width_multiple)
 
 
 async def test_arrivals_while_rows_decode_are_admitted_as_one_group(
@@ -324,6 +328,35 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
     waited = next(i for i, s in enumerate(steps) if 10 in s) - arrived
     assert waited >= len(long_prompt) // 16
     assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
+
+
+@pytest.mark.parametrize(("budget", "multiple"), [(16, 8), (24, 16), (None, 32)])
+def test_prefill_passes_rounded_to_a_width_multiple_change_no_token(
+    tiny_model: tuple[Any, Any], budget: int | None, multiple: int
+) -> None:
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=30, logit_bias=NO_EOS)
+    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
+    first = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+    later = [RowSpec(10, tuple(tokenizer.encode(PROMPTS[3])), short)] + [
+        RowSpec(11 + i, tuple(tokenizer.encode(PROMPTS[i])), short) for i in (0, 2)
+    ]
+
+    def lane(width_multiple: int) -> tuple[BatchLane, _Forwards]:
+        forwards = _Forwards(model)
+        lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_width_multiple=width_multiple)
+        lane.prefill_budget = budget
+        return lane, forwards
+
+    plain, _ = lane(1)
+    rounded, forwards = lane(multiple)
+    assert _run_lane(rounded, first, later)[0] == _run_lane(plain, first, later)[0]
+    widths = [width for _, width in forwards.shapes if width > 1]
+    assert widths
+    limit = budget or 2048
+    # Every pass is a multiple wide, unless that would have passed the budget's chunk.
+    assert all(w % multiple == 0 or -(-w // multiple) * multiple > limit for w in widths), widths
+    assert max(rows * width for rows, width in forwards.shapes) <= (budget or 10**9)
 
 
 async def test_the_prefill_budget_reaches_the_lane_and_is_checked(tiny_model_path: Path) -> None:

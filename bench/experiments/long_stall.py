@@ -1,10 +1,11 @@
 """Which lane steps stall the running rows while a long prompt is prefilled.
 
-``python bench/experiments/long_stall.py [MODEL] [ROWS] [LONG ...] [budget=N]``
+``python bench/experiments/long_stall.py [MODEL] [ROWS] [LONG ...] [budget=N] [width=M]``
 (default ``llama-1b``, 63 rows, long prompts of 3000, 3500 and 4000 tokens) loads
 the model as the engine does (its prefill budget for the device, or N; with
 ``mlx-join``, rows join the batch by mlx-lm's ``BatchKVCache.extend`` instead of
-the lane's ``_join_caches``), lets ROWS rows
+the lane's ``_join_caches``; with ``width=M``, every prefill pass right-padded to a
+multiple of M: ``BatchLane.prefill_width_multiple``), lets ROWS rows
 decode, then inserts one long prompt at a time and calls ``BatchLane.step``
 one decode step per call until the long row's first token. Every call's wall
 time is the running rows' gap for that step (decode is pipelined, so a call
@@ -43,7 +44,11 @@ def main() -> None:
     settings = LoadSettings(max_batch=rows + 1, prefill_budget=budget[-1] if budget else None)
     loaded = load(str(models.prepare(name).path), settings)
     lane, tokenizer = loaded.lane, loaded.tokenizer
-    print(f"prefill budget {lane.prefill_budget}, {rows} rows", flush=True)
+    for arg in sys.argv[3:]:
+        if arg.startswith("width="):
+            lane.prefill_width_multiple = int(arg[6:])
+    print(f"prefill budget {lane.prefill_budget}, width multiple "
+          f"{lane.prefill_width_multiple}, {rows} rows", flush=True)  # fmt: skip
     collections: list[float] = []
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:

@@ -666,6 +666,12 @@ def _prompt_class() -> Any:
     from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
     class _Prompt(PromptProcessingBatch):
+        #: Each pass's width rounded up to a multiple of this (the lane's
+        #: ``prefill_width_multiple``; 1: the longest chunk, as mlx-lm pads),
+        #: but not past ``width_limit`` (the lane's chunk) unless the chunk is.
+        width_multiple: int = 1
+        width_limit: int = 0
+
         def prompt(self, tokens: list[list[int]]) -> None:
             if len(tokens) != len(self.uids):
                 raise ValueError("one token list per row of the prompt batch is needed")
@@ -674,7 +680,7 @@ def _prompt_class() -> Any:
             for held, more in zip(self.tokens, tokens, strict=True):
                 held += more  # what each row's cache holds once this runs
             lengths = [len(t) for t in tokens]
-            width = max(lengths)
+            width = _rounded_width(max(lengths), self.width_multiple, self.width_limit)
             padding = [width - n for n in lengths]
             padded = any(padding)
             if padded:
@@ -741,6 +747,12 @@ def _prompt_class() -> Any:
     return _Prompt
 
 
+def _rounded_width(width: int, multiple: int, limit: int) -> int:
+    """``width`` rounded up to a multiple of ``multiple``, unless that is past ``limit``."""
+    rounded = -(-width // multiple) * multiple
+    return rounded if rounded <= max(width, limit) else width
+
+
 def _no_logprobs() -> Any:
     """The placeholder logprobs of a fresh row's dropped first emission."""
     import mlx.core as mx
@@ -775,6 +787,12 @@ class BatchLane:
     prefill_budget: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
+    #: Experimental, off (1): every prefill pass right-padded to a multiple of
+    #: this width, so that passes repeat a few shapes instead of meeting new ones
+    #: (on the H200 most of a long prompt's stall was the first time MLX met a
+    #: shape: design/performance.md, seventh round). Costs the padded tokens'
+    #: compute; not measured yet, so no default sets it.
+    prefill_width_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
     #: Remove dead rows once there are at least live / removal_fraction of them (0: never by count).
@@ -1143,6 +1161,8 @@ class BatchLane:
         budget = self.prefill_budget
         chunk = self.prefill_step_size if budget is None else min(budget, self.prefill_step_size)
         self._generator.prefill_step_size = chunk
+        prompts = self._generator._prompt_batch
+        prompts.width_multiple, prompts.width_limit = self.prefill_width_multiple, chunk
         left = [n for n in self._prefilling.values() if n > 0]
         room = self.prefill_batch_size - len(self._prefilling)
         feed: list[_Row] = []
@@ -1154,7 +1174,7 @@ class BatchLane:
             n = len(row.waiting[2]) - 1  # mlx-lm prefills all but the last token
             if budget is not None and (left or feed):
                 more = [*left, n] if n > 0 else left
-                if room <= 0 or (more and len(more) * min(chunk, max(more)) > budget):
+                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) > budget):
                     break
             self._waiting.popleft()
             feed.append(row)
@@ -1173,6 +1193,10 @@ class BatchLane:
                 self._rows.pop(row.spec.id, None)
                 events.append(RowEvent(row.spec.id, error=exc))
         return events
+
+    def _pass_width(self, left: list[int], chunk: int) -> int:
+        """How wide mlx-lm's next prefill pass is for rows with ``left`` tokens to go."""
+        return _rounded_width(min(chunk, max(left)), self.prefill_width_multiple, chunk)
 
     def _insert_waiting(self, row: _Row) -> None:
         assert row.waiting is not None
