@@ -391,12 +391,6 @@ def _sampled(batch: Any, logprobs: Any) -> Any:
     return mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(chosen)], axis=0)
 
 
-def _batch_cache() -> Any:
-    from mlx_lm.models.cache import BatchKVCache
-
-    return BatchKVCache
-
-
 def _plain_cache(cache: Any, padding: int) -> Any:
     """A one-row ``BatchKVCache`` as a plain ``KVCache`` over the same buffers.
 
@@ -438,14 +432,16 @@ def _join_caches(ours: list[Any], theirs: list[Any]) -> bool:
     False, and nothing changed, unless every layer of both is a plain
     ``BatchKVCache`` with keys of one dtype.
     """
-    kind = _batch_cache()
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    kind: Any = BatchKVCache  # mlx-lm's fields are untyped: no narrowing to its stubs
     pairs: list[tuple[Any, Any]] = list(zip(ours, theirs, strict=True))
     for a, b in pairs:
         if type(a) is not kind or type(b) is not kind or a.keys is None or b.keys is None:
             return False
         if a.keys.dtype != b.keys.dtype or a.values.dtype != b.values.dtype:
             return False
-    import mlx.core as mx
 
     for a, b in pairs:
         idx = max(a._idx, b._idx)
@@ -535,7 +531,9 @@ def _generation_class() -> Any:
             caches = b.prompt_cache
             if not caches:
                 return
-            if any(type(c) is not _batch_cache() for c in caches):
+            from mlx_lm.models.cache import BatchKVCache
+
+            if any(type(c) is not BatchKVCache for c in caches):
                 self.solo_allowed = False  # rotating, quantized, state-space...: the model's kinds
                 return
             padding = int(caches[0].left_padding.item())

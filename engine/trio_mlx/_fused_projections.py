@@ -46,6 +46,7 @@ already) is left alone. All calls run on the MLX thread.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 from typing import Any
@@ -82,12 +83,10 @@ class _Group:
             bounds.append(bounds[-1] + m["weight"].shape[0])
         self.bounds = bounds
         #: Each member's arrays: views of its rows of the stacked ones.
-        self.views: list[dict[str, Any]] = []
-        for i, m in enumerate(members):
-            views = {k: stacked[k][bounds[i] : bounds[i + 1]] for k in keys}
-            mx.eval(views)
+        self.views = [{k: stacked[k][a:b] for k in keys} for a, b in itertools.pairwise(bounds)]
+        mx.eval(self.views)
+        for m, views in zip(members, self.views, strict=True):
             m.update(views)
-            self.views.append(views)
         #: The input the stash answers for, and member index -> its output.
         self.stash_input: Any = None
         self.stash: dict[int, Any] = {}
