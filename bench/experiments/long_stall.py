@@ -5,7 +5,8 @@
 the model as the engine does (its prefill budget for the device, or N; with
 ``mlx-join``, rows join the batch by mlx-lm's ``BatchKVCache.extend`` instead of
 the lane's ``_join_caches``; with ``width=M``, every prefill pass right-padded to a
-multiple of M: ``BatchLane.prefill_width_multiple``), lets ROWS rows
+multiple of M: ``BatchLane.prefill_width_multiple``; with ``time-join``, each
+join synchronised and timed, beside fresh zeroed arrays of its size), lets ROWS rows
 decode, then inserts one long prompt at a time and calls ``BatchLane.step``
 one decode step per call until the long row's first token. Every call's wall
 time is the running rows' gap for that step (decode is pipelined, so a call
@@ -19,6 +20,7 @@ without HTTP, clients or the actor.
 from __future__ import annotations
 
 import gc
+import logging
 import statistics
 import sys
 import time
@@ -32,6 +34,41 @@ from trio_mlx._batch import RowSpec, StepPlan
 from trio_mlx._loading import LoadSettings, load
 
 
+def time_joins() -> None:
+    """Time each join, synchronised, and fresh zeroed arrays of its size twice."""
+    import mlx.core as mx
+
+    import trio_mlx._batch
+
+    real = trio_mlx._batch._join_caches
+
+    def timed_join(ours: list[Any], theirs: list[Any]) -> bool:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        joined = real(ours, theirs)
+        t1 = time.perf_counter()
+        arrays = [c.keys for c in ours] + [c.values for c in ours]
+        mx.eval(arrays)
+        mx.synchronize()
+        t2 = time.perf_counter()
+        shape, dtype = arrays[0].shape, arrays[0].dtype
+        fresh = []
+        for _ in range(2):
+            t3 = time.perf_counter()
+            zeros = [mx.zeros(shape, dtype) for _ in arrays]
+            mx.eval(zeros)
+            mx.synchronize()
+            fresh.append((time.perf_counter() - t3) * 1e3)
+            del zeros
+        gib = len(arrays) * arrays[0].nbytes / 2**30
+        print(f"    join {tuple(shape)} x {len(arrays)} ({gib:.1f} GiB): build "
+              f"{(t1 - t0) * 1e3:.1f} ms, run {(t2 - t1) * 1e3:.1f} ms; fresh zeros "
+              f"{fresh[0]:.1f} ms, again {fresh[1]:.1f} ms", flush=True)  # fmt: skip
+        return joined
+
+    trio_mlx._batch._join_caches = timed_join
+
+
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 63
@@ -41,6 +78,9 @@ def main() -> None:
         import trio_mlx._batch
 
         trio_mlx._batch._join_caches = lambda ours, theirs: False
+    if "time-join" in sys.argv:
+        time_joins()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the CUDA warm-up's line
     settings = LoadSettings(max_batch=rows + 1, prefill_budget=budget[-1] if budget else None)
     loaded = load(str(models.prepare(name).path), settings)
     lane, tokenizer = loaded.lane, loaded.tokenizer

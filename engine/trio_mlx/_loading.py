@@ -18,7 +18,13 @@ from typing import Any
 
 import attrs
 
-from trio_mlx import _cuda_settings, _decode_attention, _distributed, _fused_projections
+from trio_mlx import (
+    _cuda_settings,
+    _cuda_warmup,
+    _decode_attention,
+    _distributed,
+    _fused_projections,
+)
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._params import SamplingParams
@@ -274,6 +280,8 @@ def load(
     lane.prefill_budget = settings.prefill_budget or (
         GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
     )
+    if channel is None:  # ranks would have to agree on every pass: not worth it there
+        _cuda_warmup.warm_up(model, settings.max_batch, lane.prefill_budget)
     if not grouping:
         lane.removal_delay = 0  # every dead row leaves at the end of its step
         lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix

@@ -1,0 +1,161 @@
+"""What a prefill pass of a shape MLX has not met yet costs, and in which op.
+
+``python bench/experiments/first_shape.py [MODEL]`` (default ``llama-1b``) runs
+itself again in fresh processes, one per environment variant (MLX's defaults,
+``MLX_USE_CUDA_GRAPHS=0``, ``CUDA_MODULE_LOADING=EAGER``), each under the
+engine's CUDA settings. In each it times, synchronised, the first and the
+second call of:
+
+- the model's forward pass over a one-row ``KVCache`` that already holds S
+  tokens, for W new tokens (the lane's prefill chunk: a new W is a new last
+  chunk, a new S a new place in the prompt);
+- one projection matmul (W x hidden) @ (hidden x 4 hidden) for each new W;
+- MLX's attention for W queries over S + W keys, with a boolean mask array as
+  mlx-lm's batch caches pass it.
+
+A first call much slower than the second is a per-shape cost; the variants
+say whether it is CUDA graph instantiation or lazily loaded kernels. With
+``sweep``, one process times the matmul's first and second call for every M
+from 96 to 160: a cost per new M, or only at the few M that meet a new kernel;
+then again in a process that ran every multiple of 8 first (what the engine's
+CUDA warm-up does: ``trio_mlx._cuda_warmup``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+VARIANTS = {
+    "defaults": {},
+    "MLX_USE_CUDA_GRAPHS=0": {"MLX_USE_CUDA_GRAPHS": "0"},
+    "CUDA_MODULE_LOADING=EAGER": {"CUDA_MODULE_LOADING": "EAGER"},
+}
+WIDTHS = (160, 428, 768, 1000)
+STARTS = (768, 1536, 2304, 3072)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    import mlx.core as mx
+
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval(fn())
+    mx.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def child(name: str) -> None:
+    import mlx.core as mx
+    from bench.suite import models
+    from mlx_lm.models import cache as mlx_cache
+    from mlx_lm.utils import load
+
+    from trio_mlx import _cuda_settings
+
+    _cuda_settings.apply()
+    model: Any = load(str(models.prepare(name).path))[0]
+    args = model.args
+    heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+    hidden = args.hidden_size
+    dim = getattr(args, "head_dim", None) or hidden // heads
+    dtype = model.model.embed_tokens.weight.dtype
+    layers = len(model.layers)
+    capacity = max(STARTS) + max(WIDTHS) + 256
+
+    def forward(width: int, start: int) -> Callable[[], Any]:
+        caches = []
+        for _ in range(layers):
+            c: Any = mlx_cache.KVCache()  # type: ignore[no-untyped-call]
+            c.keys = mx.zeros((1, kv_heads, capacity, dim), dtype)
+            c.values = mx.zeros((1, kv_heads, capacity, dim), dtype)
+            c.offset = start
+            caches.append(c)
+        mx.eval([c.keys for c in caches] + [c.values for c in caches])
+        tokens = mx.array([[(7 * i) % 1000 + 5 for i in range(width)]])
+
+        def call() -> Any:
+            for c in caches:  # every call meets the same S: the cache advances
+                c.offset = start
+            return model(tokens, cache=caches)
+
+        return call
+
+    weight = mx.random.normal((hidden, 4 * hidden)).astype(dtype)
+
+    def matmul(width: int) -> Callable[[], Any]:
+        x = mx.random.normal((width, hidden)).astype(dtype)
+        mx.eval(x)
+        return lambda: x @ weight
+
+    def attention(width: int, start: int) -> Callable[[], Any]:
+        q = mx.random.normal((1, heads, width, dim)).astype(dtype)
+        k = mx.random.normal((1, kv_heads, start + width, dim)).astype(dtype)
+        v = mx.random.normal((1, kv_heads, start + width, dim)).astype(dtype)
+        rows = mx.arange(width)[:, None] + start
+        mask = (mx.arange(start + width)[None, :] <= rows)[None, None]
+        mx.eval(q, k, v, mask)
+        return lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask=mask)
+
+    timed(forward(16, 16))  # the first call of all pays start-up, not shapes
+    print(f"-- {os.environ.get('FIRST_SHAPE_VARIANT')}", flush=True)
+    if os.environ.get("FIRST_SHAPE_SWEEP"):
+        if os.environ.get("FIRST_SHAPE_PRIMED"):
+            for width in range(8, 161, 8):
+                timed(matmul(width))
+        sweep(matmul)
+        return
+    makers: tuple[tuple[str, Callable[[int, int], Callable[[], Any]]], ...] = (
+        ("forward", lambda w, s: forward(w, s)),
+        ("matmul", lambda w, s: matmul(w)),
+        ("attention", lambda w, s: attention(w, s)),
+    )
+    for label, make in makers:
+        firsts, seconds = [], []
+        for width in WIDTHS:
+            for start in STARTS if label != "matmul" else STARTS[:1]:
+                fn = make(width, start)
+                first, second = timed(fn), timed(fn)
+                firsts.append(first)
+                seconds.append(second)
+                print(f"  {label:9s} W={width:5d} S={start:5d}  first {first:7.2f} ms  "
+                      f"second {second:7.2f} ms", flush=True)  # fmt: skip
+        print(f"  {label}: first calls sum {sum(firsts):.1f} ms, second calls sum "
+              f"{sum(seconds):.1f} ms", flush=True)  # fmt: skip
+
+
+def sweep(matmul: Callable[[int], Callable[[], Any]]) -> None:
+    """Every M from 96 to 160: is the cost per new M, or per kernel met once?"""
+    firsts, seconds = [], []
+    for width in range(96, 161):
+        fn = matmul(width)
+        firsts.append(timed(fn))
+        seconds.append(timed(fn))
+    slow = [w for w, t in zip(range(96, 161), firsts, strict=True) if t > 1.0]
+    print(f"  sweep M=96..160: first calls sum {sum(firsts):.1f} ms, second calls sum "
+          f"{sum(seconds):.1f} ms; first calls over 1 ms at M = {slow}", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    name = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"
+    if "sweep" in sys.argv:
+        for primed in ("", "1"):
+            label = "sweep, every 8th M primed first" if primed else "sweep"
+            env = {**os.environ, "FIRST_SHAPE_VARIANT": label, "FIRST_SHAPE_SWEEP": "1"}
+            env["FIRST_SHAPE_PRIMED"] = primed
+            subprocess.run([sys.executable, __file__, "--child", name], env=env, check=False)
+        return
+    for variant, extra in VARIANTS.items():
+        env = {**os.environ, **extra, "FIRST_SHAPE_VARIANT": variant}
+        subprocess.run([sys.executable, __file__, "--child", name], env=env, check=False)
+
+
+if __name__ == "__main__":
+    main()
