@@ -8,8 +8,8 @@ On MLX's CUDA backend a matmul of a row count M not met before costs about
 (``bench/experiments/first_shape.py``; design/performance.md, eighth round):
 the cost is per band of M (in a sweep of every M from 96 to 160 the first
 calls over 1 ms fell at 96, 97, 105, 113, 121, 129, 136, 145 and 152), and
-neither CUDA graphs off nor eager module loading changed it, so it is cuBLAS's
-per-shape set-up. A forward pass has several weight shapes, so a decode batch
+neither CUDA graphs off nor eager module loading changed it, so it is most
+likely cuBLAS's per-shape set-up (not traced inside cuBLAS). A forward pass has several weight shapes, so a decode batch
 of a new size or a prefill pass of a new width stalls its step by 10-30 ms,
 while every running stream waits; a fresh server meets many of them.
 
