@@ -250,6 +250,65 @@ def traffic_profile(profile: dict[str, Any], model: Model) -> dict[str, Any]:
     return p
 
 
+def _median(rows: list[dict[str, Any]], key: Any, *, upper: bool = False) -> dict[str, Any]:
+    """The middle of ``rows`` by ``key``; of an even count the lower (or ``upper``) one."""
+    ranked = sorted(rows, key=key)
+    return ranked[len(ranked) // 2 if upper else (len(ranked) - 1) // 2]
+
+
+def summarize_rounds(
+    data: dict[str, Any],
+    bares: list[dict[str, Any]],
+    closed: dict[str, dict[int, list[dict[str, Any]]]],
+    longs: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The traffic part's tables from its rounds so far: each server's median round.
+
+    ``data["bare"]`` gets, per C, the median round of each bare reference, and each
+    server's row its median round by tok/s (the lower of two) with every round's tok/s
+    and ratios to that same round's bare loops; the long arrivals keep the median round
+    by their gap ratio (the worse of two), with every round's ratio.
+    """
+
+    def tok_s(record: dict[str, Any]) -> float:
+        return float(record.get("tok_s") or 0.0)
+
+    bare: dict[str, Any] = {}
+    for c in {c for b in bares for c in b}:
+        runs = [b[c] for b in bares if c in b]
+        record = dict(runs[0])
+        for kind in ("together", "staggered"):
+            record[kind] = _median([x[kind] for x in runs], tok_s)
+            record[f"rounds_{kind}"] = [x[kind].get("tok_s") for x in runs]
+        bare[c] = record
+    data["bare"] = bare
+    data["servers"] = {}
+    for name, per_c in closed.items():
+        rows = []
+        for c, runs in per_c.items():
+            row = dict(_median(runs, tok_s))
+            row["rounds_tok_s"] = [x["tok_s"] for x in runs]
+            for kind in ("together", "staggered"):
+                row[f"rounds_x_{kind}"] = [
+                    _ratio_or_none(x["tok_s"], bares[x["round"]].get(str(c), {}).get(kind, {}))
+                    for x in runs
+                ]
+            rows.append(row)
+        data["servers"][name] = rows
+    data["long"] = {}
+    for name, runs in longs.items():
+        if runs:
+            row = dict(_median(runs, lambda x: x.get("during_p99_over_p50") or 0.0, upper=True))
+            row["rounds_ratio"] = [x.get("during_p99_over_p50") for x in runs]
+            data["long"][name] = row
+
+
+def _ratio_or_none(value: Any, reference: dict[str, Any]) -> float | None:
+    """``value`` over the reference record's tok/s, or None if either is missing."""
+    base = reference.get("tok_s")
+    return float(value) / float(base) if value and base else None
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
     """``--variant LABEL:VAR=VALUE,--flag=VALUE``: its label, environment and server flags."""
     label, sep, rest = text.partition(":")
@@ -483,26 +542,34 @@ class Suite:
         self.results["memory"] = {**record, "model": model.name, **m}
 
     def traffic(self, model: Model) -> None:
-        """Part 8: continuous traffic (see :mod:`bench.suite.traffic`)."""
+        """Part 8: continuous traffic (see :mod:`bench.suite.traffic`).
+
+        Every server is started up front and stays up for the part. Each of
+        ``--traffic-rounds`` rounds runs the bare references, then every server in
+        turn (the order reversed every other round) through each C's closed loop
+        and the long arrivals; so a round's ratios are side by side, and load that
+        comes and goes on the machine hits every server alike. The tables show
+        each server's median round and list every round's ratio to its own
+        round's bare loop (a fresh H200 server's figure moved by up to 40% between
+        two servers with the same settings). The open loop runs once, after.
+        """
         from bench.suite import traffic
 
         p = traffic_profile(self.profile, model)
         t = p["traffic"]
         cs = t["concurrency"]
+        rounds = self.args.traffic_rounds
         length = chat_prompt_len(model, p["prompt_words"])
         data: dict[str, Any] = {"settings": t, "prompt_tokens": length, "servers": {}, "open": {}}
+        data["rounds"] = rounds
         data["variants"] = {
             label: {"env": env, "flags": flags} for label, env, flags in self.variants
         }
         self.results["traffic"] = data
-        self.log(f"8. continuous traffic on {model.name}: bare closed loops, C = {cs}")
         job = _job("closed", model, batches=cs, max_tokens=t["max_tokens"], prompt_len=length,
                    seconds=t["bare_seconds"], warm_seconds=t["bare_warm"])  # fmt: skip
-        data["bare"] = traffic.bare(job, self.env, self.log)
-        self.write()
         logs = self.out / "logs"
-        # In the order they run. trio-mlx first: its capacity sets the open-loop rates for
-        # every server.
+        # trio-mlx first: its capacity sets the open-loop rates for every server.
         starters: dict[str, Any] = {}
         if self.server:
             starters["trio-mlx"] = lambda: trio_mlx_server(
@@ -517,60 +584,100 @@ class Suite:
             starters["mlx_lm.server"] = lambda: mlx_lm_server(
                 model.path, max_batch=max(cs), env=self.env, log_dir=logs
             )
-        capacity = None
-        for name in starters:
-            self.log(f"starting {name} on {model.name}")
+        closed: dict[str, dict[int, list[dict[str, Any]]]] = {}
+        longs: dict[str, list[dict[str, Any]]] = {}
+        bares: list[dict[str, Any]] = []
+        data["bare_rounds"] = bares
+        with contextlib.ExitStack() as stack:
+            running: dict[str, Any] = {}
+            for name, start in starters.items():
+                self.log(f"starting {name} on {model.name}")
+                try:
+                    running[name] = stack.enter_context(start())
+                    self._warm(running[name], {**p, "concurrency": cs})
+                except Exception as exc:  # one server failing must not lose the others
+                    self.not_run(f"traffic on {name}: {type(exc).__name__}: {exc}")
+            for r in range(rounds):
+                self.log(f"8. continuous traffic on {model.name}, round {r + 1} of {rounds}: "
+                         f"bare closed loops, C = {cs}")  # fmt: skip
+                bares.append(traffic.bare(job, self.env, self.log))
+                order = list(running) if r % 2 == 0 else list(reversed(running))
+                for name in order:
+                    try:
+                        self._traffic_round(running[name], name, p, r, bares[-1],
+                                            closed.setdefault(name, {}),
+                                            longs.setdefault(name, []))  # fmt: skip
+                    except Exception as exc:  # one server failing must not lose the others
+                        self.not_run(f"traffic on {name}, round {r + 1}: "
+                                     f"{type(exc).__name__}: {exc}")  # fmt: skip
+                summarize_rounds(data, bares, closed, longs)
+                self.write()
+            if "open" in self.traffic_parts and running:
+                self._open_loops(data, running, p)
+
+    def _traffic_round(
+        self,
+        server: Any,
+        name: str,
+        p: dict[str, Any],
+        r: int,
+        bare: dict[str, Any],
+        closed: dict[int, list[dict[str, Any]]],
+        longs: list[dict[str, Any]],
+    ) -> None:
+        """One round of the closed loops (each C) and the long arrivals on one server."""
+        from bench.suite import traffic
+
+        cs = p["traffic"]["concurrency"]
+        for c in cs if "closed" in self.traffic_parts else ():
+            row = {**traffic.closed(server, p, c), "round": r}
+            closed.setdefault(c, []).append(row)
+            together = bare.get(str(c), {}).get("together", {}).get("tok_s")
+            self.log(f"  {name} C={c}: {row['tok_s'] or 0:,.0f} tok/s (x"
+                     f"{report._ratio(row['tok_s'], together)} together), TTFT p50/p99 "
+                     f"{report.ms(row['ttft_p50_s'])}/{report.ms(row['ttft_p99_s'])} ms, ITL "
+                     f"p50/p99 {report.ms(row['itl_p50_s'])}/{report.ms(row['itl_p99_s'])} ms, "
+                     f"GPU {report._num(row['gpu_busy_pct'])}%, worker "
+                     f"{report._num(row.get('worker_busy'), 2)}")  # fmt: skip
+        if "long" in self.traffic_parts:
+            row = {**traffic.long_arrival(server, p, max(cs)), "round": r}
+            longs.append(row)
+            self.log(f"  {name} C={max(cs)} with {row['long_arrivals']} long prompts: "
+                     f"ITL p50 {report.ms(row['itl_p50_s'])} ms, during long p99 "
+                     f"{report.ms(row['itl_during_long_p99_s'])} ms (x"
+                     f"{report._num(row['during_p99_over_p50'], 1)}), long TTFT "
+                     f"{', '.join(report.ms(x) for x in row['long_ttft_s'])} ms")  # fmt: skip
+
+    def _open_loops(self, data: dict[str, Any], running: dict[str, Any], p: dict[str, Any]) -> None:
+        """The open loop on every server, at fractions of the first server's capacity."""
+        from bench.suite import traffic
+
+        t = p["traffic"]
+        first = next(iter(running))
+        # Capacity for the open loop's prompt mix: a closed loop at the largest C with
+        # prompts drawn from the same spread.
+        cap = traffic.closed(running[first], p, max(t["concurrency"]), mixed=True)
+        data["capacity_run"] = cap
+        capacity = cap["req_s"] or 1.0
+        data["capacity_req_s"] = capacity
+        self.log(f"  {first} capacity with the open loop's prompts: {capacity:.1f} req/s")
+        for name, server in running.items():
             try:
-                with starters[name]() as server:
-                    self._warm(server, {**p, "concurrency": cs})
-                    rows = data["servers"].setdefault(name, [])
-                    for c in cs if "closed" in self.traffic_parts else ():
-                        row = traffic.closed(server, p, c)
-                        rows.append(row)
-                        bare = data["bare"].get(str(c), {})
-                        ratio = report._ratio(row["tok_s"], bare.get("together", {}).get("tok_s"))
-                        self.log(f"  {name} C={c}: {row['tok_s'] or 0:,.0f} tok/s (x{ratio} "
-                                 f"together), TTFT p50/p99 {report.ms(row['ttft_p50_s'])}/"
-                                 f"{report.ms(row['ttft_p99_s'])} ms, ITL p50/p99 "
-                                 f"{report.ms(row['itl_p50_s'])}/{report.ms(row['itl_p99_s'])} ms, "
-                                 f"GPU {report._num(row['gpu_busy_pct'])}%, worker "
-                                 f"{report._num(row.get('worker_busy'), 2)}")  # fmt: skip
-                        self.write()
-                    if "long" in self.traffic_parts:
-                        row = traffic.long_arrival(server, p, max(cs))
-                        data.setdefault("long", {})[name] = row
-                        self.log(f"  {name} C={max(cs)} with {row['long_arrivals']} long prompts: "
-                                 f"ITL p50 {report.ms(row['itl_p50_s'])} ms, during long p99 "
-                                 f"{report.ms(row['itl_during_long_p99_s'])} ms (x"
-                                 f"{report._num(row['during_p99_over_p50'], 1)}), long TTFT "
-                                 f"{', '.join(report.ms(x) for x in row['long_ttft_s'])} ms")  # fmt: skip
-                        self.write()
-                    if "open" not in self.traffic_parts:
-                        continue
-                    if capacity is None:
-                        # Capacity for the open loop's prompt mix: a closed loop at the
-                        # largest C with prompts drawn from the same spread.
-                        cap = traffic.closed(server, p, max(cs), mixed=True)
-                        data["capacity_run"] = cap
-                        capacity = cap["req_s"] or 1.0
-                        data["capacity_req_s"] = capacity
-                        self.log(f"  {name} capacity with the open loop's prompts: "
-                                 f"{capacity:.1f} req/s")  # fmt: skip
-                    opens = data["open"].setdefault(name, [])
-                    for k, fraction in enumerate(t["fractions"]):
-                        row = traffic.open_loop(server, p, capacity * fraction, seed=k)
-                        row["fraction"] = fraction
-                        opens.append(row)
-                        self.log(f"  {name} open loop {fraction:.0%} ({row['rate']:.1f} req/s): "
-                                 f"{row['tok_s'] or 0:,.0f} tok/s, TTFT p50/p99 "
-                                 f"{report.ms(row['ttft_p50_s'])}/{report.ms(row['ttft_p99_s'])} ms, "
-                                 f"ITL p50/p99 {report.ms(row['itl_p50_s'])}/"
-                                 f"{report.ms(row['itl_p99_s'])} ms, during long prompts p99 "
-                                 f"{report.ms(row['itl_during_long_p99_s'])} ms, failed "
-                                 f"{row['failed']}")  # fmt: skip
-                        self.write()
+                opens = data["open"].setdefault(name, [])
+                for k, fraction in enumerate(t["fractions"]):
+                    row = traffic.open_loop(server, p, capacity * fraction, seed=k)
+                    row["fraction"] = fraction
+                    opens.append(row)
+                    self.log(f"  {name} open loop {fraction:.0%} ({row['rate']:.1f} req/s): "
+                             f"{row['tok_s'] or 0:,.0f} tok/s, TTFT p50/p99 "
+                             f"{report.ms(row['ttft_p50_s'])}/{report.ms(row['ttft_p99_s'])} ms, "
+                             f"ITL p50/p99 {report.ms(row['itl_p50_s'])}/"
+                             f"{report.ms(row['itl_p99_s'])} ms, during long prompts p99 "
+                             f"{report.ms(row['itl_during_long_p99_s'])} ms, failed "
+                             f"{row['failed']}")  # fmt: skip
+                    self.write()
             except Exception as exc:  # one server failing must not lose the others
-                self.not_run(f"traffic on {name}: {type(exc).__name__}: {exc}")
+                self.not_run(f"open loop on {name}: {type(exc).__name__}: {exc}")
 
     def structured(self, model: Model) -> None:
         p = self.profile
@@ -661,6 +768,10 @@ def main() -> None:
                         help="the traffic part also runs trio-mlx with these settings, as "
                         "'trio-mlx (LABEL)': VAR=VALUE sets an environment variable, --flag=VALUE "
                         "a server flag (repeatable), e.g. 'no-cudnn:MLX_CUDA_USE_CUDNN_SDPA=0'")  # fmt: skip
+    parser.add_argument("--traffic-rounds", type=int, default=1, metavar="R",
+                        help="the traffic part's rounds: every server stays up and each round "
+                        "runs the bare loops, then every server in turn; the tables show "
+                        "the median round and list every round's ratios")  # fmt: skip
     parser.add_argument("--no-mlx-lm-server", action="store_true",
                         help="the traffic part runs trio-mlx (and its variants) only: for "
                         "variant-only runs; every ratio to mlx_lm.server needs it")  # fmt: skip

@@ -248,6 +248,8 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
                 f"{_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
                 f"{_num(per, 1)} | {row['failed']} | {row.get('exact_tokens')} |"
             )
+    if data.get("rounds", 1) > 1:
+        lines += _rounds_md(data)
     servers = data.get("servers", {})
     reference = servers.get("mlx_lm.server")
     compared = [n for n in servers if n.startswith("trio-mlx")] if reference else []
@@ -275,6 +277,12 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
                 f"{longs} | {_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
                 f"{row['failed']} |"
             )
+        if data.get("rounds", 1) > 1:
+            each = "; ".join(
+                f"{name}: {', '.join(_num(x, 1) for x in row.get('rounds_ratio', []))}"
+                for name, row in data["long"].items()
+            )
+            lines += ["", f"Each round's p99 / ITL p50 (the row above is the median round): {each}"]
     if data.get("open"):
         lines += [
             "",
@@ -299,6 +307,29 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
                     f"{row['failed']} |"
                 )
     return [*lines, ""]
+
+
+def _rounds_md(data: dict[str, Any]) -> list[str]:
+    """Every round of the closed loops, each against its own round's bare loops."""
+    lines = [
+        "",
+        f"{data['rounds']} rounds: every server stayed up, and each round ran the bare loops and "
+        "then every server in turn (the order reversed every other round). The table above shows "
+        "each server's median round (the lower of two) against the bare loops' median rounds; "
+        "here is every round, each ratio against the bare loop of its own round.",
+        "",
+        "| C | server | tok/s, each round | x together, each round | x staggered, each round |",
+        "| ---: | --- | --- | --- | --- |",
+    ]
+    for name, rows in data.get("servers", {}).items():
+        for row in rows:
+            lines.append(
+                f"| {row['concurrency']} | {name} | "
+                f"{', '.join(_num(x) for x in row.get('rounds_tok_s', []))} | "
+                f"{', '.join(_num(x, 2) for x in row.get('rounds_x_together', []))} | "
+                f"{', '.join(_num(x, 2) for x in row.get('rounds_x_staggered', []))} |"
+            )
+    return lines
 
 
 def _structured_md(results: dict[str, Any]) -> list[str]:
