@@ -8,7 +8,9 @@ second call of:
 
 - the model's forward pass over a one-row ``KVCache`` that already holds S
   tokens, for W new tokens (the lane's prefill chunk: a new W is a new last
-  chunk, a new S a new place in the prompt);
+  chunk, a new S a new place in the prompt), and the same over one-row
+  ``BatchKVCache``s (``batch fwd``: array masks and offsets, as the lane's
+  prefill runs);
 - one projection matmul (W x hidden) @ (hidden x 4 hidden) for each new W;
 - MLX's attention for W queries over S + W keys, with a boolean mask array as
   mlx-lm's batch caches pass it.
@@ -85,6 +87,24 @@ def child(name: str) -> None:
 
         return call
 
+    def batch_forward(width: int, start: int) -> Callable[[], Any]:
+        """The same pass over one-row ``BatchKVCache``s: the lane's prefill path (array masks)."""
+        caches = []
+        for _ in range(layers):
+            c: Any = mlx_cache.BatchKVCache([0])  # type: ignore[no-untyped-call]
+            c.keys = mx.zeros((1, kv_heads, capacity, dim), dtype)
+            c.values = mx.zeros((1, kv_heads, capacity, dim), dtype)
+            caches.append(c)
+        mx.eval([c.keys for c in caches] + [c.values for c in caches])
+        tokens = mx.array([[(7 * i) % 1000 + 5 for i in range(width)]])
+
+        def call() -> Any:
+            for c in caches:
+                c._idx, c.offset = start, mx.array([start])
+            return model(tokens, cache=caches)
+
+        return call
+
     weight = mx.random.normal((hidden, 4 * hidden)).astype(dtype)
 
     def matmul(width: int) -> Callable[[], Any]:
@@ -111,6 +131,7 @@ def child(name: str) -> None:
         return
     makers: tuple[tuple[str, Callable[[int, int], Callable[[], Any]]], ...] = (
         ("forward", lambda w, s: forward(w, s)),
+        ("batch fwd", lambda w, s: batch_forward(w, s)),
         ("matmul", lambda w, s: matmul(w)),
         ("attention", lambda w, s: attention(w, s)),
     )
