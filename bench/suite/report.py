@@ -282,7 +282,10 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
                 f"{name}: {', '.join(_num(x, 1) for x in row.get('rounds_ratio', []))}"
                 for name, row in data["long"].items()
             )
-            lines += ["", f"Each round's p99 / ITL p50 (the row above is the median round): {each}"]
+            lines += [
+                "",
+                f"Each round's p99 / ITL p50 (the row above is the median round, the worse of two): {each}",
+            ]
     if data.get("open"):
         lines += [
             "",
