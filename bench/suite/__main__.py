@@ -478,14 +478,7 @@ class Suite:
         # Every server stays up for the whole part and the throughput rounds alternate
         # between them: on a shared machine, load that comes and goes hits all alike.
         with contextlib.ExitStack() as stack:
-            running: dict[str, Any] = {}
-            for name, start in starters.items():
-                self.log(f"starting {name} on {model.name}")
-                try:
-                    running[name] = stack.enter_context(start())
-                    self._warm(running[name], p)
-                except Exception as exc:  # one server failing must not lose the others
-                    self.not_run(f"{name} on {model.name}: {type(exc).__name__}: {exc}")
+            running = self._start_servers(stack, starters, model, p, f"{{}} on {model.name}")
             main = {n: s for n, s in running.items() if n != "trio-mlx (drain None)"}
             if wanted("server"):
                 self._throughput(data, main, p)
@@ -494,6 +487,29 @@ class Suite:
                     self._server_extras(name, server, p, main=name in main, wanted=wanted)
                 except Exception as exc:
                     self.not_run(f"{name} extras on {model.name}: {type(exc).__name__}: {exc}")
+
+    def _start_servers(
+        self,
+        stack: contextlib.ExitStack[Any],
+        starters: dict[str, Any],
+        model: Model,
+        p: dict[str, Any],
+        failure: str,
+    ) -> dict[str, Any]:
+        """Start and warm each server on ``stack``; the ones that came up, by name.
+
+        One server failing must not lose the others: it is reported as not run,
+        under ``failure`` with its name filled in.
+        """
+        running: dict[str, Any] = {}
+        for name, start in starters.items():
+            self.log(f"starting {name} on {model.name}")
+            try:
+                running[name] = stack.enter_context(start())
+                self._warm(running[name], p)
+            except Exception as exc:
+                self.not_run(f"{failure.format(name)}: {type(exc).__name__}: {exc}")
+        return running
 
     def _throughput(self, data: dict[str, Any], servers: dict[str, Any], p: dict[str, Any]) -> None:
         """Each concurrency, ``server_rounds`` rounds over all servers in turn; the best counts."""
@@ -589,14 +605,8 @@ class Suite:
         bares: list[dict[str, Any]] = []
         data["bare_rounds"] = bares
         with contextlib.ExitStack() as stack:
-            running: dict[str, Any] = {}
-            for name, start in starters.items():
-                self.log(f"starting {name} on {model.name}")
-                try:
-                    running[name] = stack.enter_context(start())
-                    self._warm(running[name], {**p, "concurrency": cs})
-                except Exception as exc:  # one server failing must not lose the others
-                    self.not_run(f"traffic on {name}: {type(exc).__name__}: {exc}")
+            warm = {**p, "concurrency": cs}
+            running = self._start_servers(stack, starters, model, warm, "traffic on {}")
             for r in range(rounds):
                 self.log(f"8. continuous traffic on {model.name}, round {r + 1} of {rounds}: "
                          f"bare closed loops, C = {cs}")  # fmt: skip

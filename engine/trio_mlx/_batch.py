@@ -789,7 +789,8 @@ class BatchLane:
     #: this width, so that passes repeat a few shapes instead of meeting new ones
     #: (on the H200 most of a long prompt's stall was the first time MLX met a
     #: shape: design/performance.md, seventh round). Costs the padded tokens'
-    #: compute; not measured yet, so no default sets it.
+    #: compute; at 256 it did not lower the long prompt's worst step on the
+    #: H200 (eighth round), so no default sets it.
     prefill_width_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
