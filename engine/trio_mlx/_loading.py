@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from trio_mlx import (
+    _cuda_pool,
     _cuda_settings,
     _cuda_warmup,
     _decode_attention,
@@ -218,6 +219,7 @@ def load(
     from mlx_lm.models.cache import make_prompt_cache
 
     _cuda_settings.apply()  # before any attention call: MLX reads them once
+    _cuda_pool.keep_memory()  # before the model's buffers: TRIO_MLX_CUDA_POOL_GIB
     lane_type: type[BatchLane] = BatchLane
     channel = None
     result: Any  # (model, tokenizer, config)

@@ -1,0 +1,178 @@
+"""Optional start-up work on CUDA: keep device memory mapped once it was obtained.
+
+Theory of operation
+===================
+
+MLX's CUDA allocator keeps freed buffers in its own cache and reuses one only
+for a request of the same size (within two 16 KiB pages). A request of a new
+size goes to ``cudaMallocAsync`` on the device's default memory pool, and that
+pool, with CUDA's default release threshold of 0, hands its unused memory back
+to the driver at every synchronisation, which MLX does at least once a step.
+So every buffer of a size not met before is new physical memory, mapped while
+the step waits. Measured on the H200 (design/performance.md, eighth round):
+when a 4,000-token prompt joins 63 decoding rows, the batch's keys and values
+become 8 GiB of buffers of a new size; the join took 13-23 ms the first time
+and 4 ms when the same size came again, and fresh zeroed arrays of that size
+took 12-22 ms against 2.2-3.0 ms from MLX's cache.
+
+:func:`keep_memory`, asked for with ``TRIO_MLX_CUDA_POOL_GIB=N``, does three
+things on CUDA:
+
+1. sets every device's default pool's release threshold to the maximum, so the
+   pool keeps what it has mapped instead of returning it at each sync;
+2. maps N GiB into that pool at start-up (allocated through MLX in 1 GiB
+   blocks, then freed past MLX's cache with ``mx.clear_cache()``), so a first
+   long prompt's buffers come from memory already mapped;
+3. bounds MLX's own cache to :data:`MLX_CACHE_BYTES`, so buffers of sizes that
+   do not come again go back to the pool (where any later size can use them)
+   instead of waiting in MLX's cache for their exact size.
+
+The driver is reached through ``libcuda`` with :mod:`ctypes` (MLX has no
+binding for the pool's attributes); the pool is a driver object, so this holds
+whatever CUDA runtime MLX was built against. The memory stays reserved for the
+process: that is the point, and what a dedicated inference server wants, but
+on a shared GPU it is N GiB no other process can have.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from trio_mlx._errors import InvalidRequest
+
+__all__ = ["MLX_CACHE_BYTES", "VARIABLE", "Driver", "keep_memory", "requested_gib"]
+
+logger = logging.getLogger("trio_mlx")
+
+VARIABLE = "TRIO_MLX_CUDA_POOL_GIB"
+
+#: MLX's own buffer cache while the pool keeps memory: the step's recurring
+#: buffers (a few MB each at 64 rows) fit many times over.
+MLX_CACHE_BYTES = 2 << 30
+
+_RELEASE_THRESHOLD = 4  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+_RESERVED_CURRENT = 5  # CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT
+
+
+class Driver(Protocol):
+    """What :func:`keep_memory` needs of the CUDA driver (a parameter for the tests)."""
+
+    def devices(self) -> int:
+        """How many devices the process sees."""
+        ...
+
+    def keep_mapped(self, device: int) -> None:
+        """Set the device's default pool's release threshold to the maximum."""
+        ...
+
+    def reserved(self, device: int) -> int:
+        """Bytes the device's default pool holds mapped now."""
+        ...
+
+
+class _LibCuda:
+    """The driver API through ``libcuda.so.1``."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self._check(self.lib.cuInit(0), "cuInit")
+
+    @staticmethod
+    def _check(result: int, call: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{call} failed with CUDA error {result}")
+
+    def devices(self) -> int:
+        count = ctypes.c_int()
+        self._check(self.lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        return count.value
+
+    def _pool(self, device: int) -> ctypes.c_void_p:
+        handle, pool = ctypes.c_int(), ctypes.c_void_p()
+        self._check(self.lib.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+        self._check(
+            self.lib.cuDeviceGetDefaultMemPool(ctypes.byref(pool), handle),
+            "cuDeviceGetDefaultMemPool",
+        )
+        return pool
+
+    def keep_mapped(self, device: int) -> None:
+        value = ctypes.c_uint64(2**64 - 1)
+        self._check(
+            self.lib.cuMemPoolSetAttribute(
+                self._pool(device), _RELEASE_THRESHOLD, ctypes.byref(value)
+            ),
+            "cuMemPoolSetAttribute",
+        )
+
+    def reserved(self, device: int) -> int:
+        value = ctypes.c_uint64()
+        self._check(
+            self.lib.cuMemPoolGetAttribute(
+                self._pool(device), _RESERVED_CURRENT, ctypes.byref(value)
+            ),
+            "cuMemPoolGetAttribute",
+        )
+        return value.value
+
+
+def requested_gib(environ: Mapping[str, str]) -> int:
+    """The GiB :data:`VARIABLE` asks for (0: off); a value that is not a whole number is refused."""
+    text = environ.get(VARIABLE, "").strip()
+    if not text:
+        return 0
+    try:
+        gib = int(text)
+    except ValueError:
+        gib = -1
+    if gib < 0:
+        raise InvalidRequest(
+            f"{VARIABLE} must be a whole number of GiB (0 is off), not {text!r}", param=VARIABLE
+        )
+    return gib
+
+
+def keep_memory(
+    environ: Mapping[str, str] | None = None,
+    *,
+    cuda: bool | None = None,
+    driver: Driver | None = None,
+) -> dict[str, float]:
+    """Keep pool memory mapped and map :data:`VARIABLE` GiB now; return what was done.
+
+    Nothing unless the variable asks for it and MLX runs on CUDA. ``environ``
+    defaults to ``os.environ``, ``cuda`` to whether MLX's CUDA backend is
+    available and ``driver`` to ``libcuda`` (parameters for the tests).
+    """
+    import mlx.core as mx
+
+    gib = requested_gib(os.environ if environ is None else environ)
+    if gib == 0:
+        return {}
+    if cuda is None:
+        cuda = bool(mx.cuda.is_available())
+    if not cuda:
+        return {}
+    start = time.perf_counter()
+    driver = _LibCuda() if driver is None else driver
+    devices = driver.devices()
+    for device in range(devices):
+        driver.keep_mapped(device)
+    blocks = [mx.zeros((1 << 30,), dtype=mx.uint8) for _ in range(gib)]
+    mx.eval(blocks)
+    del blocks
+    mx.clear_cache()  # past MLX's cache, into the pool, which now keeps them
+    mx.synchronize()
+    mx.set_cache_limit(MLX_CACHE_BYTES)
+    done = {
+        "devices": float(devices),
+        "reserved_gib": sum(driver.reserved(d) for d in range(devices)) / 2**30,
+        "seconds": time.perf_counter() - start,
+    }
+    logger.info("CUDA memory pool kept mapped: %s", done)
+    return done
