@@ -57,9 +57,10 @@ def child(name: str) -> None:
     from mlx_lm.models import cache as mlx_cache
     from mlx_lm.utils import load
 
-    from trio_mlx import _cuda_settings
+    from trio_mlx import _cuda_pool, _cuda_settings
 
     _cuda_settings.apply()
+    _cuda_pool.keep_memory()  # as the engine loads: TRIO_MLX_CUDA_POOL_GIB=off for MLX's own
     model: Any = load(str(models.prepare(name).path))[0]
     args = model.args
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads

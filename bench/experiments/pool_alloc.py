@@ -1,7 +1,7 @@
 """What a buffer of a size not met before costs on CUDA, with and without the kept pool.
 
 ``python bench/experiments/pool_alloc.py [GIB ...]`` runs, for each GIB (default
-``0 24``; 0 is MLX's defaults), a fresh process that calls
+``off 0 24``; ``off`` is MLX's own allocator), a fresh process that calls
 :func:`trio_mlx._cuda_pool.keep_memory` with ``TRIO_MLX_CUDA_POOL_GIB=GIB`` and
 then times, synchronised, the zeroed keys and values of a 64-row batch (32
 arrays, 16 layers of Llama-3.2-1B's shape) at 3,072, 3,584, 4,096 and 4,608
@@ -45,7 +45,7 @@ def main() -> None:
     if sys.argv[1:] == ["child"]:
         child()
         return
-    for gib in sys.argv[1:] or ["0", "24"]:
+    for gib in sys.argv[1:] or ["off", "0", "24"]:
         print(f"TRIO_MLX_CUDA_POOL_GIB={gib}", flush=True)
         env = dict(os.environ, TRIO_MLX_CUDA_POOL_GIB=gib)
         subprocess.run([sys.executable, __file__, "child"], env=env, check=True)

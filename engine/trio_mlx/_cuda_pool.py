@@ -1,4 +1,4 @@
-"""Optional start-up work on CUDA: keep device memory mapped once it was obtained.
+"""Start-up work on CUDA: keep device memory mapped once it was obtained.
 
 Theory of operation
 ===================
@@ -15,23 +15,37 @@ become 8 GiB of buffers of a new size; the join took 13-23 ms the first time
 and 4 ms when the same size came again, and fresh zeroed arrays of that size
 took 12-22 ms against 2.2-3.0 ms from MLX's cache.
 
-:func:`keep_memory`, asked for with ``TRIO_MLX_CUDA_POOL_GIB=N``, does three
-things on CUDA:
+:func:`keep_memory` runs at load on CUDA (``TRIO_MLX_CUDA_POOL_GIB`` tunes it:
+unset or ``0`` is the default, ``N`` maps N GiB up front, ``off`` leaves MLX's
+allocator as it is) and does three things:
 
 1. sets every device's default pool's release threshold to the maximum, so the
    pool keeps what it has mapped instead of returning it at each sync;
-2. maps N GiB into that pool at start-up (allocated through MLX in 1 GiB
-   blocks, then freed past MLX's cache with ``mx.clear_cache()``), so a first
-   long prompt's buffers come from memory already mapped;
+2. with ``N``, maps N GiB into that pool at start-up (allocated through MLX in
+   1 GiB blocks, then freed past MLX's cache with ``mx.clear_cache()``), so
+   even a first long prompt's buffers come from memory already mapped;
 3. bounds MLX's own cache to :data:`MLX_CACHE_BYTES`, so buffers of sizes that
    do not come again go back to the pool (where any later size can use them)
    instead of waiting in MLX's cache for their exact size.
+
+What it changed on the H200 (design/performance.md, ninth round): with 24 GiB
+mapped up front, zeroed arrays of 6-9 GiB of new sizes took 2.3-3.4 ms (MLX's
+allocator: 11.9-41.9 ms) and the 4,000-token join 4.1 ms (11.4-18.9 ms); the
+served traffic's tok/s did not move beyond its spread. The bound on MLX's cache
+also bounds the server's memory. MLX's cache may grow to its memory limit, 95%
+of the device, before it gives any back: serving a 2.5 GB model to 64 streams
+with long prompts for four minutes, with the bench's bare loops taking turns on
+the same GPU, the GPU's memory in use reached 138.5 of its 139 GiB; with a
+second server up, it and a bare loop process failed to allocate (out of memory)
+and the other server failed every request. With this module's defaults the same
+traffic peaked at 27.3 GiB (32.6 with 24 GiB mapped up front): what the pool
+keeps is the peak of what the steps really used, plus MLX's bounded cache.
 
 The driver is reached through ``libcuda`` with :mod:`ctypes` (MLX has no
 binding for the pool's attributes); the pool is a driver object, so this holds
 whatever CUDA runtime MLX was built against. The memory stays reserved for the
 process: that is the point, and what a dedicated inference server wants, but
-on a shared GPU it is N GiB no other process can have.
+on a shared GPU the peak (and the N GiB) is memory no other process can have.
 """
 
 from __future__ import annotations
@@ -121,9 +135,14 @@ class _LibCuda:
         return value.value
 
 
-def requested_gib(environ: Mapping[str, str]) -> int:
-    """The GiB :data:`VARIABLE` asks for (0: off); a value that is not a whole number is refused."""
+def requested_gib(environ: Mapping[str, str]) -> int | None:
+    """The GiB :data:`VARIABLE` asks to map up front (unset: 0), or None for ``off``.
+
+    Anything else than ``off`` or a whole number is refused.
+    """
     text = environ.get(VARIABLE, "").strip()
+    if text.lower() == "off":
+        return None
     if not text:
         return 0
     try:
@@ -132,7 +151,8 @@ def requested_gib(environ: Mapping[str, str]) -> int:
         gib = -1
     if gib < 0:
         raise InvalidRequest(
-            f"{VARIABLE} must be a whole number of GiB (0 is off), not {text!r}", param=VARIABLE
+            f"{VARIABLE} must be a whole number of GiB to map up front, or off, not {text!r}",
+            param=VARIABLE,
         )
     return gib
 
@@ -145,14 +165,14 @@ def keep_memory(
 ) -> dict[str, float]:
     """Keep pool memory mapped and map :data:`VARIABLE` GiB now; return what was done.
 
-    Nothing unless the variable asks for it and MLX runs on CUDA. ``environ``
+    Nothing off CUDA or when the variable is ``off``. ``environ``
     defaults to ``os.environ``, ``cuda`` to whether MLX's CUDA backend is
     available and ``driver`` to ``libcuda`` (parameters for the tests).
     """
     import mlx.core as mx
 
     gib = requested_gib(os.environ if environ is None else environ)
-    if gib == 0:
+    if gib is None:
         return {}
     if cuda is None:
         cuda = bool(mx.cuda.is_available())
@@ -163,11 +183,12 @@ def keep_memory(
     devices = driver.devices()
     for device in range(devices):
         driver.keep_mapped(device)
-    blocks = [mx.zeros((1 << 30,), dtype=mx.uint8) for _ in range(gib)]
-    mx.eval(blocks)
-    del blocks
-    mx.clear_cache()  # past MLX's cache, into the pool, which now keeps them
-    mx.synchronize()
+    if gib:
+        blocks = [mx.zeros((1 << 30,), dtype=mx.uint8) for _ in range(gib)]
+        mx.eval(blocks)
+        del blocks
+        mx.clear_cache()  # past MLX's cache, into the pool, which now keeps them
+        mx.synchronize()
     mx.set_cache_limit(MLX_CACHE_BYTES)
     done = {
         "devices": float(devices),

@@ -219,7 +219,7 @@ def load(
     from mlx_lm.models.cache import make_prompt_cache
 
     _cuda_settings.apply()  # before any attention call: MLX reads them once
-    _cuda_pool.keep_memory()  # before the model's buffers: TRIO_MLX_CUDA_POOL_GIB
+    _cuda_pool.keep_memory()  # before the model's buffers: memory stays mapped
     lane_type: type[BatchLane] = BatchLane
     channel = None
     result: Any  # (model, tokenizer, config)
