@@ -1,26 +1,31 @@
 """What a prefill pass of a shape MLX has not met yet costs, and in which op.
 
-``python bench/experiments/first_shape.py [MODEL]`` (default ``llama-1b``) runs
-itself again in fresh processes, one per environment variant (MLX's defaults,
-``MLX_USE_CUDA_GRAPHS=0``, ``CUDA_MODULE_LOADING=EAGER``), each under the
-engine's CUDA settings. In each it times, synchronised, the first and the
-second call of:
+``python bench/experiments/first_shape.py [MODEL] [variants]`` (default
+``llama-1b``) runs each measurement below in a fresh process of its own (so that
+no block meets shapes another block met first), under MLX's defaults and, with
+``variants``, also ``MLX_USE_CUDA_GRAPHS=0`` and ``CUDA_MODULE_LOADING=EAGER``,
+each under the engine's CUDA settings and memory pool. Each times, synchronised,
+the first and the second call of:
 
-- the model's forward pass over a one-row ``KVCache`` that already holds S
-  tokens, for W new tokens (the lane's prefill chunk: a new W is a new last
-  chunk, a new S a new place in the prompt), and the same over one-row
-  ``BatchKVCache``s (``batch fwd``: array masks and offsets, as the lane's
-  prefill runs);
-- one projection matmul (W x hidden) @ (hidden x 4 hidden) for each new W;
-- MLX's attention for W queries over S + W keys, with a boolean mask array as
-  mlx-lm's batch caches pass it.
+- ``forward``: the model's forward pass over a one-row ``KVCache`` that already
+  holds S tokens, for W new tokens (the lane's prefill chunk: a new W is a new
+  last chunk, a new S a new place in the prompt); ``batch fwd``: the same over
+  one-row ``BatchKVCache``s (array masks and offsets, as the lane's prefill runs);
+- ``matmul``: one projection (W x hidden) @ (hidden x 4 hidden) for each new W;
+- ``attention``: MLX's attention for W queries over S + W keys with a boolean
+  mask array, as mlx-lm's batch caches pass it, and then the first call at
+  S + 16 (a key length not met, in the same band of 256); ``attention pad256``:
+  the same with the keys padded to a multiple of 256 and the tail masked out, so
+  that S and S + 16 are one shape.
 
-A first call much slower than the second is a per-shape cost; the variants
-say whether it is CUDA graph instantiation or lazily loaded kernels. With
-``sweep``, one process times the matmul's first and second call for every M
-from 96 to 160: a cost per new M, or only at the few M that meet a new kernel;
-then again in a process that ran every multiple of 8 first (what the engine's
-CUDA warm-up does: ``trio_mlx._cuda_warmup``).
+A first call much slower than the second is a per-shape cost; the variants say
+whether it is CUDA graph instantiation or lazily loaded kernels. (Until the
+ninth round every block ran in one process, attention last, after the forward
+passes had met its shapes: its "no first-call cost" then was not a measurement
+of new shapes.) With ``sweep``, one process times the matmul's first and second
+call for every M from 96 to 160: a cost per new M, or only at the few M that
+meet a new kernel; then again in a process that ran every multiple of 8 first
+(what the engine's CUDA warm-up does: ``trio_mlx._cuda_warmup``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ VARIANTS = {
     "MLX_USE_CUDA_GRAPHS=0": {"MLX_USE_CUDA_GRAPHS": "0"},
     "CUDA_MODULE_LOADING=EAGER": {"CUDA_MODULE_LOADING": "EAGER"},
 }
+BLOCKS = ("forward", "batch fwd", "matmul", "attention", "attention pad256")
 WIDTHS = (160, 428, 768, 1000)
 STARTS = (768, 1536, 2304, 3072)
 
@@ -113,12 +119,13 @@ def child(name: str) -> None:
         mx.eval(x)
         return lambda: x @ weight
 
-    def attention(width: int, start: int) -> Callable[[], Any]:
+    def attention(width: int, start: int, pad: int = 1) -> Callable[[], Any]:
+        keys = -(-(start + width) // pad) * pad  # the padded tail is masked out
         q = mx.random.normal((1, heads, width, dim)).astype(dtype)
-        k = mx.random.normal((1, kv_heads, start + width, dim)).astype(dtype)
-        v = mx.random.normal((1, kv_heads, start + width, dim)).astype(dtype)
+        k = mx.random.normal((1, kv_heads, keys, dim)).astype(dtype)
+        v = mx.random.normal((1, kv_heads, keys, dim)).astype(dtype)
         rows = mx.arange(width)[:, None] + start
-        mask = (mx.arange(start + width)[None, :] <= rows)[None, None]
+        mask = (mx.arange(keys)[None, :] <= rows)[None, None]
         mx.eval(q, k, v, mask)
         return lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask=mask)
 
@@ -130,24 +137,30 @@ def child(name: str) -> None:
                 timed(matmul(width))
         sweep(matmul)
         return
-    makers: tuple[tuple[str, Callable[[int, int], Callable[[], Any]]], ...] = (
-        ("forward", lambda w, s: forward(w, s)),
-        ("batch fwd", lambda w, s: batch_forward(w, s)),
-        ("matmul", lambda w, s: matmul(w)),
-        ("attention", lambda w, s: attention(w, s)),
-    )
-    for label, make in makers:
-        firsts, seconds = [], []
-        for width in WIDTHS:
-            for start in STARTS if label != "matmul" else STARTS[:1]:
-                fn = make(width, start)
-                first, second = timed(fn), timed(fn)
-                firsts.append(first)
-                seconds.append(second)
-                print(f"  {label:9s} W={width:5d} S={start:5d}  first {first:7.2f} ms  "
-                      f"second {second:7.2f} ms", flush=True)  # fmt: skip
-        print(f"  {label}: first calls sum {sum(firsts):.1f} ms, second calls sum "
-              f"{sum(seconds):.1f} ms", flush=True)  # fmt: skip
+    makers: dict[str, Callable[[int, int], Callable[[], Any]]] = {
+        "forward": forward,
+        "batch fwd": batch_forward,
+        "matmul": lambda w, s: matmul(w),
+        "attention": attention,
+        "attention pad256": lambda w, s: attention(w, s, 256),
+    }
+    label = os.environ["FIRST_SHAPE_BLOCK"]
+    make = makers[label]
+    firsts, seconds, nexts = [], [], []
+    for width in WIDTHS:
+        for start in STARTS if label != "matmul" else STARTS[:1]:
+            fn = make(width, start)
+            first, second = timed(fn), timed(fn)
+            firsts.append(first)
+            seconds.append(second)
+            line = f"  {label:9s} W={width:5d} S={start:5d}  first {first:7.2f} ms  second {second:7.2f} ms"
+            if label.startswith("attention"):
+                nexts.append(timed(make(width, start + 16)))
+                line += f"  first at S+16 {nexts[-1]:7.2f} ms"
+            print(line, flush=True)
+    tail = f", first calls at S+16 sum {sum(nexts):.1f} ms" if nexts else ""
+    print(f"  {label}: first calls sum {sum(firsts):.1f} ms, second calls sum "
+          f"{sum(seconds):.1f} ms{tail}", flush=True)  # fmt: skip
 
 
 def sweep(matmul: Callable[[int], Callable[[], Any]]) -> None:
@@ -174,9 +187,12 @@ def main() -> None:
             env["FIRST_SHAPE_PRIMED"] = primed
             subprocess.run([sys.executable, __file__, "--child", name], env=env, check=False)
         return
-    for variant, extra in VARIANTS.items():
-        env = {**os.environ, **extra, "FIRST_SHAPE_VARIANT": variant}
-        subprocess.run([sys.executable, __file__, "--child", name], env=env, check=False)
+    variants = VARIANTS if "variants" in sys.argv else {"defaults": {}}
+    for variant, extra in variants.items():
+        for block in BLOCKS:
+            env = {**os.environ, **extra, "FIRST_SHAPE_VARIANT": f"{variant}, {block}"}
+            env["FIRST_SHAPE_BLOCK"] = block
+            subprocess.run([sys.executable, __file__, "--child", name], env=env, check=False)
 
 
 if __name__ == "__main__":
