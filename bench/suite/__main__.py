@@ -647,8 +647,8 @@ class Suite:
                      f"{report._ratio(row['tok_s'], together)} together), TTFT p50/p99 "
                      f"{report.ms(row['ttft_p50_s'])}/{report.ms(row['ttft_p99_s'])} ms, ITL "
                      f"p50/p99 {report.ms(row['itl_p50_s'])}/{report.ms(row['itl_p99_s'])} ms, "
-                     f"GPU {report._num(row['gpu_busy_pct'])}%, worker "
-                     f"{report._num(row.get('worker_busy'), 2)}")  # fmt: skip
+                     f"GPU {report._num(row['gpu_busy_pct'])}%, GPU GiB {report._gpu_gib(row)}, "
+                     f"worker {report._num(row.get('worker_busy'), 2)}")  # fmt: skip
         if "long" in self.traffic_parts:
             row = {**traffic.long_arrival(server, p, max(cs)), "round": r}
             longs.append(row)
@@ -656,7 +656,8 @@ class Suite:
                      f"ITL p50 {report.ms(row['itl_p50_s'])} ms, during long p99 "
                      f"{report.ms(row['itl_during_long_p99_s'])} ms (x"
                      f"{report._num(row['during_p99_over_p50'], 1)}), long TTFT "
-                     f"{', '.join(report.ms(x) for x in row['long_ttft_s'])} ms")  # fmt: skip
+                     f"{', '.join(report.ms(x) for x in row['long_ttft_s'])} ms, GPU GiB "
+                     f"{report._gpu_gib(row)}")  # fmt: skip
 
     def _open_loops(self, data: dict[str, Any], running: dict[str, Any], p: dict[str, Any]) -> None:
         """The open loop on every server, at fractions of the first server's capacity."""

@@ -214,6 +214,11 @@ def _cache_md(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _gpu_gib(row: dict[str, Any]) -> str:
+    """The server process's GPU memory / the GPU's peak in use, GiB ("-" where not measured)."""
+    return f"{_num(row.get('server_gpu_gib'), 1)} / {_num(row.get('gpu_memory_peak_gib'), 1)}"
+
+
 def _traffic_md(results: dict[str, Any]) -> list[str]:
     data = results.get("traffic")
     if not data:
@@ -226,11 +231,13 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
         "not timed). Bare references in the same run: a `BatchGenerator` loop of C rows inserted "
         "and finishing together (`together`), and one whose rows finish staggered and are "
         "replaced at once (`staggered`). ITL: gap between a stream's content chunks per token. "
-        "GPU: `nvidia-smi` utilization, mean of 100 ms samples; worker: the MLX thread's busy "
-        "fraction (trio-mlx's `/metrics`); rows/admission: rows admitted per prefill call.",
+        "GPU: `nvidia-smi` utilization, mean of 100 ms samples; GPU GiB: the memory the server "
+        "process held at the end of the block / the GPU's peak in use during it (every process: "
+        "the other servers stay up); worker: the MLX thread's busy fraction (trio-mlx's "
+        "`/metrics`); rows/admission: rows admitted per prefill call.",
         "",
-        "| C | bare together | bare staggered | server | tok/s | x together | x staggered | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | GPU busy % | worker busy | rows/admission | failed | exact |",
-        "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| C | bare together | bare staggered | server | tok/s | x together | x staggered | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | GPU busy % | GPU GiB | worker busy | rows/admission | failed | exact |",
+        "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     bare = data.get("bare", {})
     for name, rows in data.get("servers", {}).items():
@@ -245,8 +252,9 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
                 f"{_num(row['tok_s'])} | {_ratio(row['tok_s'], tog.get('tok_s'))} | "
                 f"{_ratio(row['tok_s'], stag.get('tok_s'))} | {ms(row['ttft_p50_s'])} | "
                 f"{ms(row['ttft_p99_s'])} | {ms(row['itl_p50_s'])} | {ms(row['itl_p99_s'])} | "
-                f"{_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
-                f"{_num(per, 1)} | {row['failed']} | {row.get('exact_tokens')} |"
+                f"{_num(row.get('gpu_busy_pct'))} | {_gpu_gib(row)} | "
+                f"{_num(row.get('worker_busy'), 2)} | {_num(per, 1)} | {row['failed']} | "
+                f"{row.get('exact_tokens')} |"
             )
     if data.get("rounds", 1) > 1:
         lines += _rounds_md(data)
@@ -265,8 +273,8 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
             "per token while a long prompt waited for its first token; the goal is its p99 <= 3x "
             "the streams' ITL p50.",
             "",
-            "| server | C | tok/s | ITL p50 | ITL p99 | during long p50 | during long p99 | p99 / ITL p50 | long TTFT | GPU busy % | worker busy | failed |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+            "| server | C | tok/s | ITL p50 | ITL p99 | during long p50 | during long p99 | p99 / ITL p50 | long TTFT | GPU busy % | GPU GiB | worker busy | failed |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
         ]
         for name, row in data["long"].items():
             longs = ", ".join(ms(x) for x in row.get("long_ttft_s", []))
@@ -274,8 +282,8 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
                 f"| {name} | {row['concurrency']} | {_num(row['tok_s'])} | {ms(row['itl_p50_s'])} | "
                 f"{ms(row['itl_p99_s'])} | {ms(row['itl_during_long_p50_s'])} | "
                 f"{ms(row['itl_during_long_p99_s'])} | {_num(row.get('during_p99_over_p50'), 1)} | "
-                f"{longs} | {_num(row.get('gpu_busy_pct'))} | {_num(row.get('worker_busy'), 2)} | "
-                f"{row['failed']} |"
+                f"{longs} | {_num(row.get('gpu_busy_pct'))} | {_gpu_gib(row)} | "
+                f"{_num(row.get('worker_busy'), 2)} | {row['failed']} |"
             )
         if data.get("rounds", 1) > 1:
             each = "; ".join(

@@ -15,8 +15,9 @@
 Reported: tok/s (tokens whose chunk arrived inside the timed window), TTFT and
 inter-token latency (ITL: the gap between a stream's consecutive content chunks,
 divided by the tokens they carry) p50/p99, GPU busy % (``nvidia-smi``
-sampled every 100 ms, where there is one) and, for trio-mlx, the MLX worker's
-busy fraction (``/metrics``).
+sampled every 100 ms, where there is one), GPU memory (the server process's at
+the end of the block, and the whole GPU's peak during it) and, for trio-mlx, the
+MLX worker's busy fraction (``/metrics``).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from bench.suite.timing import percentile
 
 
 class GpuSampler:
-    """``nvidia-smi`` utilization samples while the block runs (None without a GPU)."""
+    """``nvidia-smi`` utilization and memory samples while the block runs (None without a GPU)."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []
+        self.memory_mib: list[float] = []
         self._proc: subprocess.Popen[str] | None = None
         self._thread: threading.Thread | None = None
 
@@ -54,7 +56,7 @@ class GpuSampler:
             self._proc = subprocess.Popen(
                 [
                     exe,
-                    "--query-gpu=utilization.gpu",
+                    "--query-gpu=utilization.gpu,memory.used",
                     "--format=csv,noheader,nounits",
                     "-lms",
                     "100",
@@ -71,8 +73,10 @@ class GpuSampler:
         assert self._proc is not None
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
-            with contextlib.suppress(ValueError):
-                self.samples.append(float(line.split(",")[0]))
+            with contextlib.suppress(ValueError, IndexError):
+                busy, memory = (float(x) for x in line.split(",")[:2])
+                self.samples.append(busy)
+                self.memory_mib.append(memory)
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
@@ -85,6 +89,30 @@ class GpuSampler:
     def busy(self) -> float | None:
         """Mean utilization in percent."""
         return sum(self.samples) / len(self.samples) if self.samples else None
+
+    @property
+    def memory_peak_gib(self) -> float | None:
+        """The most memory in use on the GPU (every process) in any sample, GiB."""
+        return max(self.memory_mib) / 1024 if self.memory_mib else None
+
+
+def process_gpu_gib(pid: int) -> float | None:
+    """GPU memory ``pid`` holds now (``nvidia-smi``'s compute apps), GiB; None if not listed."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        text = subprocess.run(
+            [exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    held = [
+        float(used) for app, _, used in (line.partition(",") for line in text.splitlines())
+        if app.strip() == str(pid) and used.strip().replace(".", "", 1).isdigit()
+    ]  # fmt: skip
+    return sum(held) / 1024 if held else None
 
 
 def _metric(server: Server, name: str) -> float | None:
@@ -138,6 +166,8 @@ def _measure(
     wall = max(result["wall_s"] for result in results)
     out = summarize(records, go + window[0], go + min(window[1], wall))
     out["gpu_busy_pct"] = gpu.busy
+    out["gpu_memory_peak_gib"] = gpu.memory_peak_gib
+    out["server_gpu_gib"] = process_gpu_gib(server.process.pid)
     busy1 = _metric(server, "trio_mlx_worker_busy_seconds")
     if busy0 is not None and busy1 is not None:
         out["worker_busy"] = (busy1 - busy0) / wall
