@@ -5,7 +5,10 @@
 the model as the engine does (its prefill budget for the device, or N; with
 ``mlx-join``, rows join the batch by mlx-lm's ``BatchKVCache.extend`` instead of
 the lane's ``_join_caches``; with ``width=M``, every prefill pass right-padded to a
-multiple of M: ``BatchLane.prefill_width_multiple``; with ``time-join``, each
+multiple of M: ``BatchLane.prefill_width_multiple``; with ``keys=P``, every
+prefill pass's attention over keys padded to a multiple of P, the tail masked out,
+so that a chunk at a new offset meets a key length met before (an experiment's
+patch of mlx-lm's ``BatchKVCache``, not an engine setting); with ``time-join``, each
 join synchronised and timed, beside fresh zeroed arrays of its size), lets ROWS rows
 decode, then inserts one long prompt at a time and calls ``BatchLane.step``
 one decode step per call until the long row's first token. Every call's wall
@@ -69,6 +72,41 @@ def time_joins() -> None:
     trio_mlx._batch._join_caches = timed_join
 
 
+def pad_keys(multiple: int) -> None:
+    """Prefill passes (N > 1) attend over keys padded to ``multiple``, the tail masked out."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    update, make_mask = BatchKVCache.update_and_fetch, BatchKVCache.make_mask
+
+    def padded(length: int) -> int:
+        return -(-length // multiple) * multiple
+
+    def update_and_fetch(self: Any, keys: Any, values: Any) -> Any:
+        k, v = update(self, keys, values)
+        if keys.shape[2] == 1:
+            return k, v
+        end = padded(self._idx)
+        short = end - self.keys.shape[2]
+        if short > 0:  # room for the padded tail (never read: the mask hides it)
+            grow = [(0, 0), (0, 0), (0, short), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, grow), mx.pad(self.values, grow)
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def padded_mask(self: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        mask = make_mask(self, N, return_array=return_array, **kwargs)
+        if N == 1 or not isinstance(mask, mx.array):
+            return mask
+        extra = padded(self._idx + N) - mask.shape[-1]  # built before the keys are stored
+        if extra <= 0:
+            return mask
+        tail = mx.zeros((*mask.shape[:-1], extra), dtype=mx.bool_)
+        return mx.concatenate([mask, tail], axis=-1)
+
+    BatchKVCache.update_and_fetch = update_and_fetch  # type: ignore[method-assign]
+    BatchKVCache.make_mask = padded_mask  # type: ignore[method-assign]
+
+
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 63
@@ -80,6 +118,9 @@ def main() -> None:
         trio_mlx._batch._join_caches = lambda ours, theirs: False
     if "time-join" in sys.argv:
         time_joins()
+    for arg in sys.argv[3:]:
+        if arg.startswith("keys="):
+            pad_keys(int(arg[5:]))
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the CUDA warm-up's line
     settings = LoadSettings(max_batch=rows + 1, prefill_budget=budget[-1] if budget else None)
     loaded = load(str(models.prepare(name).path), settings)
