@@ -92,6 +92,29 @@ def test_n_gib_are_mapped_up_front_and_handed_past_mlx_cache(cache_limit: None) 
     assert mx.set_cache_limit(_cuda_pool.MLX_CACHE_BYTES) == _cuda_pool.MLX_CACHE_BYTES
 
 
+class RefusingDriver(RecordingDriver):
+    """Fault injection: the second device refuses the setting, as a driver error would."""
+
+    def keep_mapped(self, device: int) -> None:
+        if device == 1:
+            raise RuntimeError("cuMemPoolSetAttribute failed with CUDA error 1")
+        super().keep_mapped(device)
+
+
+def test_a_driver_that_refuses_leaves_mlx_allocator_alone(
+    cache_limit: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine still loads: a warning, nothing mapped, MLX's cache limit untouched."""
+    driver = RefusingDriver(2)
+    mx.reset_peak_memory()
+    with caplog.at_level("WARNING", logger="trio_mlx"):
+        done = _cuda_pool.keep_memory({_cuda_pool.VARIABLE: "1"}, cuda=True, driver=driver)
+    assert done == {}
+    assert "left to MLX" in caplog.text
+    assert mx.get_peak_memory() < 1 << 30
+    assert mx.set_cache_limit(0) != _cuda_pool.MLX_CACHE_BYTES
+
+
 def test_requested_gib_reads_whole_numbers_and_off() -> None:
     assert _cuda_pool.requested_gib({}) == 0
     assert _cuda_pool.requested_gib({_cuda_pool.VARIABLE: " 24 "}) == 24
