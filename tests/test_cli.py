@@ -146,6 +146,16 @@ def test_an_out_of_range_engine_flag_is_named() -> None:
     _assert_short_error(result, "max_batch", "check --max-batch")
 
 
+def test_a_bad_environment_setting_names_the_variable_not_a_flag() -> None:
+    env = {"TRIO_MLX_CUDA_POOL_GIB": "lots"}
+    result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", env=env)
+    _assert_short_error(
+        result,
+        "TRIO_MLX_CUDA_POOL_GIB must be a whole number of GiB",
+        "check the environment variable TRIO_MLX_CUDA_POOL_GIB",
+    )
+
+
 def test_debug_adds_the_traceback(tmp_path: Path) -> None:
     result = _trio_mlx(
         "serve", "--no-fast-blas", "--port", "0", "--debug", "--model", str(tmp_path)

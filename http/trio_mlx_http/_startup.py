@@ -107,7 +107,9 @@ def explain(error: BaseException) -> list[str]:
         remedy = _REMEDIES.get(leaf.code or "")
         if remedy is None and isinstance(leaf, NotFound):
             remedy = _REMEDIES.get(param or "")
-        if remedy is None and param:
+        if remedy is None and param and param.isupper():  # an environment variable
+            remedy = f"check the environment variable {param}"
+        elif remedy is None and param:
             remedy = f"check --{param.replace('_', '-')}"
         lines = [_first_line(leaf.message), remedy]
     elif isinstance(leaf, ImportError) and (leaf.name or "").split(".")[0] == "mlx":
