@@ -1,13 +1,17 @@
 """The MLX thread's CPU per token in steady decode: the batch lane against a bare loop.
 
-``python bench/experiments/lane_vs_bare_host.py ROWS TOKENS`` (the bundled
-model) decodes ROWS rows of TOKENS tokens three times each way, alternating:
-mlx-lm's ``BatchGenerator.next_generated`` (the bare loop) and
-``BatchLane.step`` bursts of 16 (the engine's lane, no actor, no Trio). It
-prints this thread's CPU microseconds per generated token after the first
-two steps (``time.thread_time``: robust on a loaded box). On the GPU that
-host work is what paces a step, so a lane costlier than the bare loop here
-would show as engine overhead there (numbers in design/performance.md).
+``python bench/experiments/lane_vs_bare_host.py ROWS TOKENS [MODEL]`` (the
+bundled model, or a bench model such as ``tiny``) decodes ROWS rows of TOKENS
+tokens three times each way, alternating: mlx-lm's
+``BatchGenerator.next_generated`` (the bare loop) and ``BatchLane.step``
+bursts of 16 (the engine's lane, no actor, no Trio). It prints this thread's
+CPU microseconds per generated token (``time.thread_time``: robust on a loaded
+box) once every row decodes: after the bare loop's first two steps (it
+prefills all ROWS in one pass), and after the lane's last prefill pass (it
+admits ``prefill_batch_size`` rows a pass; until the ninth round its window
+held those last passes, which made it look costlier). On the GPU that host
+work is what paces a step, so a lane costlier than the bare loop here would
+show as engine overhead there (numbers in design/performance.md).
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from trio_mlx.default_model import default_model_path
 
 def main() -> None:
     rows, tokens = int(sys.argv[1]), int(sys.argv[2])
-    model, tokenizer = load(str(default_model_path()))
+    if len(sys.argv) > 3:
+        from bench.suite import models
+
+        model, tokenizer = load(str(models.prepare(sys.argv[3]).path))
+    else:
+        model, tokenizer = load(str(default_model_path()))
 
     def prompt(i: int) -> list[int]:
         rng = random.Random(i)
@@ -53,6 +62,8 @@ def main() -> None:
         params = SamplingParams(max_tokens=tokens, temperature=0.0)
         specs = [RowSpec(i + 1, tuple(prompt(i)), params) for i in range(rows)]
         batch.step(StepPlan(specs, steps=2), seconds=10.0)
+        while batch._waiting or batch._prefilling:  # every row decoding, as in the bare loop
+            batch.step(StepPlan([], steps=1), seconds=10.0)
         cpu, count = time.thread_time(), 0
         while batch.rows:
             result = batch.step(StepPlan([], steps=16), seconds=10.0)
