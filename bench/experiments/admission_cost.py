@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 
+from bench.experiments.long_stall import steady_median
 from bench.suite import models
 from bench.suite.inproc import prompt_ids
 
@@ -60,12 +61,7 @@ def main() -> None:
     costs: dict[bool, list[float]] = {True: [], False: []}
     row_id = 10_000
     for r in range(rounds):
-        steady = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            lane.step()
-            steady.append(time.perf_counter() - t0)
-        median = statistics.median(steady)
+        median = steady_median(lane, 20)
         lengths = [rng.randint(118, 128) for _ in range(group)]
         longest = -(-max(lengths) // multiple) * multiple
         shape = (group, longest)

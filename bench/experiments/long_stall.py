@@ -72,6 +72,16 @@ def time_joins() -> None:
     trio_mlx._batch._join_caches = timed_join
 
 
+def steady_median(lane: Any, steps: int) -> float:
+    """The median wall time of ``steps`` plain decode steps (seconds)."""
+    gaps = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        lane.step()
+        gaps.append(time.perf_counter() - t0)
+    return statistics.median(gaps)
+
+
 def pad_keys(multiple: int) -> None:
     """Prefill passes (N > 1) attend over keys padded to ``multiple``, the tail masked out."""
     import mlx.core as mx
@@ -144,12 +154,7 @@ def main() -> None:
         lane.step()
     row_id = 1000
     for length in longs:
-        steady = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            lane.step()
-            steady.append(time.perf_counter() - t0)
-        median = statistics.median(steady)
+        median = steady_median(lane, 30)
         row_id += 1
         long_prompt = tuple(prompt_ids(tokenizer, 1, length * 2, seed=length)[0][:length])
         plan = StepPlan([RowSpec(row_id, long_prompt, SamplingParams(max_tokens=4))])
