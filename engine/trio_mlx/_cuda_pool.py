@@ -57,6 +57,7 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+from trio_mlx import _cuda_settings
 from trio_mlx._errors import InvalidRequest
 
 __all__ = ["MLX_CACHE_BYTES", "VARIABLE", "Driver", "keep_memory", "requested_gib"]
@@ -177,9 +178,7 @@ def keep_memory(
     gib = requested_gib(os.environ if environ is None else environ)
     if gib is None:
         return {}
-    if cuda is None:
-        cuda = bool(mx.cuda.is_available())
-    if not cuda:
+    if not _cuda_settings.on_cuda(cuda):
         return {}
     start = time.perf_counter()
     try:

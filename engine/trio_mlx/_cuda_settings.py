@@ -48,7 +48,7 @@ import logging
 import os
 from collections.abc import MutableMapping
 
-__all__ = ["DEFAULTS", "apply"]
+__all__ = ["DEFAULTS", "apply", "on_cuda"]
 
 logger = logging.getLogger("trio_mlx")
 
@@ -57,6 +57,15 @@ DEFAULTS: dict[str, str] = {
     "MLX_CUDA_USE_CUDNN_SDPA": "0",
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }
+
+
+def on_cuda(cuda: bool | None = None) -> bool:
+    """``cuda`` if given (the tests' override), else whether MLX's CUDA backend is available."""
+    if cuda is None:
+        import mlx.core as mx
+
+        cuda = bool(mx.cuda.is_available())
+    return cuda
 
 
 def apply(
@@ -69,11 +78,7 @@ def apply(
     """
     if environ is None:
         environ = os.environ
-    if cuda is None:
-        import mlx.core as mx
-
-        cuda = bool(mx.cuda.is_available())
-    if not cuda:
+    if not on_cuda(cuda):
         return {}
     chosen = {name: value for name, value in DEFAULTS.items() if name not in environ}
     environ.update(chosen)

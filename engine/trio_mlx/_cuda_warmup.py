@@ -34,6 +34,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from trio_mlx import _cuda_settings
+
 __all__ = ["prime", "prime_widths", "warm_up"]
 
 logger = logging.getLogger("trio_mlx")
@@ -70,11 +72,7 @@ def warm_up(
     environ = os.environ if environ is None else environ
     if environ.get("TRIO_MLX_CUDA_WARMUP", "0") != "1":
         return {}
-    if cuda is None:
-        import mlx.core as mx
-
-        cuda = bool(mx.cuda.is_available())
-    if not cuda:
+    if not _cuda_settings.on_cuda(cuda):
         return {}
     done: dict[str, float] = {}
     start = time.perf_counter()
