@@ -181,3 +181,8 @@ def test_the_readme_configuration_table_names_every_flag() -> None:
 def test_a_prefill_budget_below_one_is_named() -> None:
     result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--prefill-budget", "0")
     _assert_short_error(result, "prefill_budget", "check --prefill-budget")
+
+
+def test_a_prefill_stall_of_one_or_less_is_named() -> None:
+    result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--prefill-stall", "1")
+    _assert_short_error(result, "prefill_stall", "check --prefill-stall")

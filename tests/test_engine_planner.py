@@ -55,7 +55,11 @@ HOLD: dict[str, Any] = {"admit_wait_steps": 10**6, "admit_wait_seconds": 3600.0}
 
 
 async def _check_schedule(
-    model: Path, ops: list[tuple[Any, ...]], budget: int | None, width_multiple: int = 1
+    model: Path,
+    ops: list[tuple[Any, ...]],
+    budget: int | None,
+    width_multiple: int = 1,
+    stall: float | None = None,
 ) -> None:
     solo = await _solo_tokens(model)
     got: dict[int, tuple[str, list[int]]] = {}
@@ -70,6 +74,9 @@ async def _check_schedule(
         "removal_fraction": 2,
         "prefill_budget": budget,
         "prefill_width_multiple": width_multiple,
+        # With a stall bound each step's budget follows the measured times: it moves.
+        "prefill_stall": stall,
+        "prefill_floor": 4,
     }
     async with trio_mlx.open_engine(
         model, max_batch=6, max_queue=16, drain_timeout=0.005, min_batch_steps=1, _tune=tune
@@ -117,11 +124,16 @@ async def _check_schedule(
     ops=st.lists(st.one_of(row, row, row, job), min_size=1, max_size=12),
     budget=st.sampled_from([None, 5, 24]),
     width_multiple=st.sampled_from([1, 1, 8]),
+    stall=st.sampled_from([None, None, 1.1, 2.0]),
 )
 def test_rows_grouped_chunked_removed_in_bulk_cancelled_and_parked_equal_their_solo_runs(
-    tiny_model_path: Path, ops: list[tuple[Any, ...]], budget: int | None, width_multiple: int
+    tiny_model_path: Path,
+    ops: list[tuple[Any, ...]],
+    budget: int | None,
+    width_multiple: int,
+    stall: float | None,
 ) -> None:
-    trio.run(_check_schedule, tiny_model_path, ops, budget, width_multiple)
+    trio.run(_check_schedule, tiny_model_path, ops, budget, width_multiple, stall)
 
 
 async def test_arrivals_while_rows_decode_are_admitted_as_one_group(
@@ -370,6 +382,47 @@ async def test_the_prefill_budget_reaches_the_lane_and_is_checked(tiny_model_pat
     for bad in (0, -5, 2.5, True):
         with pytest.raises(trio_mlx.InvalidRequest, match="prefill_budget"):
             async with trio_mlx.open_engine(tiny_model_path, prefill_budget=bad):  # type: ignore[arg-type]
+                pass
+
+
+def test_a_step_prefills_within_its_plans_budget_and_reports_each_steps_timing(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=40, logit_bias=NO_EOS)
+    long_prompt = tuple(tokenizer.encode(PROMPTS[3]))
+    forwards = _Forwards(model)
+    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64)
+    lane.step(StepPlan([RowSpec(0, tuple(tokenizer.encode(PROMPTS[0])), params)]))
+    lane.step()
+    forwards.shapes.clear()
+    timings: list[tuple[int, float]] = []
+    plan = StepPlan([RowSpec(1, long_prompt, params)], prefill_budget=8)
+    for _ in range(len(long_prompt)):
+        result = lane.step(plan)
+        plan = StepPlan(prefill_budget=8)
+        assert len(result.timings) == result.steps
+        timings.extend(result.timings)
+        if not lane._prefilling:
+            break
+    prefills = [rows * width for rows, width in forwards.shapes if width > 1]
+    assert prefills
+    assert max(prefills) <= 8, "the plan's budget, not the lane's 64"
+    # Each step reports what it prefilled: the long prompt's tokens (all but its last).
+    assert sum(tokens for tokens, _ in timings) == len(long_prompt) - 1
+    assert all(tokens <= 8 and seconds > 0 for tokens, seconds in timings)
+    lane.step(StepPlan(removes=[0, 1]))
+    assert lane.step().timings == (), "no row decodes: no step is timed"
+
+
+async def test_the_prefill_stall_reaches_the_planner_and_is_checked(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path, prefill_stall=2.5) as engine:
+        assert engine._actor.planner.prefill_stall == 2.5
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        assert engine._actor.planner.prefill_stall is None
+    for bad in (1, 0.5, -2, True, "2"):
+        with pytest.raises(trio_mlx.InvalidRequest, match="prefill_stall"):
+            async with trio_mlx.open_engine(tiny_model_path, prefill_stall=bad):  # type: ignore[arg-type]
                 pass
 
 

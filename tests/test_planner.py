@@ -129,3 +129,60 @@ def test_cancelled_rows_are_discarded_between_steps_only_while_admitting() -> No
     assert not planner.discard_due(State.DRAINING)
     assert planner.take_removes() == [3, 4]
     assert not planner.discard_due(ADMITTING)
+
+
+def _timed(stall: float | None, cap: int | None = 512, **knobs: Any) -> StepPlanner:
+    """A planner with 8 rows decoding whose lane took 10 ms a decode-only step and
+    0.2 ms more per prompt token (a 100-token step: 30 ms)."""
+    planner = StepPlanner(lambda: 16, lambda: cap, prefill_stall=stall, timing_weight=1.0, **knobs)
+    planner.stepped(8, 1)
+    planner.timed([(0, 0.010), (100, 0.030)])
+    return planner
+
+
+def test_a_stall_bound_sizes_the_budget_from_the_measured_step_times() -> None:
+    # (3 - 1) x 10 ms / 0.2 ms = 100 tokens, in multiples of 8: 96.
+    planner = _timed(3.0)
+    assert planner.prefill_budget() == 96
+    assert planner.next_step(0.0, ADMITTING, jobs_waiting=False).prefill_budget == 96
+    assert _timed(2.0).prefill_budget() == 48
+    # Slower prompt tokens, a smaller budget; never below the floor.
+    planner.timed([(10, 0.050)])  # 4 ms a token
+    assert planner.prefill_budget() == 32
+    assert _timed(3.0, prefill_floor=8).prefill_budget() == 96
+
+
+def test_without_a_stall_bound_or_measurements_the_lane_keeps_its_own_budget() -> None:
+    assert _timed(None).prefill_budget() is None
+    assert _timed(None).next_step(0.0, ADMITTING, jobs_waiting=False).prefill_budget is None
+    fresh = StepPlanner(lambda: 16, lambda: 512, prefill_stall=3.0)
+    fresh.stepped(8, 1)
+    assert fresh.prefill_budget() is None, "nothing measured yet"
+    fresh.timed([(0, 0.010)])
+    assert fresh.prefill_budget() is None, "no prompt token measured yet"
+    fresh.timed([(100, 0.030)])
+    assert fresh.prefill_budget() is not None
+
+
+def test_the_stall_bound_never_raises_the_lane_budget_nor_holds_back_an_idle_lane() -> None:
+    assert _timed(3.0, cap=64).prefill_budget() is None, "past the lane's own budget"
+    assert _timed(3.0, cap=None).prefill_budget() == 96
+    idle = _timed(3.0)
+    idle.stepped(0, 1)
+    assert idle.prefill_budget() is None, "nobody decodes: nothing to stall"
+
+
+def test_step_times_are_averaged_and_a_prompt_token_never_costs_less_than_nothing() -> None:
+    planner = StepPlanner(lambda: 16, lambda: 4096, prefill_stall=3.0, timing_weight=0.5)
+    planner.stepped(8, 1)
+    planner.timed([(0, 0.010), (0, 0.020)])  # 10 ms, then halfway to 20: 15 ms
+    planner.timed([(100, 0.045)])  # 0.3 ms a token
+    assert planner.prefill_budget() == 96  # 2 x 15 / 0.3 = 100
+    planner.timed([(100, 0.001)])  # faster than a decode step: counts as free
+    assert planner.prefill_budget() == 200  # 2 x 15 / 0.15
+
+
+def test_a_stall_bound_at_or_below_one_is_refused() -> None:
+    for bad in (1.0, 0.5, 0):
+        with pytest.raises(ValueError, match="prefill_stall"):
+            StepPlanner(lambda: 16, prefill_stall=bad)

@@ -170,7 +170,8 @@ def main() -> None:
             first = any(e.id == row_id and e.token_ids for e in result.events)
             worst = max(worst, gap)
             print(f"  step {k}: {gap * 1e3:7.1f} ms  ({gap / median:4.1f}x)  "
-                  f"left to prefill before {before}  gc {len(collections) - mark}"
+                  f"left to prefill before {before}  gc {len(collections) - mark}  "
+                  f"lane timings {[(p, round(t * 1e3, 1)) for p, t in result.timings]}"
                   f"{'  first token' if first else ''}", flush=True)  # fmt: skip
             k += 1
             if first or k > 50:

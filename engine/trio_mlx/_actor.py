@@ -127,7 +127,9 @@ class Actor:
 
     def __attrs_post_init__(self) -> None:
         self._arbiter = Arbiter(self.policy, now=trio.current_time())
-        self.planner = StepPlanner(lambda: self.lane.prefill_batch_size)
+        self.planner = StepPlanner(
+            lambda: self.lane.prefill_batch_size, lambda: self.lane.prefill_budget
+        )
         # Room for a full queue plus a full batch: the arbiter, not the inbox,
         # is what normally says no.
         size = self.policy.max_queue + self.policy.max_batch
@@ -461,6 +463,7 @@ class Actor:
             events = step.events
             self._batch_rows = step.rows
             self.planner.stepped(step.decoding, step.steps)
+            self.planner.timed(step.timings)
             for row_id, cached in step.cached.items():
                 request = self._requests.get(row_id)
                 if request is not None:

@@ -99,6 +99,11 @@ class StepPlan:
     removes: tuple[int, ...] = attrs.field(default=(), converter=_ids)
     #: Most decode steps of the burst (see :meth:`BatchLane.step`).
     steps: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    #: Most prompt tokens prefilled per decode step in this call (see
+    #: :attr:`BatchLane.prefill_budget`); None: the lane's own budget.
+    prefill_budget: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
 
 
 #: A step that only decodes (no row comes or goes): one decode step.
@@ -120,6 +125,10 @@ class StepResult:
     decoding: int = 0
     #: Dead rows (finished or cancelled) still holding a KV slot after the step.
     dead: int = 0
+    #: Each decode step's prompt tokens prefilled (padded, as mlx-lm runs them)
+    #: and its seconds inside ``BatchGenerator.next()``: what the planner sizes
+    #: the prefill budget from (:attr:`~trio_mlx._planner.StepPlanner.prefill_stall`).
+    timings: tuple[tuple[int, float], ...] = ()
 
 
 #: The smallest top_p handed to mlx-lm (a normal float32, far below any token's mass).
@@ -824,6 +833,10 @@ class BatchLane:
     _prefilling: dict[int, int] = attrs.field(init=False, factory=dict)
     #: Rows whose processor failed since the last decode step looked (see ``_Guarded``).
     _failed: list[_Row] = attrs.field(init=False, factory=list)
+    #: The current step call's prefill budget (its plan's, else ``prefill_budget``).
+    _budget: int | None = attrs.field(init=False, default=None)
+    #: The current step call's (prompt tokens, seconds) per decode step.
+    _timings: list[tuple[int, float]] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -925,8 +938,9 @@ class BatchLane:
         return bool(self._generator._generation_batch.solo)
 
     def _result(self, events: list[RowEvent], cached: dict[int, int], steps: int) -> StepResult:
+        timings, self._timings = tuple(self._timings), []
         return StepResult(
-            events, cached, len(self._rows), steps, len(self._by_uid), len(self._dead)
+            events, cached, len(self._rows), steps, len(self._by_uid), len(self._dead), timings
         )
 
     def step(
@@ -945,6 +959,7 @@ class BatchLane:
         A row's tokens from the whole burst come back as one event.
         """
         inserts, resumes, steps = plan.inserts, plan.resumes, plan.steps
+        self._budget = self.prefill_budget if plan.prefill_budget is None else plan.prefill_budget
         events: list[RowEvent] = []
         cached: dict[int, int] = {}
         self._kill(plan.removes, store=False)
@@ -1157,7 +1172,7 @@ class BatchLane:
         wait for a later step, in order. Dead rows are compacted first (the
         batch's KV is rebuilt when rows join anyway).
         """
-        budget = self.prefill_budget
+        budget = self._budget
         chunk = self.prefill_step_size if budget is None else min(budget, self.prefill_step_size)
         self._generator.prefill_step_size = chunk
         prompts = self._generator._prompt_batch
@@ -1244,6 +1259,10 @@ class BatchLane:
         for event in self._feed():
             order.setdefault(event.id, []).append(event)
             news = True
+        left = [n for n in self._prefilling.values() if n > 0]
+        prefill = (
+            len(left) * self._pass_width(left, self._generator.prefill_step_size) if left else 0
+        )
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (
@@ -1269,7 +1288,9 @@ class BatchLane:
             self._failed.clear()
             self._generator = self._new_generator()
             return True
-        self.generator_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.generator_seconds += elapsed
+        self._timings.append((prefill, elapsed))
         prefilling = self._prefilling
         for progress in _prompt_responses:
             if progress.end_of_prompt:

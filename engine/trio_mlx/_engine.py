@@ -111,6 +111,7 @@ async def open_engine(
     prefill_step_size: int = 2048,
     prefill_batch_size: int = 16,
     prefill_budget: int | None = None,
+    prefill_stall: float | None = None,
     parallel: str = "auto",
     chat_template: str | None = None,
     grammar_timeout: float = COMPILE_TIMEOUT,
@@ -133,6 +134,10 @@ async def open_engine(
     (padded) prefilled between two decode steps: a longer prompt is prefilled
     a chunk per step, so running streams keep their pace while it arrives
     (``None``: 1,536 on a GPU, 512 on the CPU; see ``design/performance.md``).
+    ``prefill_stall`` bounds the same in time: while rows decode, each step's
+    budget is sized from the measured step times so that a step that prefills
+    takes about ``prefill_stall`` times a decode-only step (> 1; at most
+    ``prefill_budget`` tokens; ``None``: the fixed budget only).
     ``parallel`` only matters when the process was started by ``mlx.launch``
     as one of several ranks (see ``design/distributed.md``): ``"tensor"`` or
     ``"pipeline"`` forces how the model is split, ``"auto"`` lets mlx-lm
@@ -176,6 +181,12 @@ async def open_engine(
         raise InvalidRequest("max_unread_tokens must be >= 1", param="max_unread_tokens")
     if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
         raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
+    if prefill_stall is not None and not (
+        isinstance(prefill_stall, int | float)
+        and not isinstance(prefill_stall, bool)
+        and prefill_stall > 1
+    ):
+        raise InvalidRequest("prefill_stall must be a number > 1", param="prefill_stall")
     if not (isinstance(grammar_timeout, int | float) and grammar_timeout > 0):
         raise InvalidRequest("grammar_timeout must be > 0", param="grammar_timeout")
     path = resolve_model(model)
@@ -195,7 +206,13 @@ async def open_engine(
     async with trio.open_nursery() as nursery:
         try:
             engine: Engine = await nursery.start(
-                _serve, policy, Path(path).name, loader, max_unread_tokens, max_loras, _tune
+                _serve,
+                policy,
+                Path(path).name,
+                loader,
+                max_unread_tokens,
+                max_loras,
+                {"prefill_stall": prefill_stall, **(_tune or {})},
             )
             engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:

@@ -23,20 +23,33 @@ Two decisions live here:
   (plus the burst in flight, <= 20 ms): the most grouping adds to a row's
   time to first token. An idle lane, a resume, and a drain (a job waits for
   these rows) admit at once.
+- *The prefill budget* (:meth:`StepPlanner.prefill_budget`), with
+  ``prefill_stall`` set. A decode step that also prefills stalls every
+  running stream for as long as the prefill takes; a fixed token budget
+  bounds that in tokens, which a device turns into very different times (a
+  512-token chunk is a few decode steps on the H200 and ten on a 2-core CPU).
+  So the planner sizes each step's budget from what the lane measured: the
+  seconds of a decode-only step ``d`` and the seconds a prompt token adds
+  ``c`` (both moving averages of the lane's per-step timings), so that a step
+  that prefills takes about ``prefill_stall`` x ``d``: ``(prefill_stall - 1)
+  x d / c`` tokens, in multiples of 8, no fewer than ``prefill_floor`` (a long
+  prompt always moves on), no more than the lane's own budget. An idle lane
+  (nobody to stall) prefills at the lane's full budget.
 - *Burst length* (:meth:`StepPlanner.next_step`). In plain decoding (the
   arbiter ADMITTING, no job waiting) a step call may run up to
   ``burst_steps`` decode steps within ``burst_seconds``; the lane stops it
   early on news (see :meth:`~trio_mlx._batch.BatchLane.step`), and
   :meth:`StepPlanner.ends_burst` says which submissions are news.
 
-Pure: the actor passes in the time and the arbiter's state; nothing here
-reads a clock, touches MLX or knows about requests, so the decisions are
-unit-tested without an engine.
+Pure: the actor passes in the time, the arbiter's state and the lane's
+timings; nothing here reads a clock, touches MLX or knows about requests, so
+the decisions are unit-tested without an engine. In distributed mode the
+budget travels in the plan, so every rank prefills the same tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -52,6 +65,9 @@ class StepPlanner:
 
     #: The most prompts one prefill pass takes (the lane's ``prefill_batch_size``, read live).
     group_cap: Callable[[], int]
+    #: The lane's own prefill budget in tokens (``BatchLane.prefill_budget``, read live):
+    #: the most a step's budget may be.
+    budget_cap: Callable[[], int | None] = lambda: None
     #: Most decode steps in one step call's burst, and its time budget in seconds.
     burst_steps: int = 16
     burst_seconds: float = 0.02
@@ -62,6 +78,19 @@ class StepPlanner:
     #: ... held no longer than this many decode steps or seconds after the first arrived.
     admit_wait_steps: int = 32
     admit_wait_seconds: float = 0.25
+    #: The most a decode step that prefills may take, as a multiple of one that does
+    #: not (> 1); None: every step prefills up to the lane's fixed budget.
+    prefill_stall: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.gt(1.0))
+    )
+    #: The smallest budget ``prefill_stall`` may set, in tokens.
+    prefill_floor: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    #: The moving averages' weight of a new timing.
+    timing_weight: float = 0.2
+    #: Seconds of a decode step that prefills nothing, and seconds a prompt token adds
+    #: to a step (moving averages of the lane's timings; None until measured).
+    _decode_s: float | None = attrs.field(init=False, default=None)
+    _token_s: float | None = attrs.field(init=False, default=None)
     _inserts: list[RowSpec] = attrs.field(init=False, factory=list)
     _resumes: list[int] = attrs.field(init=False, factory=list)
     _removes: list[int] = attrs.field(init=False, factory=list)
@@ -130,6 +159,18 @@ class StepPlanner:
         self._lane_live = decoding
         self._held_steps += steps
 
+    def timed(self, timings: Iterable[tuple[int, float]]) -> None:
+        """The lane's (prompt tokens, seconds) for each decode step it ran (``StepResult.timings``)."""
+        weight = self.timing_weight
+        for tokens, seconds in timings:
+            if tokens == 0:
+                d = self._decode_s
+                self._decode_s = seconds if d is None else d + weight * (seconds - d)
+            elif self._decode_s is not None:
+                per_token = max(0.0, seconds - self._decode_s) / tokens
+                c = self._token_s
+                self._token_s = per_token if c is None else c + weight * (per_token - c)
+
     def lane_unknown(self) -> None:
         """The lane changed outside a step (a park, a discard, a failure): admit at once until the
         next step says how many rows decode."""
@@ -175,6 +216,18 @@ class StepPlanner:
         since = self._held_since
         return since is not None and now - since >= self.admit_wait_seconds
 
+    def prefill_budget(self) -> int | None:
+        """The next step's prefill budget in tokens; None: the lane's own (see the module's notes)."""
+        stall, cap = self.prefill_stall, self.budget_cap()
+        d, c = self._decode_s, self._token_s
+        if stall is None or not self._lane_live or d is None or not c:
+            return None
+        tokens = int((stall - 1.0) * d / c) // 8 * 8
+        budget = max(self.prefill_floor, tokens)
+        if cap is not None and budget >= cap:
+            return None
+        return budget
+
     def discard_due(self, state: State) -> bool:
         """Whether cancelled rows should leave the lane now, though no step is coming.
 
@@ -196,4 +249,4 @@ class StepPlanner:
         steps = 1
         if self.burst_steps > 1 and state is State.ADMITTING and not jobs_waiting:
             steps = self.burst_steps
-        return StepPlan(inserts, resumes, removes, steps)
+        return StepPlan(inserts, resumes, removes, steps, self.prefill_budget())

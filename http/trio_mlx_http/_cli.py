@@ -111,6 +111,15 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens prefilled between two decode steps; a longer prompt is "
         "prefilled in chunks (default: 1536 on a GPU, 512 on the CPU)",
     )
+    parser.add_argument(
+        "--prefill-stall",
+        type=float,
+        default=None,
+        metavar="X",
+        help="while streams decode, shrink each step's prefill budget to what the "
+        "measured step times allow, so that a step that prefills takes about X times "
+        "one that does not (> 1; default: off, the fixed budget only)",
+    )
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait")
     parser.add_argument(
         "--drain-timeout",
