@@ -385,7 +385,7 @@ async def test_the_prefill_budget_reaches_the_lane_and_is_checked(tiny_model_pat
                 pass
 
 
-def test_a_step_prefills_within_its_plans_budget_and_reports_each_steps_timing(
+def test_a_step_cuts_prompts_into_its_plans_chunk_and_reports_each_steps_timing(
     tiny_model: tuple[Any, Any],
 ) -> None:
     model, tokenizer = tiny_model
@@ -397,22 +397,38 @@ def test_a_step_prefills_within_its_plans_budget_and_reports_each_steps_timing(
     lane.step()
     forwards.shapes.clear()
     timings: list[tuple[int, float]] = []
-    plan = StepPlan([RowSpec(1, long_prompt, params)], prefill_budget=8)
+    plan = StepPlan([RowSpec(1, long_prompt, params)], prefill_chunk=8)
     for _ in range(len(long_prompt)):
         result = lane.step(plan)
-        plan = StepPlan(prefill_budget=8)
+        plan = StepPlan(prefill_chunk=8)
         assert len(result.timings) == result.steps
         timings.extend(result.timings)
         if not lane._prefilling:
             break
     prefills = [rows * width for rows, width in forwards.shapes if width > 1]
     assert prefills
-    assert max(prefills) <= 8, "the plan's budget, not the lane's 64"
+    assert max(prefills) <= 8, "the plan's chunk, not the lane's 64"
     # Each step reports what it prefilled: the long prompt's tokens (all but its last).
     assert sum(tokens for tokens, _ in timings) == len(long_prompt) - 1
     assert all(tokens <= 8 and seconds > 0 for tokens, seconds in timings)
     lane.step(StepPlan(removes=[0, 1]))
     assert lane.step().timings == (), "no row decodes: no step is timed"
+
+
+def test_a_plans_chunk_still_lets_arrivals_share_a_pass_within_the_lane_budget(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=4, logit_bias=NO_EOS)
+    words = tuple(tokenizer.encode(PROMPTS[3]))
+    forwards = _Forwards(model)
+    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64)
+    lane.step(StepPlan([RowSpec(0, words[:6], params)]))
+    forwards.shapes.clear()
+    arrivals = [RowSpec(i, words[i : i + 20], params) for i in (1, 2, 3)]
+    lane.step(StepPlan(arrivals, prefill_chunk=8))
+    passes = [shape for shape in forwards.shapes if shape[1] > 1]
+    assert passes[0] == (3, 8), "three rows in one pass, each cut to the plan's chunk"
 
 
 async def test_the_prefill_stall_reaches_the_planner_and_is_checked(tiny_model_path: Path) -> None:

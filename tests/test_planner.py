@@ -140,36 +140,36 @@ def _timed(stall: float | None, cap: int | None = 512, **knobs: Any) -> StepPlan
     return planner
 
 
-def test_a_stall_bound_sizes_the_budget_from_the_measured_step_times() -> None:
+def test_a_stall_bound_sizes_the_chunk_from_the_measured_step_times() -> None:
     # (3 - 1) x 10 ms / 0.2 ms = 100 tokens, in multiples of 8: 96.
     planner = _timed(3.0)
-    assert planner.prefill_budget() == 96
-    assert planner.next_step(0.0, ADMITTING, jobs_waiting=False).prefill_budget == 96
-    assert _timed(2.0).prefill_budget() == 48
-    # Slower prompt tokens, a smaller budget; never below the floor.
+    assert planner.prefill_chunk() == 96
+    assert planner.next_step(0.0, ADMITTING, jobs_waiting=False).prefill_chunk == 96
+    assert _timed(2.0).prefill_chunk() == 48
+    # Slower prompt tokens, a smaller chunk; never below the floor.
     planner.timed([(10, 0.050)])  # 4 ms a token
-    assert planner.prefill_budget() == 32
-    assert _timed(3.0, prefill_floor=8).prefill_budget() == 96
+    assert planner.prefill_chunk() == 32
+    assert _timed(3.0, prefill_floor=8).prefill_chunk() == 96
 
 
-def test_without_a_stall_bound_or_measurements_the_lane_keeps_its_own_budget() -> None:
-    assert _timed(None).prefill_budget() is None
-    assert _timed(None).next_step(0.0, ADMITTING, jobs_waiting=False).prefill_budget is None
+def test_without_a_stall_bound_or_measurements_the_lane_keeps_its_own_chunk() -> None:
+    assert _timed(None).prefill_chunk() is None
+    assert _timed(None).next_step(0.0, ADMITTING, jobs_waiting=False).prefill_chunk is None
     fresh = StepPlanner(lambda: 16, lambda: 512, prefill_stall=3.0)
     fresh.stepped(8, 1)
-    assert fresh.prefill_budget() is None, "nothing measured yet"
+    assert fresh.prefill_chunk() is None, "nothing measured yet"
     fresh.timed([(0, 0.010)])
-    assert fresh.prefill_budget() is None, "no prompt token measured yet"
+    assert fresh.prefill_chunk() is None, "no prompt token measured yet"
     fresh.timed([(100, 0.030)])
-    assert fresh.prefill_budget() is not None
+    assert fresh.prefill_chunk() is not None
 
 
 def test_the_stall_bound_never_raises_the_lane_budget_nor_holds_back_an_idle_lane() -> None:
-    assert _timed(3.0, cap=64).prefill_budget() is None, "past the lane's own budget"
-    assert _timed(3.0, cap=None).prefill_budget() == 96
+    assert _timed(3.0, cap=64).prefill_chunk() is None, "past the lane's own budget"
+    assert _timed(3.0, cap=None).prefill_chunk() == 96
     idle = _timed(3.0)
     idle.stepped(0, 1)
-    assert idle.prefill_budget() is None, "nobody decodes: nothing to stall"
+    assert idle.prefill_chunk() is None, "nobody decodes: nothing to stall"
 
 
 def test_step_times_are_averaged_and_a_prompt_token_never_costs_less_than_nothing() -> None:
@@ -177,9 +177,9 @@ def test_step_times_are_averaged_and_a_prompt_token_never_costs_less_than_nothin
     planner.stepped(8, 1)
     planner.timed([(0, 0.010), (0, 0.020)])  # 10 ms, then halfway to 20: 15 ms
     planner.timed([(100, 0.045)])  # 0.3 ms a token
-    assert planner.prefill_budget() == 96  # 2 x 15 / 0.3 = 100
+    assert planner.prefill_chunk() == 96  # 2 x 15 / 0.3 = 100
     planner.timed([(100, 0.001)])  # faster than a decode step: counts as free
-    assert planner.prefill_budget() == 200  # 2 x 15 / 0.15
+    assert planner.prefill_chunk() == 200  # 2 x 15 / 0.15
 
 
 def test_a_stall_bound_at_or_below_one_is_refused() -> None:

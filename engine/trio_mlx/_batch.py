@@ -99,9 +99,9 @@ class StepPlan:
     removes: tuple[int, ...] = attrs.field(default=(), converter=_ids)
     #: Most decode steps of the burst (see :meth:`BatchLane.step`).
     steps: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    #: Most prompt tokens prefilled per decode step in this call (see
-    #: :attr:`BatchLane.prefill_budget`); None: the lane's own budget.
-    prefill_budget: int | None = attrs.field(
+    #: The chunk prompts are cut into in this call, in tokens (at most the lane's
+    #: ``prefill_budget``, which still bounds rows x width); None: the budget.
+    prefill_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
 
@@ -833,8 +833,8 @@ class BatchLane:
     _prefilling: dict[int, int] = attrs.field(init=False, factory=dict)
     #: Rows whose processor failed since the last decode step looked (see ``_Guarded``).
     _failed: list[_Row] = attrs.field(init=False, factory=list)
-    #: The current step call's prefill budget (its plan's, else ``prefill_budget``).
-    _budget: int | None = attrs.field(init=False, default=None)
+    #: The current step call's prefill chunk (its plan's ``prefill_chunk``; None: the budget).
+    _chunk: int | None = attrs.field(init=False, default=None)
     #: The current step call's (prompt tokens, seconds) per decode step.
     _timings: list[tuple[int, float]] = attrs.field(init=False, factory=list)
 
@@ -959,7 +959,7 @@ class BatchLane:
         A row's tokens from the whole burst come back as one event.
         """
         inserts, resumes, steps = plan.inserts, plan.resumes, plan.steps
-        self._budget = self.prefill_budget if plan.prefill_budget is None else plan.prefill_budget
+        self._chunk = plan.prefill_chunk
         events: list[RowEvent] = []
         cached: dict[int, int] = {}
         self._kill(plan.removes, store=False)
@@ -1169,11 +1169,14 @@ class BatchLane:
         that stays within the budget (one always may when none is
         prefilling), so a long prompt is cut into chunks interleaved with
         decode steps and short prompts are not padded to its length; the rest
-        wait for a later step, in order. Dead rows are compacted first (the
-        batch's KV is rebuilt when rows join anyway).
+        wait for a later step, in order. The step's plan may cut prompts into
+        smaller chunks (``StepPlan.prefill_chunk``, the planner's stall bound);
+        rows still join a pass while rows x width stays within the budget.
+        Dead rows are compacted first (the batch's KV is rebuilt when rows join
+        anyway).
         """
-        budget = self._budget
-        chunk = self.prefill_step_size if budget is None else min(budget, self.prefill_step_size)
+        budget = self.prefill_budget
+        chunk = min(x for x in (budget, self._chunk, self.prefill_step_size) if x is not None)
         self._generator.prefill_step_size = chunk
         prompts = self._generator._prompt_batch
         prompts.width_multiple, prompts.width_limit = self.prefill_width_multiple, chunk

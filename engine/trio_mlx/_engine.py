@@ -134,10 +134,11 @@ async def open_engine(
     (padded) prefilled between two decode steps: a longer prompt is prefilled
     a chunk per step, so running streams keep their pace while it arrives
     (``None``: 1,536 on a GPU, 512 on the CPU; see ``design/performance.md``).
-    ``prefill_stall`` bounds the same in time: while rows decode, each step's
-    budget is sized from the measured step times so that a step that prefills
-    takes about ``prefill_stall`` times a decode-only step (> 1; at most
-    ``prefill_budget`` tokens; ``None``: the fixed budget only).
+    ``prefill_stall`` bounds a long prompt's stall in time: while rows decode,
+    each step's chunk is sized from the measured step times so that a step
+    that prefills one prompt's chunk takes about ``prefill_stall`` times a
+    decode-only step (> 1; at most ``prefill_budget`` tokens; ``None``: chunks
+    of the fixed budget).
     ``parallel`` only matters when the process was started by ``mlx.launch``
     as one of several ranks (see ``design/distributed.md``): ``"tensor"`` or
     ``"pipeline"`` forces how the model is split, ``"auto"`` lets mlx-lm

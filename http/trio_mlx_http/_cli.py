@@ -116,9 +116,9 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="X",
-        help="while streams decode, shrink each step's prefill budget to what the "
-        "measured step times allow, so that a step that prefills takes about X times "
-        "one that does not (> 1; default: off, the fixed budget only)",
+        help="while streams decode, cut prompts into chunks as small as the measured "
+        "step times need, so that a step that prefills one prompt's chunk takes about X "
+        "times one that does not (> 1; default: off, chunks of --prefill-budget)",
     )
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait")
     parser.add_argument(
