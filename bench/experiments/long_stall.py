@@ -16,7 +16,7 @@ time is the running rows' gap for that step (decode is pipelined, so a call
 waits for the step before it). It prints the median gap of the steady steps
 before each arrival, every step from the arrival to the first token with what
 it did (prompt tokens prefilled, whether the long row joined, garbage
-collections), and the largest gap over the median: the issue's latency ratio
+collections, the lane's own per-step timings: ``StepResult.timings``), and the largest gap over the median: the issue's latency ratio
 without HTTP, clients or the actor.
 """
 
