@@ -8,7 +8,6 @@ plus a margin.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections import Counter
@@ -36,18 +35,10 @@ def long_context_model(directory: Path) -> Path:
     deadline, never at the context's end, however fast the machine decodes.
     """
     from trio_mlx import default_model_path
+    from trio_mlx.testing import with_context
 
     source = default_model_path()
-    target = Path(directory) / f"{source.name}-long-context"
-    target.mkdir(parents=True, exist_ok=True)
-    for item in source.iterdir():
-        if item.name == "config.json":
-            config = json.loads(item.read_text())
-            config["max_position_embeddings"] = LONG_CONTEXT
-            (target / item.name).write_text(json.dumps(config))
-        elif item.is_file() and not (target / item.name).exists():
-            (target / item.name).symlink_to(item.resolve())
-    return target
+    return with_context(source, Path(directory) / f"{source.name}-long-context", LONG_CONTEXT)
 
 
 async def _one(http: httpx.AsyncClient, spec: Spec, deadline: float) -> str:

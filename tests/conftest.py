@@ -74,6 +74,18 @@ def json_tools_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture(scope="session")
+def long_tiny_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a million-token context: a long request ends only at a deadline.
+
+    On the tiny model's own 2,048-token context a fast machine can finish a "long"
+    request inside a test's grace period (``trio_mlx.testing.with_context``).
+    """
+    from trio_mlx.testing import with_context
+
+    return with_context(tiny_model_path, tmp_path_factory.mktemp("models") / "long-tiny", 10**6)
+
+
+@pytest.fixture(scope="session")
 def endless_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model rewired to answer "a" forever: a row that never ends on its own."""
     from tool_model import make_tool_model

@@ -159,12 +159,15 @@ async def test_graceful_shutdown_finishes_requests_in_flight(tiny_model_path: Pa
                 await late.get("/health")
 
 
-async def test_graceful_shutdown_cancels_what_outlives_the_deadline(tiny_model_path: Path) -> None:
+async def test_graceful_shutdown_cancels_what_outlives_the_deadline(
+    long_tiny_model_path: Path,
+) -> None:
+    # A million-token context: the stream cannot end on its own inside the grace period.
     async with (
-        live_server(tiny_model_path, graceful_timeout=0.3) as server,
+        live_server(long_tiny_model_path, graceful_timeout=0.3) as server,
         httpx.AsyncClient(base_url=server.url, timeout=30) as http,
     ):
-        body = {"prompt": "Hello", "max_tokens": 1800, "stream": True, "logit_bias": NO_EOS}
+        body = {"prompt": "Hello", "max_tokens": 100_000, "stream": True, "logit_bias": NO_EOS}
         async with http.stream("POST", "/v1/completions", json=body) as response:
             server.shutdown.set()
             with pytest.raises(httpx.RemoteProtocolError):
@@ -316,11 +319,13 @@ async def test_disconnect_mid_serial_request_stops_its_job(tiny_model_path: Path
 
 
 async def test_cli_ends_streams_past_the_grace_deadline_with_an_error_event(
-    tiny_model_path: Path,
+    long_tiny_model_path: Path,
 ) -> None:
-    process, _log, url = await _start_cli(tiny_model_path, graceful_timeout=1)
+    # A million-token context: the stream cannot end on its own inside the grace period
+    # (on the tiny model's own 2,048 a fast machine could decode 1,900 tokens in 1 s).
+    process, _log, url = await _start_cli(long_tiny_model_path, graceful_timeout=1)
     try:
-        body = {"prompt": "Hello", "max_tokens": 1900, "stream": True, "logit_bias": NO_EOS}
+        body = {"prompt": "Hello", "max_tokens": 100_000, "stream": True, "logit_bias": NO_EOS}
         events: list[str] = []
         async with (
             httpx.AsyncClient(base_url=url, timeout=30) as http,

@@ -24,6 +24,7 @@ __all__ = [
     "dead_rows",
     "make_random_llama",
     "train_tokenizer",
+    "with_context",
     "write_tokenizer",
 ]
 
@@ -46,6 +47,26 @@ def dead_rows(engine: Engine) -> int:
     engine idle, ``statistics().batch_rows == 0``), as the planner tests do.
     """
     return engine._loaded.lane.dead_rows
+
+
+def with_context(source: Path, target: Path, context: int) -> Path:
+    """``source``'s model at ``target`` with its context set to ``context`` tokens.
+
+    The files are linked, not copied; only ``config.json`` is rewritten. A long
+    request on such a model can end only by its ``max_tokens`` or by being cut,
+    never at the context's end, however fast the machine decodes: what a test
+    of a deadline needs.
+    """
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name == "config.json":
+            config = json.loads(item.read_text())
+            config["max_position_embeddings"] = context
+            (target / item.name).write_text(json.dumps(config))
+        elif item.is_file() and not (target / item.name).exists():
+            (target / item.name).symlink_to(item.resolve())
+    return target
 
 
 def corpus_text() -> str:
