@@ -385,17 +385,26 @@ async def test_the_prefill_budget_reaches_the_lane_and_is_checked(tiny_model_pat
                 pass
 
 
+def _lane_with_one_row(
+    tiny_model: tuple[Any, Any], params: SamplingParams
+) -> tuple[BatchLane, _Forwards, tuple[int, ...]]:
+    """A lane (budget 64) whose forward passes are recorded, one row decoding (id 0);
+    and the tokens of the longest prompt."""
+    model, tokenizer = tiny_model
+    words = tuple(tokenizer.encode(PROMPTS[3]))
+    forwards = _Forwards(model)
+    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64)
+    lane.step(StepPlan([RowSpec(0, words[:6], params)]))
+    lane.step()
+    forwards.shapes.clear()
+    return lane, forwards, words
+
+
 def test_a_step_cuts_prompts_into_its_plans_chunk_and_reports_each_steps_timing(
     tiny_model: tuple[Any, Any],
 ) -> None:
-    model, tokenizer = tiny_model
     params = SamplingParams(max_tokens=40, logit_bias=NO_EOS)
-    long_prompt = tuple(tokenizer.encode(PROMPTS[3]))
-    forwards = _Forwards(model)
-    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64)
-    lane.step(StepPlan([RowSpec(0, tuple(tokenizer.encode(PROMPTS[0])), params)]))
-    lane.step()
-    forwards.shapes.clear()
+    lane, forwards, long_prompt = _lane_with_one_row(tiny_model, params)
     timings: list[tuple[int, float]] = []
     plan = StepPlan([RowSpec(1, long_prompt, params)], prefill_chunk=8)
     for _ in range(len(long_prompt)):
@@ -418,13 +427,8 @@ def test_a_step_cuts_prompts_into_its_plans_chunk_and_reports_each_steps_timing(
 def test_a_plans_chunk_still_lets_arrivals_share_a_pass_within_the_lane_budget(
     tiny_model: tuple[Any, Any],
 ) -> None:
-    model, tokenizer = tiny_model
     params = SamplingParams(max_tokens=4, logit_bias=NO_EOS)
-    words = tuple(tokenizer.encode(PROMPTS[3]))
-    forwards = _Forwards(model)
-    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64)
-    lane.step(StepPlan([RowSpec(0, words[:6], params)]))
-    forwards.shapes.clear()
+    lane, forwards, words = _lane_with_one_row(tiny_model, params)
     arrivals = [RowSpec(i, words[i : i + 20], params) for i in (1, 2, 3)]
     lane.step(StepPlan(arrivals, prefill_chunk=8))
     passes = [shape for shape in forwards.shapes if shape[1] > 1]
