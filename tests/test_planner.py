@@ -136,7 +136,7 @@ def _timed(stall: float | None, cap: int | None = 512, **knobs: Any) -> StepPlan
     0.2 ms more per prompt token (a 100-token step: 30 ms)."""
     planner = StepPlanner(lambda: 16, lambda: cap, prefill_stall=stall, timing_weight=1.0, **knobs)
     planner.stepped(8, 1)
-    planner.timed([(0, 0.010), (100, 0.030)])
+    planner.timed([(0, 0.010)] * 3 + [(100, 0.030)])
     return planner
 
 
@@ -147,7 +147,7 @@ def test_a_stall_bound_sizes_the_chunk_from_the_measured_step_times() -> None:
     assert planner.next_step(0.0, ADMITTING, jobs_waiting=False).prefill_chunk == 96
     assert _timed(2.0).prefill_chunk() == 48
     # Slower prompt tokens, a smaller chunk; never below the floor.
-    planner.timed([(10, 0.050)])  # 4 ms a token
+    planner.timed([(10, 0.050)])
     assert planner.prefill_chunk() == 32
     assert _timed(3.0, prefill_floor=8).prefill_chunk() == 96
 
@@ -158,7 +158,7 @@ def test_without_a_stall_bound_or_measurements_the_lane_keeps_its_own_chunk() ->
     fresh = StepPlanner(lambda: 16, lambda: 512, prefill_stall=3.0)
     fresh.stepped(8, 1)
     assert fresh.prefill_chunk() is None, "nothing measured yet"
-    fresh.timed([(0, 0.010)])
+    fresh.timed([(0, 0.010)] * 3)
     assert fresh.prefill_chunk() is None, "no prompt token measured yet"
     fresh.timed([(100, 0.030)])
     assert fresh.prefill_chunk() is not None
@@ -172,14 +172,40 @@ def test_the_stall_bound_never_raises_the_lane_budget_nor_holds_back_an_idle_lan
     assert idle.prefill_chunk() is None, "nobody decodes: nothing to stall"
 
 
-def test_step_times_are_averaged_and_a_prompt_token_never_costs_less_than_nothing() -> None:
-    planner = StepPlanner(lambda: 16, lambda: 4096, prefill_stall=3.0, timing_weight=0.5)
+def _steps(lag: int, chunks: int) -> list[tuple[int, float]]:
+    """A lane's timings: 10 ms decode-only steps, then ``chunks`` steps of 100 prompt
+    tokens at 0.2 ms each, every chunk's cost paid ``lag`` steps after it ran."""
+    tokens = [0] * 12 + [100] * chunks + [0] * 12
+    paid = [0] * lag + tokens[: len(tokens) - lag]
+    return [(n, 0.010 + 0.0002 * cost) for n, cost in zip(tokens, paid, strict=True)]
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_prefill_paid_a_step_or_two_late_is_still_measured_right(lag: int) -> None:
+    planner = StepPlanner(lambda: 16, lambda: 4096, prefill_stall=3.0)
     planner.stepped(8, 1)
-    planner.timed([(0, 0.010), (0, 0.020)])  # 10 ms, then halfway to 20: 15 ms
-    planner.timed([(100, 0.045)])  # 0.3 ms a token
-    assert planner.prefill_chunk() == 96  # 2 x 15 / 0.3 = 100
-    planner.timed([(100, 0.001)])  # faster than a decode step: counts as free
-    assert planner.prefill_chunk() == 200  # 2 x 15 / 0.15
+    planner.timed(_steps(lag, chunks=16))
+    # A decode step that paid for an earlier prefill does not count as one.
+    assert planner._decode_s == pytest.approx(0.010)
+    assert planner._token_s == pytest.approx(0.0002, rel=0.15)
+    assert planner.prefill_chunk() in range(88, 112, 8)  # 2 x 10 ms / 0.2 ms = 100
+
+
+def test_a_prefill_paid_later_than_the_stated_lag_slows_the_decode_estimate() -> None:
+    # Paid 3 steps late with timing_lag=2: the decode-only steps after it read slower.
+    planner = StepPlanner(lambda: 16, lambda: 4096, prefill_stall=3.0, timing_lag=0)
+    planner.stepped(8, 1)
+    planner.timed(_steps(2, chunks=16))
+    assert planner._decode_s is not None
+    assert planner._decode_s > 0.0105
+
+
+def test_a_window_faster_than_decoding_counts_its_prompt_tokens_as_free() -> None:
+    planner = StepPlanner(lambda: 16, lambda: 4096, prefill_stall=3.0, timing_weight=1.0)
+    planner.stepped(8, 1)
+    planner.timed([(0, 0.010)] * 3 + [(100, 0.001)])
+    assert planner._token_s == 0.0
+    assert planner.prefill_chunk() is None, "nothing to size a chunk from"
 
 
 def test_a_stall_bound_at_or_below_one_is_refused() -> None:

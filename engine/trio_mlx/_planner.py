@@ -31,7 +31,10 @@ Two decisions live here:
   ten on a 2-core CPU). So the planner sizes each step's chunk from what the
   lane measured: the seconds of a decode-only step ``d`` and the seconds a
   prompt token adds ``c`` (both moving averages of the lane's per-step
-  timings), so that a step that prefills one prompt's chunk takes about
+  timings; on a GPU a queued prefill is paid by a later step, so a step
+  counts as decode-only after ``timing_lag`` quiet steps, and ``c`` is read
+  over the last ``timing_window`` steps), so that a step that prefills one
+  prompt's chunk takes about
   ``prefill_stall`` x ``d``: ``(prefill_stall - 1) x d / c`` tokens, in
   multiples of 8, no fewer than ``prefill_floor`` (a long prompt always
   moves on), no more than the lane's budget. Only the chunk shrinks: arrivals
@@ -55,6 +58,7 @@ chunk travels in the plan, so every rank prefills the same tokens.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import attrs
@@ -93,10 +97,21 @@ class StepPlanner:
     prefill_floor: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     #: The moving averages' weight of a new timing.
     timing_weight: float = 0.2
+    #: Steps after one that prefilled that may still pay for it: on a GPU the prefill
+    #: is queued, and the step that waits for it comes later. A step counts as
+    #: decode-only when it and these before it prefilled nothing ...
+    timing_lag: int = 2
+    #: ... and a prompt token's cost is measured over this many recent steps, so
+    #: that a prefill paid a step or two late still falls inside the window.
+    timing_window: int = 8
     #: Seconds of a decode step that prefills nothing, and seconds a prompt token adds
     #: to a step (moving averages of the lane's timings; None until measured).
     _decode_s: float | None = attrs.field(init=False, default=None)
     _token_s: float | None = attrs.field(init=False, default=None)
+    #: The last ``timing_window`` steps' (prompt tokens, seconds).
+    _recent: deque[tuple[int, float]] = attrs.field(init=False, factory=deque)
+    #: Steps since the last one that prefilled.
+    _quiet: int = attrs.field(init=False, default=0)
     _inserts: list[RowSpec] = attrs.field(init=False, factory=list)
     _resumes: list[int] = attrs.field(init=False, factory=list)
     _removes: list[int] = attrs.field(init=False, factory=list)
@@ -167,13 +182,22 @@ class StepPlanner:
 
     def timed(self, timings: Iterable[tuple[int, float]]) -> None:
         """The lane's (prompt tokens, seconds) for each decode step it ran (``StepResult.timings``)."""
-        weight = self.timing_weight
+        weight, recent = self.timing_weight, self._recent
         for tokens, seconds in timings:
-            if tokens == 0:
+            recent.append((tokens, seconds))
+            while len(recent) > self.timing_window:
+                recent.popleft()
+            self._quiet = 0 if tokens else self._quiet + 1
+            if self._quiet > self.timing_lag:
                 d = self._decode_s
                 self._decode_s = seconds if d is None else d + weight * (seconds - d)
-            elif self._decode_s is not None:
-                per_token = max(0.0, seconds - self._decode_s) / tokens
+            if tokens and self._decode_s is not None:
+                # What the window's steps took beyond decoding, per token they prefilled
+                # (only on steps that prefill: the steps after a prompt's last chunk
+                # would count costs of chunks that have left the window).
+                window = sum(n for n, _ in recent)
+                spent = sum(s for _, s in recent) - len(recent) * self._decode_s
+                per_token = max(0.0, spent) / window
                 c = self._token_s
                 self._token_s = per_token if c is None else c + weight * (per_token - c)
 
