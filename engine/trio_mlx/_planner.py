@@ -183,6 +183,8 @@ class StepPlanner:
 
     def timed(self, timings: Iterable[tuple[int, float]]) -> None:
         """The lane's (prompt tokens, seconds) for each decode step it ran (``StepResult.timings``)."""
+        if self.prefill_stall is None:
+            return  # nothing reads them: no bookkeeping per step
         weight, recent = self.timing_weight, self._recent
         for tokens, seconds in timings:
             recent.append((tokens, seconds))
