@@ -253,6 +253,9 @@ async def test_metrics_are_prometheus_text(http: httpx.AsyncClient) -> None:
         'trio_mlx_http_generations_total{endpoint="/v1/completions",lane="batch",outcome="length"} 1.0',
     ):
         assert name in text, name
+    # No stall bound on this server: none of its readings are exported.
+    assert "trio_mlx_prompt_token_seconds" not in text
+    assert "trio_mlx_decode_step_seconds" not in text
     memory = {
         name: float(re.findall(rf"^trio_mlx_{name} (\S+)$", text, re.MULTILINE)[0])
         for name in (
@@ -429,3 +432,33 @@ async def test_cors_preflight_needs_no_key_and_responses_carry_the_origin(
         denied = await http.get("/v1/models")
         assert denied.status_code == 401
         assert denied.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def _gauge(text: str, name: str) -> float | None:
+    found = re.findall(rf"^{name} (\S+)$", text, re.MULTILINE)
+    return float(found[0]) if found else None
+
+
+async def test_metrics_show_the_prefill_stall_bounds_readings_once_measured(
+    tiny_model_path: Path,
+) -> None:
+    names = ("trio_mlx_decode_step_seconds", "trio_mlx_prompt_token_seconds")
+    async with (
+        live_server(tiny_model_path, prefill_stall=1.5) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        before = (await http.get("/metrics")).text
+        body = {"prompt": "Hello", "max_tokens": 400, "stream": True, "logit_bias": NO_EOS}
+        async with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.aiter_lines()
+            await _first_data_event(lines)
+            readings: dict[str, float | None] = {}
+            for _ in range(100):  # a prompt prefilled while the stream decodes: both timed
+                prompt = {"prompt": "The quick brown fox " * 8, "max_tokens": 1}
+                assert (await http.post("/v1/completions", json=prompt)).status_code == 200
+                text = (await http.get("/metrics")).text
+                readings = {name: _gauge(text, name) for name in names}
+                if None not in readings.values():
+                    break
+    assert all(_gauge(before, name) is None for name in names), "nothing measured yet"
+    assert all(value is not None and value > 0 for value in readings.values()), readings

@@ -145,6 +145,9 @@ def test_a_stall_bound_sizes_the_chunk_from_the_measured_step_times() -> None:
     planner = _timed(3.0)
     assert planner.prefill_chunk() == 96
     assert planner.next_step(0.0, ADMITTING, jobs_waiting=False).prefill_chunk == 96
+    assert planner.last_chunk == 96
+    assert planner.decode_seconds == pytest.approx(0.010)
+    assert planner.token_seconds == pytest.approx(0.0002)
     assert _timed(2.0).prefill_chunk() == 48
     # Slower prompt tokens, a smaller chunk; never below the floor.
     planner.timed([(10, 0.050)])

@@ -254,6 +254,9 @@ class Actor:
             arbiter=arb,
             ranks=self.ranks,
             admissions=self.planner.admissions,
+            prefill_chunk=self.planner.last_chunk,
+            decode_step_seconds=self.planner.decode_seconds,
+            prompt_token_seconds=self.planner.token_seconds,
             adapter_requests=MappingProxyType(dict(self._adapter_counts)),
             adapter_rows=MappingProxyType(dict(self._live_adapter_rows())),
         )

@@ -113,6 +113,7 @@ class StepPlanner:
     _recent: deque[tuple[int, float]] = attrs.field(init=False, factory=deque)
     #: Steps since the last one that prefilled.
     _quiet: int = attrs.field(init=False, default=0)
+    _last_chunk: int | None = attrs.field(init=False, default=None)
     _inserts: list[RowSpec] = attrs.field(init=False, factory=list)
     _resumes: list[int] = attrs.field(init=False, factory=list)
     _removes: list[int] = attrs.field(init=False, factory=list)
@@ -128,6 +129,21 @@ class StepPlanner:
     def admissions(self) -> int:
         """Step calls that inserted new rows so far."""
         return self._admissions
+
+    @property
+    def last_chunk(self) -> int | None:
+        """The chunk the last planned step carried (None: the lane's budget)."""
+        return self._last_chunk
+
+    @property
+    def decode_seconds(self) -> float | None:
+        """The moving average of a decode-only step's seconds (None until measured)."""
+        return self._decode_s
+
+    @property
+    def token_seconds(self) -> float | None:
+        """The moving average of the seconds a prompt token adds to a step (None until measured)."""
+        return self._token_s
 
     # --- rows in and out ---
 
@@ -282,4 +298,5 @@ class StepPlanner:
         steps = 1
         if self.burst_steps > 1 and state is State.ADMITTING and not jobs_waiting:
             steps = self.burst_steps
-        return StepPlan(inserts, resumes, removes, steps, self.prefill_chunk())
+        self._last_chunk = self.prefill_chunk()
+        return StepPlan(inserts, resumes, removes, steps, self._last_chunk)

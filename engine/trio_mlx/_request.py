@@ -151,6 +151,13 @@ class EngineStatistics:
     ranks: int = 1
     #: Step calls that inserted new rows (grouped admission: fewer than rows admitted).
     admissions: int = 0
+    #: With a prefill stall bound (``open_engine(prefill_stall=)``): the chunk the last
+    #: step was planned with (None: the lane's budget), and the planner's moving
+    #: averages of a decode-only step and of what a prompt token adds to a step, in
+    #: seconds (None until measured, or without a bound).
+    prefill_chunk: int | None = None
+    decode_step_seconds: float | None = None
+    prompt_token_seconds: float | None = None
     #: MLX's allocator, in bytes: memory held by live arrays (weights, KV caches,
     #: the prompt cache), freed buffers kept for reuse, and the high-water mark
     #: of active memory (this process, rank 0 under distributed mode). 0 where unread.

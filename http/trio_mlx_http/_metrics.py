@@ -77,6 +77,7 @@ class _EngineCollector:
         )
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"trio_mlx_{name}", doc, value=getattr(stats, name))
+        yield from _stall_bound(stats)
         prompt = CounterMetricFamily(
             "trio_mlx_prompt_tokens", "Prompt tokens, by cached or computed.", labels=["source"]
         )
@@ -112,6 +113,31 @@ class _EngineCollector:
         for member in type(current):
             state.add_metric([member.value.lower()], float(member is current))
         yield state
+
+
+#: The prefill stall bound's readings (``serve --prefill-stall``), exported once measured.
+_STALL_GAUGES = {
+    "prefill_chunk": (
+        "trio_mlx_prefill_chunk_tokens",
+        "Tokens a prompt is cut into per step under the stall bound (the last plan's).",
+    ),
+    "decode_step_seconds": (
+        "trio_mlx_decode_step_seconds",
+        "Moving average of a decode step that prefills nothing, as the stall bound reads it.",
+    ),
+    "prompt_token_seconds": (
+        "trio_mlx_prompt_token_seconds",
+        "Moving average of the seconds a prompt token adds to a step, as the stall bound reads it.",
+    ),
+}
+
+
+def _stall_bound(stats: EngineStatistics) -> Iterable[Metric]:
+    """The stall bound's gauges: only those it has a value for (none without a bound)."""
+    for name, (exported, doc) in _STALL_GAUGES.items():
+        value = getattr(stats, name)
+        if value is not None:
+            yield GaugeMetricFamily(exported, doc, value=value)
 
 
 @attrs.define(eq=False)
