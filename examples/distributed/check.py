@@ -108,7 +108,26 @@ async def completions(engine: Any) -> dict[str, Any]:
     # their count is compared).
     sampled = trio_mlx.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9)
     out["sampled_lengths"] = [len(await tokens_of(engine, PROMPTS[i], sampled)) for i in range(2)]
+    out["staggered"] = await staggered(engine)
     return out
+
+
+async def staggered(engine: Any) -> list[list[int]]:
+    """Prompts arrive while a row decodes: a short one, then a long one (with
+    ``--prefill-stall``, rank 0's planner has timed both kinds of step by then and cuts
+    the long one into chunks from its own clock: every rank must cut alike)."""
+    decoding = trio_mlx.SamplingParams(max_tokens=48, temperature=0.0)
+    tokens: list[int] = []
+    short: list[int] = []
+    late: list[int] = []
+    async with engine.generate(PROMPTS[0], decoding) as stream:
+        async for delta in stream:
+            tokens.extend(delta.token_ids)
+            if len(tokens) >= 8 and not short:
+                short = await tokens_of(engine, PROMPTS[1] * 3, GREEDY)
+            if len(tokens) >= 16 and not late:
+                late = await tokens_of(engine, [t for p in PROMPTS for t in p] * 6, GREEDY)
+    return [tokens, short, late]
 
 
 async def refusals(engine: Any) -> list[str]:
@@ -169,9 +188,11 @@ async def lose_follower(model: str, out: str) -> None:
         await trio.Path(out).write_text(json.dumps(report))
 
 
-async def main(model: str, out: str, do_bench: bool, parallel: str, idle: float) -> None:
+async def main(
+    model: str, out: str, do_bench: bool, parallel: str, idle: float, stall: float | None
+) -> None:
     async with trio_mlx.open_engine(
-        model, max_batch=8, drain_timeout=0.02, parallel=parallel
+        model, max_batch=8, drain_timeout=0.02, parallel=parallel, prefill_stall=stall
     ) as engine:
         result = await completions(engine)
         result["refused"] = await refusals(engine)
@@ -181,7 +202,14 @@ async def main(model: str, out: str, do_bench: bool, parallel: str, idle: float)
             result["after_idle"] = await tokens_of(engine, PROMPTS[0], GREEDY)
         result["statistics"] = {
             key: getattr(engine.statistics(), key)
-            for key in ("state", "drains", "preemptions", "steps", "cached_prompt_tokens")
+            for key in (
+                "state",
+                "drains",
+                "preemptions",
+                "steps",
+                "cached_prompt_tokens",
+                "prompt_token_seconds",
+            )
         }
         if do_bench:
             result["tok_s"] = {str(b): await bench(engine, b) for b in (1, 8)}
@@ -198,6 +226,7 @@ if __name__ == "__main__":
     parser.add_argument("--leader-leaves-after", type=int, default=0, metavar="N")
     parser.add_argument("--follower-stalls", action="store_true")
     parser.add_argument("--idle", type=float, default=0.0, help="seconds to idle mid-way")
+    parser.add_argument("--prefill-stall", type=float, default=None, help="open_engine's")
     args = parser.parse_args()
     if follower_rank() is not None:
         if args.follower_stalls:
@@ -237,4 +266,6 @@ if __name__ == "__main__":
     if args.follower_leaves_after:
         trio.run(lose_follower, args.model, args.out)
     else:
-        trio.run(main, args.model, args.out, args.bench, args.parallel, args.idle)
+        trio.run(
+            main, args.model, args.out, args.bench, args.parallel, args.idle, args.prefill_stall
+        )
