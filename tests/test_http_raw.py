@@ -461,4 +461,10 @@ async def test_metrics_show_the_prefill_stall_bounds_readings_once_measured(
                 if None not in readings.values():
                     break
     assert all(_gauge(before, name) is None for name in names), "nothing measured yet"
-    assert all(value is not None and value > 0 for value in readings.values()), readings
+    decode, token = (readings[name] for name in names)
+    assert decode is not None, readings
+    assert decode > 0
+    # Read, though maybe 0: on the tiny model a few prompt tokens cost less than the
+    # spread of a decode step, and a window faster than decoding counts them as free.
+    assert token is not None, readings
+    assert token >= 0
