@@ -127,7 +127,7 @@ class StepResult:
     dead: int = 0
     #: Each decode step's prompt tokens prefilled (padded, as mlx-lm runs them)
     #: and its seconds inside ``BatchGenerator.next()``: what the planner sizes
-    #: the prefill budget from (:attr:`~trio_mlx._planner.StepPlanner.prefill_stall`).
+    #: the prefill chunk from (:attr:`~trio_mlx._planner.StepPlanner.prefill_stall`).
     timings: tuple[tuple[int, float], ...] = ()
 
 

@@ -34,10 +34,9 @@ Two decisions live here:
   timings; on a GPU a queued prefill is paid by a later step, so a step
   counts as decode-only after ``timing_lag`` quiet steps, and ``c`` is read
   over the last ``timing_window`` steps), so that a step that prefills one
-  prompt's chunk takes about
-  ``prefill_stall`` x ``d``: ``(prefill_stall - 1) x d / c`` tokens, in
-  multiples of 8, no fewer than ``prefill_floor`` (a long prompt always
-  moves on), no more than the lane's budget. Only the chunk shrinks: arrivals
+  prompt's chunk takes about ``prefill_stall`` x ``d``: ``(prefill_stall -
+  1) x d / c`` tokens, in multiples of 8, no fewer than ``prefill_floor`` (a
+  long prompt always moves on), no more than the lane's budget. Only the chunk shrinks: arrivals
   still share a pass within the budget (bounding the whole pass instead split
   them into passes of one row, at 0.53-0.71x the bare loop's tok/s against
   0.79-0.92x on the CPU). An idle lane (nobody to stall) prefills at the
