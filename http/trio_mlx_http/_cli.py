@@ -118,7 +118,8 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="while streams decode, cut prompts into chunks as small as the measured "
         "step times need, so that a step that prefills one prompt's chunk takes about X "
-        "times one that does not (> 1; default: off, chunks of --prefill-budget)",
+        "times one that does not (> 1; default: off, chunks of --prefill-budget); smoother "
+        "streams for less prefill throughput: for a server with headroom",
     )
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait")
     parser.add_argument(
