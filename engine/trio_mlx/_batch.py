@@ -1211,6 +1211,11 @@ class BatchLane:
                 events.append(RowEvent(row.spec.id, error=exc))
         return events
 
+    def _pass_tokens(self) -> int:
+        """Prompt tokens (padded) the next ``BatchGenerator.next()`` prefills."""
+        left = [n for n in self._prefilling.values() if n > 0]
+        return len(left) * self._pass_width(left, self._generator.prefill_step_size) if left else 0
+
     def _pass_width(self, left: list[int], chunk: int) -> int:
         """How wide mlx-lm's next prefill pass is for rows with ``left`` tokens to go."""
         return _rounded_width(min(chunk, max(left)), self.prefill_width_multiple, chunk)
@@ -1262,10 +1267,7 @@ class BatchLane:
         for event in self._feed():
             order.setdefault(event.id, []).append(event)
             news = True
-        left = [n for n in self._prefilling.values() if n > 0]
-        prefill = (
-            len(left) * self._pass_width(left, self._generator.prefill_step_size) if left else 0
-        )
+        prefill = self._pass_tokens() if self._prefilling else 0  # steady decoding: none
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (

@@ -213,7 +213,8 @@ async def open_engine(
                 loader,
                 max_unread_tokens,
                 max_loras,
-                {"prefill_stall": prefill_stall, **(_tune or {})},
+                prefill_stall,
+                _tune,
             )
             engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:
@@ -238,6 +239,7 @@ async def _serve(
     load: Callable[[], Loaded],
     max_unread: int | None,
     max_loras: int | None,
+    prefill_stall: float | None,
     tune: Mapping[str, Any] | None,
     *,
     task_status: trio.TaskStatus[Engine],
@@ -260,6 +262,7 @@ async def _serve(
         engine = Engine(model_id, loaded, registry, actor)
         if not loaded.grouping:
             actor.planner.admit_group = 1  # the CPU admits arrivals at once (Loaded.grouping)
+        actor.planner.prefill_stall = prefill_stall
         _apply_tuning(tune or {}, actor, actor.planner, loaded.lane)
         worker.on_death = actor.on_worker_death
         try:
