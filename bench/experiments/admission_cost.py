@@ -6,7 +6,9 @@ engine does, lets ROWS rows decode, then ROUNDS times: times 20 steady steps,
 inserts GROUP chat-sized prompts (118-128 tokens, lengths drawn per round from a
 seeded generator, so some (rows, width) shapes come again and some are new),
 and calls ``BatchLane.step`` one decode step per call until every new row has
-its first token. It prints, per admission, the steps it took, its worst step
+its first token. It prints, per admission (and per step: its wall time and the
+lane's own timings, prompt tokens and seconds inside ``BatchGenerator.next()``,
+the rest being the lane's host work: joins, removals, events), the steps it took, its worst step
 and its time over the steady median (what the running rows lost), and whether
 the group's shape (rows, longest prompt, after ``width=M`` padding) was met
 before. At the end: the mean cost of admissions at a new shape and at a shape
@@ -74,11 +76,15 @@ def main() -> None:
             RowSpec(i, tuple(p[:n]), SamplingParams(max_tokens=2))
             for i, p, n in zip(ids, prompts, lengths, strict=True)
         ]
-        plan, waiting, gaps = StepPlan(specs), set(ids), []
+        plan, waiting, gaps, parts = StepPlan(specs), set(ids), [], []
         while waiting and len(gaps) < 50:
             t0 = time.perf_counter()
             result = lane.step(plan)
             gaps.append(time.perf_counter() - t0)
+            parts.append(
+                f"{gaps[-1] * 1e3:.1f} ms: "
+                + "+".join(f"{n}t {s * 1e3:.1f}" for n, s in result.timings)
+            )
             plan = StepPlan()
             waiting -= {e.id for e in result.events if e.token_ids}
         extra = sum(gaps) - median * len(gaps)
@@ -87,6 +93,8 @@ def main() -> None:
               f"{len(gaps)} steps, worst {max(gaps) * 1e3:6.1f} ms "
               f"({max(gaps) / median:4.1f}x the median {median * 1e3:.1f} ms), "
               f"{extra * 1e3:6.1f} ms over the median", flush=True)  # fmt: skip
+        print(f"    steps (wall: prompt tokens and ms in next() per decode step): "
+              f"{'; '.join(parts)}", flush=True)  # fmt: skip
         lane.step(StepPlan(removes=ids))
     for met, label in ((False, "new shape"), (True, "shape met before")):
         if costs[met]:

@@ -57,7 +57,7 @@ _SOURCE = """
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int heads = gridDim.x * G;
-    const int length = k_shape[2];
+    const int length = LENGTH;
     const int first = start[row * start_strides[0]];
     const float softmax_scale = scale[0];
     float qv[G][E];
@@ -139,31 +139,32 @@ _SOURCE = """
     }
 """
 
-_KERNEL: Any = None
+
+@functools.cache
+def _kernel(stopped: bool) -> Any:
+    """The kernel over every key of the arrays, or (``stopped``) over the first ``stop[0]``."""
+    import mlx.core as mx
+
+    return mx.fast.cuda_kernel(
+        name="trio_mlx_decode_attention" + ("_stopped" if stopped else ""),
+        input_names=["q", "k", "v", "start", "scale", *(["stop"] if stopped else [])],
+        output_names=["out"],
+        source=_SOURCE.replace("LENGTH", "stop[0]" if stopped else "k_shape[2]"),
+        ensure_row_contiguous=False,
+    )
 
 
-def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is None:
-        import mlx.core as mx
-
-        _KERNEL = mx.fast.cuda_kernel(
-            name="trio_mlx_decode_attention",
-            input_names=["q", "k", "v", "start", "scale"],
-            output_names=["out"],
-            source=_SOURCE,
-            ensure_row_contiguous=False,
-        )
-    return _KERNEL
-
-
-def decode_attention(queries: Any, keys: Any, values: Any, start: Any, scale: float) -> Any:
-    """Attention of one query per row over keys ``start[row]:`` (CUDA only).
+def decode_attention(
+    queries: Any, keys: Any, values: Any, start: Any, scale: float, stop: Any = None
+) -> Any:
+    """Attention of one query per row over keys ``start[row]:stop`` (CUDA only).
 
     ``queries`` is (rows, heads, 1, dim), ``keys`` and ``values`` (rows,
     kv_heads, length, dim), any strides; ``start`` (rows,) int: the first real
-    key of each row. The same as ``mx.fast.scaled_dot_product_attention`` with
-    the mask ``arange(length) >= start[:, None]``.
+    key of each row; ``stop`` (None: ``length``) a one-element int32 array: the
+    keys past it are not read (a buffer's unwritten tail, whose length stays
+    fixed from step to step). The same as ``mx.fast.scaled_dot_product_attention``
+    with the mask ``(arange(length) >= start[:, None]) & (arange(length) < stop)``.
     """
     import mlx.core as mx
 
@@ -171,13 +172,14 @@ def decode_attention(queries: Any, keys: Any, values: Any, start: Any, scale: fl
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     warps = _warps(rows * kv_heads, group, dim)
-    (out,) = _kernel()(
+    (out,) = _kernel(stop is not None)(
         inputs=[
             queries,
             keys,
             values,
             start if start.dtype == mx.int32 else start.astype(mx.int32),
             _scalar(scale, "float32"),
+            *([] if stop is None else [stop]),
         ],
         template=[("T", queries.dtype), ("D", dim), ("G", group), ("W", warps)],
         grid=(32 * warps * kv_heads, rows, 1),
