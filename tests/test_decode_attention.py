@@ -75,6 +75,7 @@ def test_warps_fill_few_blocks_and_fit_shared_memory() -> None:
     length=st.integers(1, 600),
     spare=st.integers(0, 300),
     warps=st.sampled_from([None, 1, 4, 8, 16]),
+    stopped=st.booleans(),
     data=st.data(),
 )
 def test_kernel_equals_masked_attention(
@@ -85,32 +86,45 @@ def test_kernel_equals_masked_attention(
     length: int,
     spare: int,
     warps: int | None,
+    stopped: bool,
     data: st.DataObject,
 ) -> None:
     """Each row attends to its keys from its left padding on, as MLX's masked call does.
 
     The keys and values are views of a longer buffer, as the cache passes them,
-    and the warps that split a row's keys range from one to sixteen.
+    and the warps that split a row's keys range from one to sixteen. With
+    ``stopped`` the kernel gets the whole buffer and a ``stop`` at ``length``
+    (the traced decode step's call), which must read as the view does.
     """
     start = mx.array(data.draw(st.lists(st.integers(0, length - 1), min_size=rows, max_size=rows)))
     q = mx.random.normal((rows, kv_heads * group, 1, dim)).astype(mx.bfloat16)
     k = mx.random.normal((rows, kv_heads, length + spare, dim)).astype(mx.bfloat16)
     v = mx.random.normal((rows, kv_heads, length + spare, dim)).astype(mx.bfloat16)
+    buffer_k, buffer_v = k, v
     k, v = k[..., :length, :], v[..., :length, :]
     mask = (mx.arange(length)[None] >= start[:, None])[:, None, None, :]
     scale = dim**-0.5
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     _decode_attention.WARPS = warps
     try:
-        got = _decode_attention.decode_attention(q, k, v, start, scale)
+        if stopped:
+            stop = mx.array([length], dtype=mx.int32)
+            got = _decode_attention.decode_attention(q, buffer_k, buffer_v, start, scale, stop=stop)
+        else:
+            got = _decode_attention.decode_attention(q, k, v, start, scale)
     finally:
         _decode_attention.WARPS = None
     assert mx.allclose(got, want, atol=3e-2, rtol=3e-2).item()
 
 
-def _masked(q: mx.array, k: mx.array, v: mx.array, start: mx.array, scale: float) -> mx.array:
-    mask = (mx.arange(k.shape[2])[None] >= start[:, None])[:, None, None, :]
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+def _masked(
+    q: mx.array, k: mx.array, v: mx.array, start: mx.array, scale: float, stop: Any = None
+) -> mx.array:
+    positions = mx.arange(k.shape[2])[None]
+    mask = positions >= start[:, None]
+    if stop is not None:
+        mask = mask & (positions < stop)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask[:, None, None, :])
 
 
 def _installed(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> tuple[Any, list[int]]:
@@ -119,9 +133,9 @@ def _installed(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> tuple[Any, list[
 
     calls: list[int] = []
 
-    def counted(*args: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
@@ -164,8 +178,26 @@ def test_decode_calls_go_to_the_kernel_once_it_agrees(monkeypatch: pytest.Monkey
     assert len(calls) == 3  # several queries: mlx-lm's attention
 
 
+def test_a_traced_steps_call_goes_to_the_kernel_with_its_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The traced decode step's cache: the kernel reads its keys up to ``stop`` only."""
+    from trio_mlx._traced_decode import TracedCache
+
+    attention, calls = _installed(monkeypatch, _masked)
+    q, k, v, batch, _ = _decode_call()
+    idx = mx.array([6], dtype=mx.int32)  # keys 7..9 are a buffer's unwritten tail
+    positions = mx.arange(10)[None]
+    mask = ((positions >= batch.left_padding[:, None]) & (positions <= idx))[:, None, None, :]
+    cache = TracedCache(k, v, idx, idx - batch.left_padding, batch.left_padding, mask)
+    _answers_three_times_as_masked(attention, q, k, v, cache, mask)
+    assert len(calls) == 3
+
+
 def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel whose first answer differs from mlx-lm's is dropped for that shape."""
-    attention, calls = _installed(monkeypatch, lambda q, k, v, start, scale: mx.zeros_like(q))
+    attention, calls = _installed(
+        monkeypatch, lambda q, k, v, start, scale, stop=None: mx.zeros_like(q)
+    )
     _answers_three_times_as_masked(attention, *_decode_call())
     assert len(calls) == 1

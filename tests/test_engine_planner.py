@@ -73,6 +73,7 @@ async def _check_schedule(
     budget: int | None,
     width_multiple: int = 1,
     stall: float | None = None,
+    traced: bool = False,
 ) -> None:
     solo = await _solo_tokens(model)
     got: dict[int, tuple[str, list[int]]] = {}
@@ -92,6 +93,8 @@ async def _check_schedule(
         "prefill_stall": stall,
         "prefill_floor": 4,
         "timing_lag": 0,
+        # Decode steps traced once per shape (the CUDA default), or the model's own.
+        "traced_decode": traced,
     }
     async with trio_mlx.open_engine(
         model, max_batch=6, max_queue=16, drain_timeout=0.005, min_batch_steps=1, _tune=tune
@@ -121,6 +124,8 @@ async def _check_schedule(
             await wait_until(lambda: engine.statistics().batch_rows == 0)
         stats = engine.statistics()
         dead = trio_mlx.testing.dead_rows(engine)
+        if any(op[0] >= 0 for op in ops):  # a row ran: the traced step was built, or not
+            assert (engine._loaded.lane.traced is not None) is traced
     for i, (prompt, size, _cancel, _delay) in enumerate(ops):
         if prompt < 0:
             continue
@@ -142,6 +147,7 @@ async def _check_schedule(
     budget=st.sampled_from([None, 5, 24]),
     width_multiple=st.sampled_from([1, 1, 8]),
     stall=st.sampled_from([None, None, 1.02, 1.1]),
+    traced=st.booleans(),
 )
 def test_rows_grouped_chunked_removed_in_bulk_cancelled_and_parked_equal_their_solo_runs(
     tiny_model_path: Path,
@@ -149,8 +155,9 @@ def test_rows_grouped_chunked_removed_in_bulk_cancelled_and_parked_equal_their_s
     budget: int | None,
     width_multiple: int,
     stall: float | None,
+    traced: bool,
 ) -> None:
-    trio.run(_check_schedule, tiny_model_path, ops, budget, width_multiple, stall)
+    trio.run(_check_schedule, tiny_model_path, ops, budget, width_multiple, stall, traced)
 
 
 async def test_arrivals_while_rows_decode_are_admitted_as_one_group(

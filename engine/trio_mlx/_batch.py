@@ -531,6 +531,9 @@ def _generation_class() -> Any:
 
         #: Whether the one row's caches are mlx-lm's plain ``KVCache``s (it decodes alone).
         solo: bool = False
+        #: The model's decode step traced once per shape (the lane's ``traced_decode``;
+        #: None: the model's own step, as mlx-lm runs it).
+        traced: Any = None
         #: Whether a row alone may go solo (the lane's ``solo_decode``; off for good
         #: once the model's caches turn out not to be plain ``BatchKVCache``s).
         solo_allowed: bool = True
@@ -615,9 +618,7 @@ def _generation_class() -> Any:
                 self._enter_solo()
             queued, queued_lps = b._next_tokens, b._next_logprobs
             b._current_tokens, b._current_logprobs = queued, queued_lps
-            logits, contexts = _processed(
-                b, b.model(queued[:, None], cache=b.prompt_cache)[:, -1, :], queued
-            )
+            logits, contexts = _processed(b, self._logits(queued), queued)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             b._next_tokens = _sampled(b, logprobs)
             if b.logprob_uids:
@@ -631,6 +632,15 @@ def _generation_class() -> Any:
             for history, token in zip(b.tokens, tokens, strict=False):
                 history.append(token)
             return tokens, queued_lps
+
+        def _logits(self, queued: Any) -> Any:
+            b: Any = self
+            traced = self.traced
+            # Per-row adapters swap their layers in for the step: the traced graph
+            # holds the base model's, so such a step runs eagerly.
+            if traced is not None and not self.solo and b.model._lane._active_stack is None:
+                return traced.logits(queued, b.prompt_cache)
+            return b.model(queued[:, None], cache=b.prompt_cache)[:, -1, :]
 
         def next(self) -> Any:
             if not self.uids:
@@ -811,6 +821,10 @@ class BatchLane:
     #: Decode a row alone in the batch over plain ``KVCache``s (see ``_Generation``);
     #: False: as a one-row batch (``TRIO_MLX_SOLO_DECODE=0``, for side-by-side runs).
     solo_decode: bool = True
+    #: Decode steps traced once per batch shape (:mod:`trio_mlx._traced_decode`),
+    #: once a traced step has matched the model's own; the loader turns it on on
+    #: CUDA. False: the model's own step every time.
+    traced_decode: bool = False
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
@@ -837,6 +851,8 @@ class BatchLane:
     _chunk: int | None = attrs.field(init=False, default=None)
     #: The current step call's (prompt tokens, seconds) per decode step.
     _timings: list[tuple[int, float]] = attrs.field(init=False, factory=list)
+    #: The traced step once built (see ``traced_decode``).
+    _traced: Any = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -861,6 +877,7 @@ class BatchLane:
         generation.logprob_uids = set()
         generation.grammar_uids = set()
         generation.solo_allowed = self.solo_decode
+        generation.traced = self._traced
         generator._generation_batch = generation
         generator._prompt_batch = _prompt_class().empty(
             model, generator.sampler, prefill_step_size=self.prefill_step_size
@@ -936,6 +953,29 @@ class BatchLane:
     def solo(self) -> bool:
         """Whether the batch's one row is decoding over plain caches (``solo_decode``)."""
         return bool(self._generator._generation_batch.solo)
+
+    @property
+    def traced(self) -> Any:
+        """The traced decode step in use (a :class:`~trio_mlx._traced_decode.TracedDecode`), or None."""
+        return self._traced
+
+    def after_job(self) -> None:
+        """After an exclusive job: a traced step over weights the job replaced is dropped
+        (built and checked again at the next decode step)."""
+        from trio_mlx import _traced_decode
+
+        if self._traced is not None and self._traced.weights != _traced_decode.weights(self.model):
+            self._traced = self._generator._generation_batch.traced = None
+
+    def _trace(self) -> None:
+        """Build and check the traced decode step; off for good if it does not match."""
+        from trio_mlx import _traced_decode
+
+        traced = _traced_decode.build(self.model)
+        if traced is None:
+            self.traced_decode = False
+            return
+        self._traced = self._generator._generation_batch.traced = traced
 
     def _result(self, events: list[RowEvent], cached: dict[int, int], steps: int) -> StepResult:
         timings, self._timings = tuple(self._timings), []
@@ -1268,6 +1308,8 @@ class BatchLane:
             order.setdefault(event.id, []).append(event)
             news = True
         prefill = self._pass_tokens() if self._prefilling else 0  # steady decoding: none
+        if self.traced_decode and self._traced is None:
+            self._trace()
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (

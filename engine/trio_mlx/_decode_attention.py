@@ -24,8 +24,9 @@ they lie (views into a larger buffer) instead of a contiguous copy of each.
 
 :func:`install` puts it in front of mlx-lm's ``scaled_dot_product_attention``
 in the model's own module, for calls it can take (one query, a
-``BatchKVCache``, no sinks, head dimension a multiple of 32 up to 256, the
-CUDA backend); every other call goes to mlx-lm's as before. It is installed
+``BatchKVCache`` or the traced step's ``TracedCache``, whose ``stop`` it passes
+on; no sinks, head dimension a multiple of 32 up to 256, the CUDA backend);
+every other call goes to mlx-lm's as before. It is installed
 only on CUDA (not Metal or the CPU) and can be turned off with
 ``TRIO_MLX_DECODE_KERNEL=0`` for side-by-side runs.
 """
@@ -238,11 +239,14 @@ _REGISTERS = 32
 
 
 @functools.cache
-def _batch_cache() -> type:
-    """mlx-lm's ``BatchKVCache``, imported once (``_takes`` runs per layer per step)."""
+def _cache_types() -> tuple[type, type]:
+    """The caches the kernel serves, imported once (``_takes`` runs per layer per step):
+    mlx-lm's ``BatchKVCache`` and the traced step's (which carries ``stop``)."""
     from mlx_lm.models.cache import BatchKVCache
 
-    return BatchKVCache
+    from trio_mlx._traced_decode import TracedCache
+
+    return BatchKVCache, TracedCache
 
 
 def _takes(queries: Any, keys: Any, values: Any, cache: Any, sinks: Any) -> bool:
@@ -250,7 +254,7 @@ def _takes(queries: Any, keys: Any, values: Any, cache: Any, sinks: Any) -> bool
     dim = queries.shape[-1]
     return (
         sinks is None
-        and type(cache) is _batch_cache()
+        and type(cache) in _cache_types()
         and queries.shape[2] == 1
         and dim % 32 == 0
         and dim <= 256
@@ -300,7 +304,9 @@ def install(model: Any) -> bool:
         known = verified.get(shape)
         if known is False:
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
-        fused = decode_attention(queries, keys, values, cache.left_padding, scale)
+        fused = decode_attention(
+            queries, keys, values, cache.left_padding, scale, stop=getattr(cache, "stop", None)
+        )
         if known is None:
             # The first call of each shape is checked against mlx-lm's own (one sync, once).
             plain = original(queries, keys, values, cache=cache, scale=scale, mask=mask)

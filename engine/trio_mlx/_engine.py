@@ -585,8 +585,15 @@ class Engine:
     async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
         """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""
         self._refuse_distributed("run_exclusive")
-        model, tokenizer = self._loaded.model, self._loaded.tokenizer
-        value: T = await self._job(lambda: fn(model, tokenizer))
+        model, tokenizer, lane = self._loaded.model, self._loaded.tokenizer, self._loaded.lane
+
+        def job() -> T:
+            try:
+                return fn(model, tokenizer)
+            finally:
+                lane.after_job()  # fn may have changed the model's weights
+
+        value: T = await self._job(job)
         return value
 
     async def mount_adapter(self, name: str, path: str | os.PathLike[str]) -> None:

@@ -25,6 +25,7 @@ from trio_mlx import (
     _decode_attention,
     _distributed,
     _fused_projections,
+    _traced_decode,
 )
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
 from trio_mlx._errors import InvalidRequest, NotFound
@@ -264,6 +265,8 @@ def load(
         prefill_batch_size=settings.prefill_batch_size,
         solo_decode=os.environ.get("TRIO_MLX_SOLO_DECODE", "1") != "0",
     )
+    # One process only: every rank would have to trace and check alike.
+    lane.traced_decode = channel is None and _traced_decode.wanted(os.environ)
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))
