@@ -4,7 +4,7 @@ The traced step writes and reads the same ``BatchKVCache`` buffers as the
 model's own step, with positions as arrays; whatever the batch does around it
 (rows joining at different lengths, removal, parking, a buffer growing past
 mlx-lm's 256-position step), every greedy row must produce exactly the tokens
-of the eager lane. On the CPU it is off unless asked for; these tests ask.
+of the eager lane. It is off unless asked for; these tests ask.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_a_traced_step_that_disagrees_with_the_model_is_refused(
 
 
 @pytest.mark.parametrize(("setting", "on"), [("1", True), ("0", False), (None, False)])
-async def test_the_setting_turns_the_traced_step_on_and_the_cpu_leaves_it_off(
+async def test_the_setting_turns_the_traced_step_on_and_it_is_off_by_default(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None, on: bool
 ) -> None:
     if setting is None:

@@ -822,8 +822,8 @@ class BatchLane:
     #: False: as a one-row batch (``TRIO_MLX_SOLO_DECODE=0``, for side-by-side runs).
     solo_decode: bool = True
     #: Decode steps traced once per batch shape (:mod:`trio_mlx._traced_decode`),
-    #: once a traced step has matched the model's own; the loader turns it on on
-    #: CUDA. False: the model's own step every time.
+    #: once a traced step has matched the model's own; the loader turns it on
+    #: under ``TRIO_MLX_TRACED_DECODE=1``. False: the model's own step every time.
     traced_decode: bool = False
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
