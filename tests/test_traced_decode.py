@@ -109,13 +109,19 @@ def test_a_traced_step_that_disagrees_with_the_model_is_refused(
 
 @pytest.mark.parametrize(("setting", "on"), [("1", True), ("0", False), (None, False)])
 async def test_the_setting_turns_the_traced_step_on_and_it_is_off_by_default(
-    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None, on: bool
+    tiny_model_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    setting: str | None,
+    on: bool,
 ) -> None:
     if setting is None:
         monkeypatch.delenv("TRIO_MLX_TRACED_DECODE", raising=False)
     else:
         monkeypatch.setenv("TRIO_MLX_TRACED_DECODE", setting)
+    caplog.set_level(logging.INFO, logger="trio_mlx")
     async with trio_mlx.open_engine(tiny_model_path, max_batch=4) as engine:
+        assert ("traced once per batch shape" in caplog.text) is on, "start-up logs it"
         lane = engine._loaded.lane
         assert (lane.traced is not None) is on
         params = SamplingParams(max_tokens=16, logit_bias=NO_EOS)

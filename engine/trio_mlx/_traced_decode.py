@@ -207,4 +207,5 @@ def build(model: Any) -> TracedDecode | None:
         logger.warning("the traced decode step is off: it failed its check", exc_info=True)
         return None
     traced.traced_steps = traced.eager_steps = 0
+    logger.info("decode steps are traced once per batch shape (TRIO_MLX_TRACED_DECODE=1)")
     return traced
