@@ -83,6 +83,10 @@ def test_a_row_past_the_buffers_end_decodes_on_after_an_eager_step(
     assert lane.traced.traced_steps > 250
 
 
+def _raises(self: Any, keys: Any, values: Any) -> Any:  # fault: a cache the trace cannot take
+    raise RuntimeError("injected trace failure")
+
+
 def test_a_traced_step_that_disagrees_with_the_model_is_refused(
     tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -98,6 +102,8 @@ def test_a_traced_step_that_disagrees_with_the_model_is_refused(
     with caplog.at_level(logging.WARNING, logger="trio_mlx"):
         assert traced_decode.build(model) is None
     assert "did not match" in caplog.text
+    monkeypatch.setattr(traced_decode.TracedCache, "update_and_fetch", _raises)
+    assert traced_decode.build(model) is None, "a step that cannot be traced is refused too"
     lane = BatchLane(model, tokenizer, max_batch=2, traced_decode=True)
     spec = RowSpec(0, (5, 6, 7), SamplingParams(max_tokens=4, logit_bias=NO_EOS))
     lane.step(StepPlan([spec]))
@@ -202,3 +208,29 @@ async def test_rows_under_adapters_decode_with_their_layers_not_the_traced_base(
     assert got == want
     assert traced is not None
     assert traced.traced_steps > 0, "base rows alone took the traced step"
+
+
+def test_a_shape_that_fails_to_trace_falls_back_without_failing_a_row(
+    tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, tokenizer = tiny_model
+    sizes = (30, 20, 25, 30)
+    want, _ = _run(model, tokenizer, traced=False, sizes=sizes)
+    real = traced_decode.TracedDecode._step
+    rows_seen: list[int] = []
+
+    def fails_at_four_rows(self: Any, tokens: Any, *args: Any) -> Any:  # fault injection
+        rows_seen.append(tokens.shape[0])
+        if tokens.shape[0] == 4:
+            raise RuntimeError("injected trace failure")
+        return real(self, tokens, *args)
+
+    monkeypatch.setattr(traced_decode.TracedDecode, "_step", fails_at_four_rows)
+    with caplog.at_level(logging.WARNING, logger="trio_mlx"):
+        got, lane = _run(model, tokenizer, traced=True, sizes=sizes)
+    assert got == want, "every row finished with its own tokens"
+    assert 4 in rows_seen
+    assert lane.traced is not None
+    assert lane.traced.failed
+    assert lane.traced.traced_steps > 0, "fewer rows took traced steps before the failure"
+    assert "a new shape failed" in caplog.text

@@ -93,6 +93,8 @@ class TracedDecode:
         #: Decode steps run traced and run eagerly (a full buffer, another cache kind).
         self.traced_steps = 0
         self.eager_steps = 0
+        #: Set once a trace failed: every later step runs eagerly.
+        self.failed = False
         self._compiled = mx.compile(self._step)
         #: The model's arrays when traced: the graph holds these, not what the model holds later.
         self.weights = weights(model)
@@ -128,17 +130,25 @@ class TracedDecode:
         """The last position's logits of one decode step; the caches moved one step on.
 
         ``tokens`` (rows,) are the step's inputs. Falls back to the model's own
-        step where :meth:`takes` says no.
+        step where :meth:`takes` says no, and for good once tracing a new shape
+        raised (the rows never see the failure: the caches are changed only after
+        the traced call returns).
         """
         import mlx.core as mx
 
-        if not self.takes(caches):
+        if self.failed or not self.takes(caches):
             self.eager_steps += 1
             return self.model(tokens[:, None], cache=caches)[:, -1, :]
         first = caches[0]
         idx = mx.array([first._idx], dtype=mx.int32)
         kv = [a for c in caches for a in (c.keys, c.values)]
-        logits, *kv = self._compiled(tokens, idx, first.offset, first.left_padding, *kv)
+        try:
+            logits, *kv = self._compiled(tokens, idx, first.offset, first.left_padding, *kv)
+        except Exception:  # tracing a new shape failed: the caches are untouched
+            logger.warning("the traced decode step is off: a new shape failed", exc_info=True)
+            self.failed = True
+            self.eager_steps += 1
+            return self.model(tokens[:, None], cache=caches)[:, -1, :]
         offset = first.offset + 1
         for i, cache in enumerate(caches):
             cache.keys, cache.values = kv[2 * i], kv[2 * i + 1]
@@ -197,6 +207,8 @@ def build(model: Any) -> TracedDecode | None:
             logger.info("the traced decode step is off: the model's caches are not BatchKVCaches")
             return None
         got = traced.logits(step, caches).astype(mx.float32)
+        if traced.failed:
+            return None  # its warning said why
         scale = float(mx.abs(want).max()) or 1.0
         close = bool(mx.allclose(got, want, atol=2e-2 * scale, rtol=2e-2).item())
         same = bool(mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(want, axis=-1)).item())
