@@ -8,8 +8,8 @@ seeded generator, so some (rows, width) shapes come again and some are new),
 and calls ``BatchLane.step`` one decode step per call until every new row has
 its first token. It prints, per admission (and per step: its wall time and the
 lane's own timings, prompt tokens and seconds inside ``BatchGenerator.next()``,
-the rest being the lane's host work: joins, removals, events), the steps it took, its worst step
-and its time over the steady median (what the running rows lost), and whether
+the rest being the lane's host work: joins, removals, events), the steps it
+took, its worst step and its time over the steady median (what the running rows lost), and whether
 the group's shape (rows, longest prompt, after ``width=M`` padding) was met
 before. At the end: the mean cost of admissions at a new shape and at a shape
 met before.

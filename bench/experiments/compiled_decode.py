@@ -18,8 +18,11 @@ are read):
   shape.
 
 It prints each way's median ms per step (and the compiled way's step run
-without ``mx.compile``: what the array positions and whole-buffer reads cost alone), the compiled way's first call (trace
-and compile) at each new batch size, and whether the greedy tokens agree.
+without ``mx.compile``: what the array positions and whole-buffer reads cost
+alone), the compiled way's first call (trace and compile) at each new batch
+size, and whether the greedy tokens agree. The engine's version of the traced
+step is ``trio_mlx._traced_decode`` (``put`` only; this script kept both writes
+to show why).
 Why: on the H200 a 64-row decode step of llama-1b takes 6-9 ms while the GPU is
 busy a quarter of the time (design/performance.md): the step's host work sets the
 pace, and this says how much of it one compiled graph takes away.
