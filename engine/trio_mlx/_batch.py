@@ -531,9 +531,6 @@ def _generation_class() -> Any:
 
         #: Whether the one row's caches are mlx-lm's plain ``KVCache``s (it decodes alone).
         solo: bool = False
-        #: The model's decode step traced once per shape (the lane's ``traced_decode``;
-        #: None: the model's own step, as mlx-lm runs it).
-        traced: Any = None
         #: Whether a row alone may go solo (the lane's ``solo_decode``; off for good
         #: once the model's caches turn out not to be plain ``BatchKVCache``s).
         solo_allowed: bool = True
@@ -634,12 +631,17 @@ def _generation_class() -> Any:
             return tokens, queued_lps
 
         def _logits(self, queued: Any) -> Any:
+            """The step's logits: traced where the lane has a traced step that takes
+            it (``BatchLane.traced_decode``), else the model's own step."""
             b: Any = self
-            traced = self.traced
+            lane = b.model._lane  # the _RowModel's
+            traced = lane._traced
             # Per-row adapters swap their layers in for the step: the traced graph
             # holds the base model's, so such a step runs eagerly.
-            if traced is not None and not self.solo and b.model._lane._active_stack is None:
-                return traced.logits(queued, b.prompt_cache)
+            if traced is not None and not self.solo and lane._active_stack is None:
+                logits = traced.logits(queued, b.prompt_cache)
+                if logits is not None:
+                    return logits
             return b.model(queued[:, None], cache=b.prompt_cache)[:, -1, :]
 
         def next(self) -> Any:
@@ -877,7 +879,6 @@ class BatchLane:
         generation.logprob_uids = set()
         generation.grammar_uids = set()
         generation.solo_allowed = self.solo_decode
-        generation.traced = self._traced
         generator._generation_batch = generation
         generator._prompt_batch = _prompt_class().empty(
             model, generator.sampler, prefill_step_size=self.prefill_step_size
@@ -965,7 +966,7 @@ class BatchLane:
         from trio_mlx import _traced_decode
 
         if self._traced is not None and self._traced.weights != _traced_decode.weights(self.model):
-            self._traced = self._generator._generation_batch.traced = None
+            self._traced = None
 
     def _trace(self) -> None:
         """Build and check the traced decode step; off for good if it does not match."""
@@ -975,7 +976,7 @@ class BatchLane:
         if traced is None:
             self.traced_decode = False
             return
-        self._traced = self._generator._generation_batch.traced = traced
+        self._traced = traced
 
     def _result(self, events: list[RowEvent], cached: dict[int, int], steps: int) -> StepResult:
         timings, self._timings = tuple(self._timings), []

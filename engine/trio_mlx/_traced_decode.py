@@ -90,7 +90,8 @@ class TracedDecode:
 
         self.model = model
         self.layers = len(model.layers)
-        #: Decode steps run traced and run eagerly (a full buffer, another cache kind).
+        #: Decode steps run traced and left to the model's own step (a full buffer,
+        #: another cache kind, a failed trace).
         self.traced_steps = 0
         self.eager_steps = 0
         #: Set once a trace failed: every later step runs eagerly.
@@ -126,19 +127,20 @@ class TracedDecode:
             return False  # full (mlx-lm grows it) or mid-prefill
         return all(type(c) is BatchKVCache for c in caches)
 
-    def logits(self, tokens: Any, caches: list[Any]) -> Any:
+    def logits(self, tokens: Any, caches: list[Any]) -> Any | None:
         """The last position's logits of one decode step; the caches moved one step on.
 
-        ``tokens`` (rows,) are the step's inputs. Falls back to the model's own
-        step where :meth:`takes` says no, and for good once tracing a new shape
-        raised (the rows never see the failure: the caches are changed only after
-        the traced call returns).
+        ``tokens`` (rows,) are the step's inputs. None where the traced step
+        does not take it (the caller runs the model's own step): where
+        :meth:`takes` says no, and for good once tracing a new shape raised
+        (the rows never see the failure: the caches are changed only after the
+        traced call returns).
         """
         import mlx.core as mx
 
         if self.failed or not self.takes(caches):
             self.eager_steps += 1
-            return self.model(tokens[:, None], cache=caches)[:, -1, :]
+            return None
         first = caches[0]
         idx = mx.array([first._idx], dtype=mx.int32)
         kv = [a for c in caches for a in (c.keys, c.values)]
@@ -148,7 +150,7 @@ class TracedDecode:
             logger.warning("the traced decode step is off: a new shape failed", exc_info=True)
             self.failed = True
             self.eager_steps += 1
-            return self.model(tokens[:, None], cache=caches)[:, -1, :]
+            return None
         offset = first.offset + 1
         for i, cache in enumerate(caches):
             cache.keys, cache.values = kv[2 * i], kv[2 * i + 1]
@@ -206,9 +208,10 @@ def build(model: Any) -> TracedDecode | None:
         if not traced.takes(caches):
             logger.info("the traced decode step is off: the model's caches are not BatchKVCaches")
             return None
-        got = traced.logits(step, caches).astype(mx.float32)
-        if traced.failed:
-            return None  # its warning said why
+        got = traced.logits(step, caches)
+        if got is None:
+            return None  # the trace raised: its warning said why
+        got = got.astype(mx.float32)
         scale = float(mx.abs(want).max()) or 1.0
         close = bool(mx.allclose(got, want, atol=2e-2 * scale, rtol=2e-2).item())
         same = bool(mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(want, axis=-1)).item())
