@@ -8,7 +8,8 @@ A tree may carry ``:VAR=VALUE,...``: settings added to that server's environment
 Both servers stay up for the whole run and the rounds alternate between them (and reverse
 their order every other round), so load that comes and goes on a shared machine hits both
 alike. Each tree's ``engine/`` and ``http/`` go on that server's PYTHONPATH; the clients are
-this tree's ``bench.suite``. Prints tok/s and TTFT p99 per round, concurrency and tree.
+this tree's ``bench.suite``. Prints, per round, concurrency and tree: tok/s, TTFT p99, ITL
+p50/p99, GPU busy (``nvidia-smi``, where there is one) and the worker's busy fraction.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -63,9 +65,26 @@ def main() -> None:
             for c in (int(x) for x in args.concurrency.split(",")):
                 for tree, server in servers if rnd % 2 == 0 else servers[::-1]:
                     row = traffic.closed(server, profile, c)
-                    ttft = (row["ttft_p99_s"] or 0) * 1000
-                    print(f"round {rnd} C={c} {tree}: {row['tok_s'] or 0:,.0f} tok/s, "
-                          f"TTFT p99 {ttft:,.0f} ms", flush=True)  # fmt: skip
+                    print(f"round {rnd} C={c} {tree}: {_line(row)}", flush=True)
+
+
+def _line(row: dict[str, Any]) -> str:
+    """One round's figures: tok/s, TTFT p99, ITL p50/p99, GPU and worker busy, checks."""
+
+    def ms(key: str) -> str:
+        return f"{(row.get(key) or 0) * 1000:,.0f}"
+
+    line = (
+        f"{row['tok_s'] or 0:,.0f} tok/s, TTFT p99 {ms('ttft_p99_s')} ms, "
+        f"ITL p50/p99 {ms('itl_p50_s')}/{ms('itl_p99_s')} ms"
+    )
+    if row.get("gpu_busy_pct") is not None:
+        line += f", GPU busy {row['gpu_busy_pct']:.0f}%"
+    if row.get("worker_busy") is not None:
+        line += f", worker busy {row['worker_busy']:.0%}"
+    if not row.get("exact_tokens", True):
+        line += ", NOT every request produced max_tokens"
+    return line
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ of the eager lane. It is off unless asked for; these tests ask.
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +114,20 @@ def test_a_traced_step_that_disagrees_with_the_model_is_refused(
     assert lane.traced_decode is False, "the lane decodes eagerly from now on"
 
 
+@pytest.mark.parametrize(
+    ("setting", "cuda", "on"),
+    [(None, True, True), ("0", True, False), ("1", True, True), ("", True, True),
+     (None, False, False), ("0", False, False), ("1", False, True)],
+)  # fmt: skip
+def test_the_traced_step_is_on_by_default_on_cuda_only(
+    setting: str | None, cuda: bool, on: bool
+) -> None:
+    environ = {} if setting is None else {"TRIO_MLX_TRACED_DECODE": setting}
+    assert traced_decode.wanted(environ, cuda=cuda) is on
+
+
 @pytest.mark.parametrize(("setting", "on"), [("1", True), ("0", False), (None, False)])
-async def test_the_setting_turns_the_traced_step_on_and_it_is_off_by_default(
+async def test_the_setting_turns_the_traced_step_on_and_the_cpu_leaves_it_off(
     tiny_model_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -234,3 +247,61 @@ def test_a_shape_that_fails_to_trace_falls_back_without_failing_a_row(
     assert lane.traced.failed
     assert lane.traced.traced_steps > 0, "fewer rows took traced steps before the failure"
     assert "a new shape failed" in caplog.text
+
+
+def _churn(model: Any, tokenizer: Any, *, traced: bool) -> tuple[dict[int, list[int]], BatchLane]:
+    """Served traffic in small: 120 rows of random prompts and lengths, up to two
+    arriving per step while twelve decode, so rows leave and join all the time."""
+    rng = random.Random(0)
+    lane = BatchLane(model, tokenizer, max_batch=16, traced_decode=traced)
+    tokens: dict[int, list[int]] = {}
+    arrived = 0
+    for _ in range(2000):
+        specs = []
+        while lane.rows + len(specs) < 12 and arrived < 120 and len(specs) < 2:
+            prompt = tuple(rng.randint(1, 200) for _ in range(rng.randint(3, 40)))
+            n = rng.randint(5, 60)
+            specs.append(RowSpec(arrived, prompt, SamplingParams(max_tokens=n, logit_bias=NO_EOS)))
+            arrived += 1
+        for e in lane.step(StepPlan(specs)).events:
+            assert e.error is None
+            tokens.setdefault(e.id, []).extend(e.token_ids)
+        if arrived == 120 and not lane.rows:
+            break
+    assert len(tokens) == 120
+    return tokens, lane
+
+
+def test_rows_coming_and_going_replay_a_few_traced_shapes(
+    tiny_model: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A removal trims the rows' shared left padding (mlx-lm's ``filter``), leaving
+    a buffer of any length; padded back to the cache's step, the lengths repeat and
+    the traced graphs are a few, not one per removal."""
+    model, tokenizer = tiny_model
+    want, _ = _churn(model, tokenizer, traced=False)
+    got, lane = _churn(model, tokenizer, traced=True)
+    assert got == want
+    traced = lane.traced
+    assert traced is not None
+    assert traced.traced_steps > 300
+    assert traced.padded > 10, "removals left buffers of other lengths"
+    # 1-12 rows over buffers of 256 positions (no row here passes 100 positions);
+    # without the padding this schedule traced 45 shapes.
+    assert traced.traces <= 16
+    with caplog.at_level(logging.INFO, logger="trio_mlx"):
+        lane.close()
+    assert f"{traced.traces} shapes traced" in caplog.text, "shutdown logs what it did"
+
+
+def test_a_traced_step_past_its_shape_limit_starts_afresh_and_decodes_the_same(
+    tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tokenizer = tiny_model
+    want, _ = _churn(model, tokenizer, traced=False)
+    monkeypatch.setattr(traced_decode, "MAX_SHAPES", 3)
+    got, lane = _churn(model, tokenizer, traced=True)
+    assert got == want
+    assert lane.traced is not None
+    # Shapes met again after a fresh start are traced again: more traces than shapes.
+    assert lane.traced.traces > 16

@@ -39,6 +39,7 @@ mlx-lm <0.33, as the prompt cache's trie is).
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections import Counter, deque
@@ -824,8 +825,9 @@ class BatchLane:
     #: False: as a one-row batch (``TRIO_MLX_SOLO_DECODE=0``, for side-by-side runs).
     solo_decode: bool = True
     #: Decode steps traced once per batch shape (:mod:`trio_mlx._traced_decode`),
-    #: once a traced step has matched the model's own; the loader turns it on
-    #: under ``TRIO_MLX_TRACED_DECODE=1``. False: the model's own step every time.
+    #: once a traced step has matched the model's own; the loader turns it on on
+    #: CUDA (``TRIO_MLX_TRACED_DECODE``: 0 off, 1 on anywhere). False: the model's
+    #: own step every time.
     traced_decode: bool = False
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
@@ -1107,6 +1109,8 @@ class BatchLane:
 
     def close(self) -> None:
         """Drop every row and release the generator (on the MLX thread, at shutdown)."""
+        if self._traced is not None:
+            logging.getLogger("trio_mlx").info("traced decode: %s", self._traced.summary())
         self._rows.clear()
         self._by_uid.clear()
         self._dead.clear()

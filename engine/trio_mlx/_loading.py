@@ -266,7 +266,9 @@ def load(
         solo_decode=os.environ.get("TRIO_MLX_SOLO_DECODE", "1") != "0",
     )
     # One process only: every rank would have to trace and check alike.
-    lane.traced_decode = channel is None and _traced_decode.wanted(os.environ)
+    lane.traced_decode = channel is None and _traced_decode.wanted(
+        os.environ, cuda=_cuda_settings.on_cuda()
+    )
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))

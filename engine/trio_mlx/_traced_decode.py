@@ -18,9 +18,25 @@ buffers with the positions as arrays instead: each layer's cache is a
 ``bench/experiments/dynamic_write.py``), and whose attention reads the whole
 buffer with the unwritten tail left out (the fused decode kernel's ``stop`` on
 CUDA, a boolean mask elsewhere). So consecutive steps are one graph until the
-batch's row count or its buffer length (a multiple of mlx-lm's 256-position
-step) changes; a step the traced graph cannot take (a full buffer, which
-mlx-lm grows, or caches of another kind) runs eagerly, as before.
+batch's row count or its buffer length changes; a step the traced graph cannot
+take (a full buffer, which mlx-lm grows, or caches of another kind) runs
+eagerly, as before.
+
+Shapes that repeat
+==================
+
+Each new (rows, buffer length) is a new trace: the model's Python runs again
+and MLX compiles the graph (13-14 ms on the H200 for a new row count, against
+a 4-6 ms step). mlx-lm grows a buffer in steps of 256 positions, but its
+``BatchKVCache.filter`` trims the left padding every row shares, so after a
+removal the length is anything; served traffic removes rows every few steps,
+and nearly every removal would be a new trace. So before a traced step the
+buffers are padded at their end (unused positions) to the next multiple of
+the cache's step: the lengths the traced step meets are few, and a batch
+decoding between removals and arrivals replays one graph. ``mx.compile`` keeps
+every shape's graph for the life of the compiled function; after
+:data:`MAX_SHAPES` traces a fresh one starts, so a server that meets many
+shapes does not hold them all.
 
 After the traced step the caches are what mlx-lm's own step leaves: the new
 buffers, ``offset`` one further, ``_idx`` one further. So removal, joins,
@@ -34,10 +50,10 @@ again before the next step.
 
 It is used only where it is checked: :func:`build` compares one traced step
 with mlx-lm's on a small padded batch (logits and greedy tokens) and refuses
-(None) on any difference or error. The lane uses it only when asked
-(``TRIO_MLX_TRACED_DECODE=1``; :func:`wanted` says why it is not the default),
-and then not while per-row adapters are on the model (their layers are swapped
-in for the step) nor in distributed mode. On the CPU it rarely pays: attention
+(None) on any difference or error. The lane uses it on CUDA (:func:`wanted`;
+elsewhere only when asked, ``TRIO_MLX_TRACED_DECODE=1``), and then not while
+per-row adapters are on the model (their layers are swapped in for the step)
+nor in distributed mode. On the CPU it rarely pays: attention
 over the whole buffer costs more there than the host work it saves.
 """
 
@@ -47,9 +63,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["TracedCache", "TracedDecode", "build", "wanted"]
+__all__ = ["MAX_SHAPES", "TracedCache", "TracedDecode", "build", "wanted"]
 
 logger = logging.getLogger("trio_mlx")
+
+#: Traces kept by one compiled function before a fresh one starts (see the notes).
+MAX_SHAPES = 512
 
 
 class TracedCache:
@@ -94,15 +113,21 @@ class TracedDecode:
         #: another cache kind, a failed trace).
         self.traced_steps = 0
         self.eager_steps = 0
+        #: Graphs traced (one per new batch shape) and buffers padded to the step.
+        self.traces = 0
+        self.padded = 0
         #: Set once a trace failed: every later step runs eagerly.
         self.failed = False
         self._compiled = mx.compile(self._step)
+        self._kept = 0  # traces held by ``_compiled``
         #: The model's arrays when traced: the graph holds these, not what the model holds later.
         self.weights = weights(model)
 
     def _step(self, tokens: Any, idx: Any, offset: Any, left_padding: Any, *kv: Any) -> list[Any]:
         import mlx.core as mx
 
+        self.traces += 1  # this Python runs only while tracing
+        self._kept += 1
         positions = mx.arange(kv[0].shape[2], dtype=mx.int32)[None]
         mask = (positions >= left_padding[:, None]) & (positions <= idx)
         mask = mask[:, None, None, :]
@@ -142,6 +167,9 @@ class TracedDecode:
             self.eager_steps += 1
             return None
         first = caches[0]
+        self._pad_to_step(caches)
+        if self._kept >= MAX_SHAPES:
+            self._compiled, self._kept = mx.compile(self._step), 0
         idx = mx.array([first._idx], dtype=mx.int32)
         kv = [a for c in caches for a in (c.keys, c.values)]
         try:
@@ -159,6 +187,31 @@ class TracedDecode:
         self.traced_steps += 1
         return logits
 
+    def summary(self) -> str:
+        """What the traced step did, for the log at shutdown."""
+        return (
+            f"{self.traced_steps} steps traced, {self.eager_steps} eager, "
+            f"{self.traces} shapes traced, {self.padded} buffers padded to the step"
+        )
+
+    def _pad_to_step(self, caches: list[Any]) -> None:
+        """Pad every layer's buffers at their end to a multiple of the cache's step."""
+        import mlx.core as mx
+
+        first: Any = caches[0]
+        size = first.keys.shape[2]
+        step = int(getattr(first, "step", 256))
+        want = -(-size // step) * step
+        if want == size:
+            return
+        self.padded += 1
+        for cache in caches:
+            c: Any = cache
+            shape = (*c.keys.shape[:2], want - size, c.keys.shape[3])
+            c.keys = mx.concatenate([c.keys, mx.zeros(shape, c.keys.dtype)], axis=2)
+            shape = (*c.values.shape[:2], want - size, c.values.shape[3])
+            c.values = mx.concatenate([c.values, mx.zeros(shape, c.values.dtype)], axis=2)
+
 
 def weights(model: Any) -> tuple[int, ...]:
     """The identities of the model's parameter arrays: MLX arrays do not change in
@@ -169,15 +222,18 @@ def weights(model: Any) -> tuple[int, ...]:
     return tuple(id(array) for _name, array in pairs)
 
 
-def wanted(environ: Mapping[str, str]) -> bool:
-    """Whether the lane should trace its decode steps: ``TRIO_MLX_TRACED_DECODE=1``.
+def wanted(environ: Mapping[str, str], *, cuda: bool) -> bool:
+    """Whether the lane should trace its decode steps: on MLX's CUDA backend unless
+    ``TRIO_MLX_TRACED_DECODE=0``; elsewhere only with ``TRIO_MLX_TRACED_DECODE=1``.
 
-    Off by default: on the H200 the lane's decode step ran 1.40-1.45x faster
-    traced, but served at 64 streams two rounds read 0.63 and 0.92 of the bare
-    loop traced against 0.98 and 0.89 eager (design/performance.md, eleventh
-    round), so a gain in serving is not established.
+    On the H200, served with both servers up and rounds alternating, the traced
+    step (its buffers padded to the cache's step) read 1.13-1.31x the eager one
+    in each of five rounds at 32 streams and 0.98-1.45x at 64, its GPU busier
+    (design/performance.md, twelfth round). On the CPU it rarely pays: attention
+    over the whole buffer costs more there than the host work it saves.
     """
-    return environ.get("TRIO_MLX_TRACED_DECODE", "") == "1"
+    setting = environ.get("TRIO_MLX_TRACED_DECODE", "")
+    return setting == "1" or (cuda and setting != "0")
 
 
 def build(model: Any) -> TracedDecode | None:
@@ -221,6 +277,6 @@ def build(model: Any) -> TracedDecode | None:
     except Exception:  # a model whose step cannot be traced, say: the eager step as before
         logger.warning("the traced decode step is off: it failed its check", exc_info=True)
         return None
-    traced.traced_steps = traced.eager_steps = 0
-    logger.info("decode steps are traced once per batch shape (TRIO_MLX_TRACED_DECODE=1)")
+    traced.traced_steps = traced.eager_steps = traced.padded = 0
+    logger.info("decode steps are traced once per batch shape (TRIO_MLX_TRACED_DECODE=0: off)")
     return traced
