@@ -278,5 +278,7 @@ def build(model: Any) -> TracedDecode | None:
         logger.warning("the traced decode step is off: it failed its check", exc_info=True)
         return None
     traced.traced_steps = traced.eager_steps = traced.padded = 0
-    logger.info("decode steps are traced once per batch shape (TRIO_MLX_TRACED_DECODE=0: off)")
+    logger.info(
+        "decode steps are traced once per batch shape (TRIO_MLX_TRACED_DECODE=0 turns it off)"
+    )
     return traced
