@@ -206,11 +206,10 @@ class TracedDecode:
             return
         self.padded += 1
         for cache in caches:
-            c: Any = cache
-            shape = (*c.keys.shape[:2], want - size, c.keys.shape[3])
-            c.keys = mx.concatenate([c.keys, mx.zeros(shape, c.keys.dtype)], axis=2)
-            shape = (*c.values.shape[:2], want - size, c.values.shape[3])
-            c.values = mx.concatenate([c.values, mx.zeros(shape, c.values.dtype)], axis=2)
+            for name in ("keys", "values"):
+                a = getattr(cache, name)
+                tail = mx.zeros((*a.shape[:2], want - size, a.shape[3]), a.dtype)
+                setattr(cache, name, mx.concatenate([a, tail], axis=2))
 
 
 def weights(model: Any) -> tuple[int, ...]:
