@@ -379,6 +379,54 @@ def test_compaction_takes_the_lanes_filter_and_extract(
     assert ours.count("extract") >= 3, "finished rows went to the prompt cache"
 
 
+def _long_and_short(model: Any, tokenizer: Any, ids: list[int]) -> dict[int, list[int]]:
+    """Greedy tokens of a long prompt (0) and a short one (1), those in ``ids``
+    arriving together at a lane that prefills 16 tokens a step."""
+    prompts = [" ".join([PROMPT] * 3), PROMPTS[0]]
+    params = SamplingParams(max_tokens=12, logit_bias=NO_EOS)
+    lane = BatchLane(model, tokenizer, max_batch=4, prefill_budget=16)
+    plan = StepPlan([RowSpec(i, tuple(tokenizer.encode(prompts[i])), params) for i in ids])
+    out: dict[int, list[int]] = {}
+    while plan.inserts or lane.rows:
+        for e in lane.step(plan).events:
+            assert e.error is None
+            out.setdefault(e.id, []).extend(e.token_ids)
+        plan = StepPlan()
+    return out
+
+
+def test_rows_whose_prompt_is_done_move_on_without_copying_the_others_caches(
+    tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short prompt done while a long one is still being prefilled leaves the prompt
+    batch: the caches are filtered apart, not deep-copied first (mlx-lm's ``split``)."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from trio_mlx import _batch as batch
+
+    model, tokenizer = tiny_model
+    alone = {**_long_and_short(model, tokenizer, [0]), **_long_and_short(model, tokenizer, [1])}
+    copies: list[str] = []
+    ours: list[str] = []
+    splits: list[int] = []
+    prompt_class = batch._prompt_class()
+    real_split = prompt_class.split
+
+    def split(self: Any, indices: list[int]) -> Any:
+        splits.append(len(self.uids) - len(set(indices)))  # rows left behind
+        return real_split(self, indices)
+
+    monkeypatch.setattr(prompt_class, "split", split)
+    monkeypatch.setattr(
+        PromptProcessingBatch, "_copy", _counted(copies, "copy", PromptProcessingBatch._copy)
+    )
+    monkeypatch.setattr(batch, "_filter_caches", _counted(ours, "filter", batch._filter_caches))
+    assert _long_and_short(model, tokenizer, [0, 1]) == alone
+    assert any(left > 0 for left in splits), "the short row left the long one behind"
+    assert copies == [], "no deep copy of the prompt batch"
+    assert ours.count("filter") >= 2, "both sides filtered by the lane"
+
+
 class _Forwards:
     """The model, recording the shape of every forward call's input."""
 

@@ -39,6 +39,7 @@ mlx-lm <0.33, as the prompt cache's trie is).
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import time
@@ -430,11 +431,29 @@ def _one_row_cache(plain: Any) -> Any:
 
 
 def _plain_batch(caches: list[Any]) -> bool:
-    """Whether every layer is a plain ``BatchKVCache`` holding keys (their rows in step)."""
+    """Whether every layer is a plain ``BatchKVCache`` holding keys, between passes
+    (no right padding pending): the caches :func:`_filter_caches` takes."""
     from mlx_lm.models.cache import BatchKVCache
 
     kind: Any = BatchKVCache  # mlx-lm's fields are untyped: no narrowing to its stubs
-    return bool(caches) and all(type(c) is kind and c.keys is not None for c in caches)
+    return bool(caches) and all(
+        type(c) is kind and c.keys is not None and c._right_padding is None for c in caches
+    )
+
+
+def _filter_batch(batch: Any, keep: list[int], rest: Callable[[list[int]], None]) -> None:
+    """Filter a prompt or decode batch: its caches by :func:`_filter_caches` where
+    they are plain, the batch's other fields by mlx-lm's ``filter`` (``rest``)."""
+    caches = batch.prompt_cache
+    if not keep or not _plain_batch(caches):
+        rest(keep)
+        return
+    _filter_caches(caches, keep)
+    batch.prompt_cache = []  # mlx-lm's filter does the rest of the batch's fields
+    try:
+        rest(keep)
+    finally:
+        batch.prompt_cache = caches
 
 
 def _filter_caches(caches: list[Any], keep: list[int]) -> None:
@@ -615,17 +634,7 @@ def _generation_class() -> Any:
 
         def filter(self, keep: list[int]) -> None:
             self._leave_solo()
-            b: Any = self
-            caches = b.prompt_cache
-            if not keep or not _plain_batch(caches):
-                super().filter(keep)
-                return
-            _filter_caches(caches, keep)
-            b.prompt_cache = []  # mlx-lm's filter does the rest of the batch's fields
-            try:
-                super().filter(keep)
-            finally:
-                b.prompt_cache = caches
+            _filter_batch(self, keep, super().filter)
 
         def extend(self, batch: Any) -> None:
             self._leave_solo()
@@ -780,9 +789,25 @@ def _prompt_class() -> Any:
                     layer.finalize()
                 mx.async_eval([layer.state for layer in self.prompt_cache])  # type: ignore[no-untyped-call]
 
+        def filter(self, keep: list[int]) -> None:
+            _filter_batch(self, keep, super().filter)
+
         def split(self, indices: list[int]) -> Any:
+            b: Any = self
             if len(set(indices)) < len(self.uids):
-                return super().split(indices)
+                if not _plain_batch(b.prompt_cache):
+                    return super().split(indices)
+                # Part of the batch moves on (rows whose prompt is done): mlx-lm
+                # deep-copies every cache and then filters both copies. The filters
+                # give each side arrays of its own, so copying the cache objects
+                # (not their arrays) is enough.
+                kept = sorted(set(range(len(self.uids))) - set(indices))
+                moved = self.__class__.__new__(self.__class__)
+                moved.__dict__.update(self.__dict__)
+                moved.prompt_cache = [copy.copy(c) for c in b.prompt_cache]
+                self.filter(kept)
+                moved.filter(sorted(indices))
+                return moved
             # The whole batch moves on (a group prefilled together): hand it over
             # as it is instead of mlx-lm's deep copy of its caches and two filters.
             moved = self.__class__.__new__(self.__class__)
