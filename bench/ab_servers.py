@@ -23,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.suite import traffic  # noqa: E402
+from bench.suite import report, traffic  # noqa: E402
 from bench.suite.__main__ import model_env  # noqa: E402
 from bench.suite.models import EOS_IDS, prepare  # noqa: E402
 from bench.suite.servers import _serve  # noqa: E402
@@ -70,13 +70,9 @@ def main() -> None:
 
 def _line(row: dict[str, Any]) -> str:
     """One round's figures: tok/s, TTFT p99, ITL p50/p99, GPU and worker busy, checks."""
-
-    def ms(key: str) -> str:
-        return f"{(row.get(key) or 0) * 1000:,.0f}"
-
     line = (
-        f"{row['tok_s'] or 0:,.0f} tok/s, TTFT p99 {ms('ttft_p99_s')} ms, "
-        f"ITL p50/p99 {ms('itl_p50_s')}/{ms('itl_p99_s')} ms"
+        f"{row['tok_s'] or 0:,.0f} tok/s, TTFT p99 {report.ms(row['ttft_p99_s'])} ms, "
+        f"ITL p50/p99 {report.ms(row['itl_p50_s'])}/{report.ms(row['itl_p99_s'])} ms"
     )
     if row.get("gpu_busy_pct") is not None:
         line += f", GPU busy {row['gpu_busy_pct']:.0f}%"
