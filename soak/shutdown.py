@@ -97,6 +97,21 @@ async def short_requests_seconds(
     return took
 
 
+async def _requests_seen(http: httpx.AsyncClient) -> int:
+    """Requests the engine has taken so far: those running, queued or parked, and
+    those it has ended (``/metrics``)."""
+    seen = 0
+    for line in (await http.get("/metrics")).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("trio_mlx_engine_requests_total{") or name in (
+            "trio_mlx_running_rows",
+            "trio_mlx_queued_rows",
+            "trio_mlx_parked_rows",
+        ):
+            seen += int(float(value))
+    return seen
+
+
 async def _signal_seen(server: ServerProcess, limit: float) -> None:
     """Wait until the server logs that it took the signal (it stops accepting then)."""
     with trio.move_on_after(limit):
@@ -143,11 +158,12 @@ async def run_shutdown(
             for kind, group in specs.items():
                 for spec in group:
                     nursery.start_soon(run, kind, spec)
+            # Every request must have reached the engine before the signal: one
+            # still in flight on the network when the server stops accepting is
+            # a late request (refused, or its connection closed unread), not one
+            # the grace period owes an answer.
             with trio.fail_after(60):
-                while True:
-                    health = (await http.get("/health")).json()
-                    if health["running_rows"] + health["queued_rows"] >= min(short + long, 8):
-                        break
+                while await _requests_seen(http) < short + long:  # noqa: ASYNC110 - polls the server
                     await trio.sleep(0.02)
             server.process.send_signal(signal.SIGTERM)
             signalled = time.perf_counter()
