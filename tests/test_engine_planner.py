@@ -297,6 +297,136 @@ def test_a_row_dead_for_some_steps_is_cached_without_the_tokens_decoded_after_it
     assert second == first
 
 
+def _padded_batch(model: Any, padding: list[int]) -> list[Any]:
+    """Every layer's ``BatchKVCache`` after prefilling rows with these left paddings."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    prompt = mx.array([[(5 * r + 3 * i) % 50 + 1 for i in range(9)] for r in padding])
+    caches = [BatchKVCache(padding) for _ in model.layers]
+    mx.eval(model(prompt, cache=caches))
+    return caches
+
+
+@pytest.mark.parametrize("keep", [[1, 2], [0, 2], [2], [3, 1]])
+def test_the_lanes_one_read_filter_and_extract_equal_mlx_lms(
+    tiny_model: tuple[Any, Any], keep: list[int]
+) -> None:
+    """mlx-lm reads the left padding back once per layer (a wait on the running
+    step); the lane reads it once. The caches that result must be the same."""
+    import mlx.core as mx
+
+    from trio_mlx._batch import _extract_row, _filter_caches
+
+    model, _ = tiny_model
+    padding = [0, 2, 5, 3]
+    theirs, ours = _padded_batch(model, padding), _padded_batch(model, padding)
+    for row in range(len(padding)):
+        want = [c.extract(row) for c in theirs]
+        got = _extract_row(ours, row)
+        for a, b in zip(want, got, strict=True):
+            assert a.offset == b.offset == 9 - padding[row]
+            assert mx.array_equal(a.keys, b.keys)
+            assert mx.array_equal(a.values, b.values)
+    for c in theirs:
+        c.filter(keep)
+    _filter_caches(ours, keep)
+    assert ours[0]._idx == theirs[0]._idx == 9 - min(padding[i] for i in keep)
+    for a, b in zip(theirs, ours, strict=True):
+        assert a._idx == b._idx
+        for name in ("keys", "values", "offset", "left_padding"):
+            assert mx.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+def _counted(calls: list[str], name: str, real: Any) -> Any:
+    """``real``, recording ``name`` in ``calls`` at each call (a spy)."""
+
+    def spy(*args: Any) -> Any:
+        calls.append(name)
+        return real(*args)
+
+    return spy
+
+
+def test_compaction_takes_the_lanes_filter_and_extract(
+    tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlx_lm.models.cache import BatchKVCache
+
+    from trio_mlx import _batch as batch
+    from trio_mlx._prompt_cache import PromptCache
+
+    theirs: list[str] = []
+    ours: list[str] = []
+    monkeypatch.setattr(BatchKVCache, "filter", _counted(theirs, "filter", BatchKVCache.filter))
+    monkeypatch.setattr(BatchKVCache, "extract", _counted(theirs, "extract", BatchKVCache.extract))
+    monkeypatch.setattr(batch, "_filter_caches", _counted(ours, "filter", batch._filter_caches))
+    monkeypatch.setattr(batch, "_extract_row", _counted(ours, "extract", batch._extract_row))
+    model, tokenizer = tiny_model
+    lane = _lane(model, tokenizer)
+    lane.prompt_cache = PromptCache(1 << 30)
+    lane.removal_delay = 0  # each finished row leaves at the end of its step
+    specs = [
+        RowSpec(i, tuple(tokenizer.encode(PROMPTS[i % len(PROMPTS)])), SamplingParams(
+            max_tokens=3 + 2 * i, logit_bias=NO_EOS))
+        for i in range(4)
+    ]  # fmt: skip
+    lane.step(StepPlan(specs))
+    while lane.rows:
+        lane.step()
+    assert theirs == [], "neither of mlx-lm's per-layer reads ran"
+    assert ours.count("filter") >= 2, "rows left the batch in more than one removal"
+    assert ours.count("extract") >= 3, "finished rows went to the prompt cache"
+
+
+def _long_and_short(model: Any, tokenizer: Any, ids: list[int]) -> dict[int, list[int]]:
+    """Greedy tokens of a long prompt (0) and a short one (1), those in ``ids``
+    arriving together at a lane that prefills 16 tokens a step."""
+    prompts = [" ".join([PROMPT] * 3), PROMPTS[0]]
+    params = SamplingParams(max_tokens=12, logit_bias=NO_EOS)
+    lane = BatchLane(model, tokenizer, max_batch=4, prefill_budget=16)
+    plan = StepPlan([RowSpec(i, tuple(tokenizer.encode(prompts[i])), params) for i in ids])
+    out: dict[int, list[int]] = {}
+    while plan.inserts or lane.rows:
+        for e in lane.step(plan).events:
+            assert e.error is None
+            out.setdefault(e.id, []).extend(e.token_ids)
+        plan = StepPlan()
+    return out
+
+
+def test_rows_whose_prompt_is_done_move_on_without_copying_the_others_caches(
+    tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short prompt done while a long one is still being prefilled leaves the prompt
+    batch: the caches are filtered apart, not deep-copied first (mlx-lm's ``split``)."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from trio_mlx import _batch as batch
+
+    model, tokenizer = tiny_model
+    alone = {**_long_and_short(model, tokenizer, [0]), **_long_and_short(model, tokenizer, [1])}
+    copies: list[str] = []
+    ours: list[str] = []
+    splits: list[int] = []
+    prompt_class = batch._prompt_class()
+    real_split = prompt_class.split
+
+    def split(self: Any, indices: list[int]) -> Any:
+        splits.append(len(self.uids) - len(set(indices)))  # rows left behind
+        return real_split(self, indices)
+
+    monkeypatch.setattr(prompt_class, "split", split)
+    monkeypatch.setattr(
+        PromptProcessingBatch, "_copy", _counted(copies, "copy", PromptProcessingBatch._copy)
+    )
+    monkeypatch.setattr(batch, "_filter_caches", _counted(ours, "filter", batch._filter_caches))
+    assert _long_and_short(model, tokenizer, [0, 1]) == alone
+    assert any(left > 0 for left in splits), "the short row left the long one behind"
+    assert copies == [], "no deep copy of the prompt batch"
+    assert ours.count("filter") >= 2, "both sides filtered by the lane"
+
+
 class _Forwards:
     """The model, recording the shape of every forward call's input."""
 

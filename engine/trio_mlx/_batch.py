@@ -39,6 +39,7 @@ mlx-lm <0.33, as the prompt cache's trie is).
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import time
@@ -429,6 +430,74 @@ def _one_row_cache(plain: Any) -> Any:
     return cache
 
 
+def _plain_batch(caches: list[Any]) -> bool:
+    """Whether every layer is a plain ``BatchKVCache`` holding keys, between passes
+    (no right padding pending): the caches :func:`_filter_caches` takes."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    kind: Any = BatchKVCache  # mlx-lm's fields are untyped: no narrowing to its stubs
+    return bool(caches) and all(
+        type(c) is kind and c.keys is not None and c._right_padding is None for c in caches
+    )
+
+
+def _filter_batch(batch: Any, keep: list[int], rest: Callable[[list[int]], None]) -> None:
+    """Filter a prompt or decode batch: its caches by :func:`_filter_caches` where
+    they are plain, the batch's other fields by mlx-lm's ``filter`` (``rest``)."""
+    caches = batch.prompt_cache
+    if not keep or not _plain_batch(caches):
+        rest(keep)
+        return
+    _filter_caches(caches, keep)
+    batch.prompt_cache = []  # mlx-lm's filter does the rest of the batch's fields
+    try:
+        rest(keep)
+    finally:
+        batch.prompt_cache = caches
+
+
+def _filter_caches(caches: list[Any], keep: list[int]) -> None:
+    """Keep rows ``keep`` of every layer, as ``BatchKVCache.filter`` does, with one read.
+
+    mlx-lm's ``filter`` reads each layer's left padding back after gathering it
+    (``tolist`` of a new array): one wait per layer, and the first one waits for
+    the decode step still running, so the next step cannot be built while it
+    runs. Every layer's rows carry the same padding (every layer is joined,
+    filtered and prefilled alike), so here it is read once, from the array the
+    last step already used, and the gathers are queued without a wait.
+    """
+    import mlx.core as mx
+
+    padding: list[int] = caches[0].left_padding.tolist()
+    shift = min(padding[i] for i in keep)
+    rows = mx.array(keep)
+    for c in caches:
+        keys, values = c.keys[rows], c.values[rows]
+        if shift:
+            keys, values = keys[..., shift:, :], values[..., shift:, :]
+        c.keys, c.values = keys, values
+        c.offset = c.offset[rows]
+        c.left_padding = c.left_padding[rows] - shift
+        c._idx -= shift
+
+
+def _extract_row(caches: list[Any], idx: int) -> list[Any]:
+    """Row ``idx`` of every layer as plain ``KVCache``s, as ``BatchKVCache.extract``
+    does, reading the left padding once instead of once per layer."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    start = int(caches[0].left_padding.tolist()[idx])
+    out = []
+    for c in caches:
+        plain = KVCache()  # type: ignore[no-untyped-call]
+        plain.keys = mx.contiguous(c.keys[idx : idx + 1, :, start : c._idx])
+        plain.values = mx.contiguous(c.values[idx : idx + 1, :, start : c._idx])
+        plain.offset = plain.keys.shape[2]
+        out.append(plain)
+    return out
+
+
 def _join_caches(ours: list[Any], theirs: list[Any]) -> bool:
     """Append ``theirs``' rows to ``ours``, layer by layer, as ``BatchKVCache.extend`` does.
 
@@ -558,11 +627,14 @@ def _generation_class() -> Any:
 
         def extract_cache(self, idx: int) -> list[Any]:
             self._leave_solo()
+            b: Any = self
+            if _plain_batch(b.prompt_cache):
+                return _extract_row(b.prompt_cache, idx)
             return super().extract_cache(idx)
 
         def filter(self, keep: list[int]) -> None:
             self._leave_solo()
-            super().filter(keep)
+            _filter_batch(self, keep, super().filter)
 
         def extend(self, batch: Any) -> None:
             self._leave_solo()
@@ -717,9 +789,25 @@ def _prompt_class() -> Any:
                     layer.finalize()
                 mx.async_eval([layer.state for layer in self.prompt_cache])  # type: ignore[no-untyped-call]
 
+        def filter(self, keep: list[int]) -> None:
+            _filter_batch(self, keep, super().filter)
+
         def split(self, indices: list[int]) -> Any:
+            b: Any = self
             if len(set(indices)) < len(self.uids):
-                return super().split(indices)
+                if not _plain_batch(b.prompt_cache):
+                    return super().split(indices)
+                # Part of the batch moves on (rows whose prompt is done): mlx-lm
+                # deep-copies every cache and then filters both copies. The filters
+                # give each side arrays of its own, so copying the cache objects
+                # (not their arrays) is enough.
+                kept = sorted(set(range(len(self.uids))) - set(indices))
+                moved = self.__class__.__new__(self.__class__)
+                moved.__dict__.update(self.__dict__)
+                moved.prompt_cache = [copy.copy(c) for c in b.prompt_cache]
+                self.filter(kept)
+                moved.filter(sorted(indices))
+                return moved
             # The whole batch moves on (a group prefilled together): hand it over
             # as it is instead of mlx-lm's deep copy of its caches and two filters.
             moved = self.__class__.__new__(self.__class__)
