@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from trio.testing import MockClock
+from trio.testing import MockClock, wait_all_tasks_blocked
 
 from http_helpers import live_server
 from trio_mlx_http._serve import ConnectionGuard, ConnectionLimits, raise_fd_limit
@@ -81,6 +81,55 @@ async def test_response_saying_connection_close_closes_the_connection(
         with trio.fail_after(60):
             for stream in streams:
                 assert await _closed_by_server(stream)
+
+
+async def _listener_closed(port: int) -> None:
+    """Return once a new connection is refused (the shutdown has begun)."""
+    while True:
+        try:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+        except OSError:
+            return
+        await stream.aclose()
+        await trio.sleep(0.01)
+
+
+async def test_a_request_racing_the_shutdown_on_an_accepted_connection_is_served(
+    tiny_model_path: Path,
+) -> None:
+    """Connected before the shutdown, request sent after it: answered, then closed."""
+    limits = ConnectionLimits(keep_alive_timeout=600.0)
+    async with live_server(tiny_model_path, limits=limits, graceful_timeout=600) as server:
+        port = _port(server.url)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        with trio.fail_after(60):
+            while not server.guard.statistics().open:  # noqa: ASYNC110 - polling a snapshot
+                await trio.sleep(0.01)
+            server.shutdown.set()
+            await _listener_closed(port)
+            # Every task is blocked: the shutdown has closed whatever it closes at once.
+            await wait_all_tasks_blocked()
+            await stream.send_all(_HEALTH)
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+            await server.stopped.wait()
+        assert data.startswith(b"HTTP/1.1 200")
+        assert b"connection: close" in data.lower()
+
+
+async def test_a_silent_connection_holds_the_shutdown_only_for_its_keep_alive_timeout(
+    tiny_model_path: Path,
+) -> None:
+    limits = ConnectionLimits(keep_alive_timeout=1.0)
+    async with live_server(tiny_model_path, limits=limits, graceful_timeout=600) as server:
+        stream = await trio.open_tcp_stream("127.0.0.1", _port(server.url))
+        with trio.fail_after(60):  # the timeout is 1 s; the graceful deadline 600 s
+            while not server.guard.statistics().open:  # noqa: ASYNC110 - polling a snapshot
+                await trio.sleep(0.01)
+            server.shutdown.set()
+            assert await _closed_by_server(stream)
+            await server.stopped.wait()
 
 
 async def test_connections_past_the_cap_are_refused_and_idle_ones_released(

@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Event, RawData
+from hypercorn.events import Event, RawData, Updated
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
@@ -329,15 +329,39 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
 
 
 class _Connection(TCPServer):
-    """Hypercorn's connection, whose writes skip its lock and shield when they cannot block.
+    """Hypercorn's connection, with two changes.
 
-    Hypercorn sends each body chunk under a per-connection lock and a shielded
-    cancel scope (a schedule point and two scope changes per streamed token).
-    A write the socket takes at once needs neither: nothing else is sending,
-    and it cannot be interrupted. The rest, and any failure, go Hypercorn's way.
+    **Writes skip its lock and shield when they cannot block.** Hypercorn sends
+    each body chunk under a per-connection lock and a shielded cancel scope (a
+    schedule point and two scope changes per streamed token). A write the
+    socket takes at once needs neither: nothing else is sending, and it cannot
+    be interrupted. The rest, and any failure, go Hypercorn's way.
+
+    **A connection accepted before the shutdown keeps its first request.**
+    Hypercorn closes every idle connection when the shutdown begins, and a
+    connection that has not yet sent its first request counts as idle: a
+    client that connected just before the signal and was still sending its
+    request found the connection closed unread (as the soak's SIGTERM scenario
+    did). Such a connection is now held for its keep-alive timeout, as before
+    the shutdown, so that request is served (with ``Connection: close``); the
+    graceful deadline still bounds it. Connections that have been answered
+    close at once, as in Hypercorn.
     """
 
+    #: Whether a request has arrived on this connection (set on its first one).
+    _requested = False
+
+    async def _idle_timeout(self) -> None:
+        if self._requested:
+            await super()._idle_timeout()
+            return
+        await trio.sleep(self.config.keep_alive_timeout)  # the shutdown does not cut it short
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
     async def protocol_send(self, event: Event) -> None:
+        if type(event) is Updated and not event.idle:
+            self._requested = True
         stream: object = self.stream  # Hypercorn types it as a TLS stream
         if (
             type(event) is RawData
