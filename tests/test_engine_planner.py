@@ -8,6 +8,8 @@ must stop at once and give its slot back within the stated bound.
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -698,3 +700,66 @@ def test_a_row_asking_for_logprobs_gets_the_same_ones_alone_and_joining_plain_ro
         assert a.token_id == b.token_id
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quiet_period(
+    tiny_model: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every step counts as slow here (threshold 0): the first one logs, the rest are
+    counted until the quiet period ends, and the next line says how many were not logged."""
+    model, tokenizer = tiny_model
+    lane = _lane(model, tokenizer)
+    lane.slow_step_seconds, lane.slow_step_quiet = 0.0, 3600.0
+    params = SamplingParams(max_tokens=6, logit_bias=NO_EOS)
+    prompts = [tuple(tokenizer.encode(p)) for p in PROMPTS[:3]]
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "slow decode step" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="trio_mlx"):
+        steps = lane.step(StepPlan([RowSpec(i, p, params) for i, p in enumerate(prompts)])).steps
+        while lane.rows:
+            steps += lane.step().steps
+        assert len(logged()) == 1
+        assert steps > 3
+        first = logged()[0]
+        # One pass prefills the three prompts, as wide as the longest but its last token.
+        width = 3 * (max(map(len, prompts)) - 1)
+        assert re.fullmatch(
+            rf"slow decode step: \d+ ms; 3 rows in the batch, a prefill pass of {width} positions, "
+            r"3 rows prefilling, buffer None positions, eager; 0 slow steps not logged before it",
+            first,
+        ), first
+        lane.slow_step_quiet = 0.0
+        lane.step(StepPlan([RowSpec(9, prompts[0], params)]))
+        while lane.rows:
+            lane.step()
+    assert logged()[1].endswith(f"; {steps - 1} slow steps not logged before it")
+    assert all(line.endswith("eager; 0 slow steps not logged before it") for line in logged()[2:])
+
+
+def test_a_slow_traced_step_says_whether_it_traced_a_new_shape(
+    tiny_model: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    model, tokenizer = tiny_model
+    lane = _lane(model, tokenizer)
+    lane.traced_decode = True
+    lane.slow_step_seconds, lane.slow_step_quiet = 0.0, 0.0
+    params = SamplingParams(max_tokens=6, logit_bias=NO_EOS)
+    with caplog.at_level(logging.INFO, logger="trio_mlx"):
+        lane.step(
+            StepPlan(
+                [RowSpec(i, tuple(tokenizer.encode(p)), params) for i, p in enumerate(PROMPTS[:3])]
+            )
+        )
+        while lane.rows:
+            lane.step()
+    shapes = [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(r"traced, (\d+) new shapes", r.getMessage()))
+    ]
+    assert lane.traced is not None
+    # A step that met a new batch shape says so (the build's own check traces once more).
+    assert 1 <= sum(shapes) <= lane.traced.traces
+    assert shapes.count(0) >= 2  # and the steps that replayed one say so

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import sys
 import time
 from collections import Counter, deque
@@ -66,6 +67,8 @@ __all__ = [
     "make_row_sampler",
     "row_processors",
 ]
+
+logger = logging.getLogger("trio_mlx")
 
 
 @attrs.frozen
@@ -428,6 +431,15 @@ def _one_row_cache(plain: Any) -> Any:
         cache.keys, cache.values, cache._idx = plain.keys, plain.values, plain.offset
         cache.offset = mx.array([plain.offset])
     return cache
+
+
+def _buffer_length(generator: Any) -> int | None:
+    """Positions in the decoding batch's first layer's buffer (None: no batch, or not
+    one of mlx-lm's ``BatchKVCache``s); for the slow-step log."""
+    batch = getattr(generator, "_generation_batch", None)
+    caches = getattr(batch, "prompt_cache", None)
+    keys = getattr(caches[0], "keys", None) if caches else None
+    return None if keys is None else int(keys.shape[2])
 
 
 def _plain_batch(caches: list[Any]) -> bool:
@@ -919,8 +931,15 @@ class BatchLane:
     traced_decode: bool = False
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
+    #: A decode step that takes this many seconds or more is logged, with what it
+    #: carried (see ``_slow_step``); at most one line per ``slow_step_quiet`` seconds.
+    slow_step_seconds: float = 0.5
+    slow_step_quiet: float = 10.0
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
+    #: Slow steps not logged since the last line (the quiet period), and when that was.
+    _slow_unlogged: int = attrs.field(init=False, default=0)
+    _slow_logged_at: float = attrs.field(init=False, default=-math.inf)
     #: Rows inserted into the batch per adapter name (base rows are not counted here).
     adapter_rows: Counter[str] = attrs.field(init=False, factory=Counter)
     #: The stack whose layers are on the model during the current ``next()`` (else None).
@@ -1149,6 +1168,26 @@ class BatchLane:
                         events.append(merge_events([event, *errors]) if errors else event)
                 return events, decoded
 
+    def _slow_step(self, elapsed: float, prefill: int, traced: int | None) -> None:
+        """Log a slow decode step with what it carried, so that a stall can be told
+        apart: a long prefill, a first trace, or neither (MLX or the device)."""
+        now = time.perf_counter()
+        if now - self._slow_logged_at < self.slow_step_quiet:
+            self._slow_unlogged += 1
+            return
+        unlogged, self._slow_unlogged, self._slow_logged_at = self._slow_unlogged, 0, now
+        logger.info(
+            "slow decode step: %.0f ms; %d rows in the batch, a prefill pass of %d positions, "
+            "%d rows prefilling, buffer %s positions, %s; %d slow steps not logged before it",
+            elapsed * 1000,
+            len(self._by_uid),
+            prefill,
+            len(self._prefilling),
+            _buffer_length(self._generator),
+            "eager" if traced is None else f"traced, {traced} new shapes",
+            unlogged,
+        )
+
     def _compaction_due(self) -> bool:
         """Whether the dead rows should leave the batch now (see the module's notes)."""
         live = len(self._by_uid)
@@ -1198,7 +1237,7 @@ class BatchLane:
     def close(self) -> None:
         """Drop every row and release the generator (on the MLX thread, at shutdown)."""
         if self._traced is not None:
-            logging.getLogger("trio_mlx").info("traced decode: %s", self._traced.summary())
+            logger.info("traced decode: %s", self._traced.summary())
         self._rows.clear()
         self._by_uid.clear()
         self._dead.clear()
@@ -1403,6 +1442,7 @@ class BatchLane:
         prefill = self._pass_tokens() if self._prefilling else 0  # steady decoding: none
         if self.traced_decode and self._traced is None:
             self._trace()
+        traces = self._traced.traces if self._traced is not None else 0
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (
@@ -1431,6 +1471,9 @@ class BatchLane:
         elapsed = time.perf_counter() - start
         self.generator_seconds += elapsed
         self._timings.append((prefill, elapsed))
+        if elapsed >= self.slow_step_seconds:
+            traced = self._traced.traces - traces if self._traced is not None else None
+            self._slow_step(elapsed, prefill, traced)
         prefilling = self._prefilling
         for progress in _prompt_responses:
             if progress.end_of_prompt:
