@@ -658,6 +658,8 @@ class Suite:
                      f"{report._num(row['during_p99_over_p50'], 1)}), long TTFT "
                      f"{', '.join(report.ms(x) for x in row['long_ttft_s'])} ms, GPU GiB "
                      f"{report._gpu_gib(row)}")  # fmt: skip
+            for line in row["slow_steps"]:
+                self.log(f"    {name} slow step: {line}")
 
     def _open_loops(self, data: dict[str, Any], running: dict[str, Any], p: dict[str, Any]) -> None:
         """The open loop on every server, at fractions of the first server's capacity."""

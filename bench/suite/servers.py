@@ -42,6 +42,19 @@ class Server:
         fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / _TICKS
 
+    def log_size(self) -> int:
+        """Bytes in the server's log so far (a mark for :meth:`log_lines`)."""
+        return self.log.stat().st_size if self.log.exists() else 0
+
+    def log_lines(self, since: int, marker: str) -> list[str]:
+        """Lines of the log written after byte ``since`` that contain ``marker``."""
+        if not self.log.exists():
+            return []
+        with self.log.open("rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        return [line for line in text.splitlines() if marker in line]
+
     def memory(self) -> dict[str, int]:
         """Current and peak resident set size in bytes (``VmRSS``, ``VmHWM``)."""
         out = {}

@@ -290,7 +290,14 @@ def long_arrival(server: Server, p: dict[str, Any], c: int) -> dict[str, Any]:
          "mode": "schedule", "schedule": [[at, t["long_words"], t["max_tokens"]] for at in offsets],
          "seed": 7999, "record_times": True, "timeout": 300.0}
     )  # fmt: skip
+    mark = server.log_size()
     out = _measure(server, specs, (start, end))
+    # trio-mlx logs each decode step of 0.5 s or more with what it carried (at most
+    # one line per 10 s): what a long prompt's worst stall was, when it had one.
+    out["slow_steps"] = [
+        line.split("slow decode step: ", 1)[1]
+        for line in server.log_lines(mark, "slow decode step: ")
+    ]
     records = out.pop("_records")
     out.pop("_go")
     long = [r for r in records if r.get("words") == t["long_words"] and r.get("first")]
