@@ -83,6 +83,11 @@ async def test_response_saying_connection_close_closes_the_connection(
                 assert await _closed_by_server(stream)
 
 
+async def _until_accepted(guard: ConnectionGuard) -> None:
+    while not guard.statistics().open:  # noqa: ASYNC110 - polling a snapshot on purpose
+        await trio.sleep(0.01)
+
+
 async def _listener_closed(port: int) -> None:
     """Return once a new connection is refused (the shutdown has begun)."""
     while True:
@@ -103,8 +108,7 @@ async def test_a_request_racing_the_shutdown_on_an_accepted_connection_is_served
         port = _port(server.url)
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         with trio.fail_after(60):
-            while not server.guard.statistics().open:  # noqa: ASYNC110 - polling a snapshot
-                await trio.sleep(0.01)
+            await _until_accepted(server.guard)
             server.shutdown.set()
             await _listener_closed(port)
             # Every task is blocked: the shutdown has closed whatever it closes at once.
@@ -125,8 +129,7 @@ async def test_a_silent_connection_holds_the_shutdown_only_for_its_keep_alive_ti
     async with live_server(tiny_model_path, limits=limits, graceful_timeout=600) as server:
         stream = await trio.open_tcp_stream("127.0.0.1", _port(server.url))
         with trio.fail_after(60):  # the timeout is 1 s; the graceful deadline 600 s
-            while not server.guard.statistics().open:  # noqa: ASYNC110 - polling a snapshot
-                await trio.sleep(0.01)
+            await _until_accepted(server.guard)
             server.shutdown.set()
             assert await _closed_by_server(stream)
             await server.stopped.wait()

@@ -806,27 +806,25 @@ def _prompt_class() -> Any:
 
         def split(self, indices: list[int]) -> Any:
             b: Any = self
-            if len(set(indices)) < len(self.uids):
-                if not _plain_batch(b.prompt_cache):
-                    return super().split(indices)
-                # Part of the batch moves on (rows whose prompt is done): mlx-lm
-                # deep-copies every cache and then filters both copies. The filters
-                # give each side arrays of its own, so copying the cache objects
-                # (not their arrays) is enough.
-                kept = sorted(set(range(len(self.uids))) - set(indices))
-                moved = self.__class__.__new__(self.__class__)
-                moved.__dict__.update(self.__dict__)
-                moved.prompt_cache = [copy.copy(c) for c in b.prompt_cache]
-                self.filter(kept)
-                moved.filter(sorted(indices))
-                return moved
-            # The whole batch moves on (a group prefilled together): hand it over
-            # as it is instead of mlx-lm's deep copy of its caches and two filters.
+            whole = len(set(indices)) == len(self.uids)
+            if not whole and not _plain_batch(b.prompt_cache):
+                return super().split(indices)
             moved = self.__class__.__new__(self.__class__)
             moved.__dict__.update(self.__dict__)
-            self.uids, self.prompt_cache, self.tokens = [], [], []
-            self.samplers, self.logits_processors, self.max_tokens = [], [], []
-            self.stop_sequences = []
+            if whole:
+                # The whole batch moves on (a group prefilled together): hand it over
+                # as it is instead of mlx-lm's deep copy of its caches and two filters.
+                self.uids, self.prompt_cache, self.tokens = [], [], []
+                self.samplers, self.logits_processors, self.max_tokens = [], [], []
+                self.stop_sequences = []
+                return moved
+            # Part of the batch moves on (rows whose prompt is done): mlx-lm
+            # deep-copies every cache and then filters both copies. The filters
+            # give each side arrays of its own, so copying the cache objects
+            # (not their arrays) is enough.
+            moved.prompt_cache = [copy.copy(c) for c in b.prompt_cache]
+            self.filter(sorted(set(range(len(self.uids))) - set(indices)))
+            moved.filter(sorted(indices))
             return moved
 
         def generate(self, tokens: list[list[int]]) -> Any:
