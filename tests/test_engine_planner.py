@@ -727,7 +727,8 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
         width = 3 * (max(map(len, prompts)) - 1)
         assert re.fullmatch(
             rf"slow decode step: \d+ ms; 3 rows in the batch, a prefill pass of {width} positions, "
-            r"3 rows prefilling, buffer None positions, eager; 0 slow steps not logged before it",
+            r"3 rows prefilling, buffer None positions, eager; memory active \d+ MiB, "
+            r"cached \d+ MiB, peak \d+ MiB; 0 slow steps not logged before it",
             first,
         ), first
         lane.slow_step_quiet = 0.0
@@ -735,7 +736,40 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
         while lane.rows:
             lane.step()
     assert logged()[1].endswith(f"; {steps - 1} slow steps not logged before it")
-    assert all(line.endswith("eager; 0 slow steps not logged before it") for line in logged()[2:])
+    assert all(
+        re.search(r"eager; memory [^;]+; 0 slow steps not logged before it$", line)
+        for line in logged()[2:]
+    )
+
+
+def test_a_slow_admission_is_logged_with_the_rows_it_compacted_and_inserted(
+    tiny_model: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The work before a step's decoding is timed too: a row cancelled, then two
+    inserted, is one compaction of one dead row and two inserts."""
+    model, tokenizer = tiny_model
+    lane = _lane(model, tokenizer)
+    params = SamplingParams(max_tokens=50, logit_bias=NO_EOS)
+    prompts = [tuple(tokenizer.encode(p)) for p in PROMPTS[:3]]
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "slow admission" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="trio_mlx"):
+        lane.step(StepPlan([RowSpec(0, prompts[0], params)]))
+        lane.slow_step_seconds, lane.slow_step_quiet = 0.0, 3600.0
+        lane.step()  # nothing removed or admitted: nothing to say
+        assert logged() == []
+        both = [RowSpec(1, prompts[1], params), RowSpec(2, prompts[2], params)]
+        lane.step(StepPlan(both, removes=[0]))
+        lane.discard([1, 2])
+    assert len(logged()) == 1
+    assert re.fullmatch(
+        r"slow admission: \d+ ms; 1 dead rows compacted, 2 rows inserted, 0 resumed, "
+        r"0 rows in the batch; memory active \d+ MiB, cached \d+ MiB, peak \d+ MiB; "
+        r"0 slow steps not logged before it",
+        logged()[0],
+    ), logged()[0]
 
 
 def test_a_slow_traced_step_says_whether_it_traced_a_new_shape(

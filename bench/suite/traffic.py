@@ -292,11 +292,14 @@ def long_arrival(server: Server, p: dict[str, Any], c: int) -> dict[str, Any]:
     )  # fmt: skip
     mark = server.log_size()
     out = _measure(server, specs, (start, end))
-    # trio-mlx logs each decode step of 0.5 s or more with what it carried (at most
-    # one line per 10 s): what a long prompt's worst stall was, when it had one.
+    # trio-mlx logs each decode step, or removal and admission, of 0.5 s or more with
+    # what it carried (at most one line per 10 s): what a long prompt's worst stall
+    # was, when it had one.
     out["slow_steps"] = [
-        line.split("slow decode step: ", 1)[1]
-        for line in server.log_lines(mark, "slow decode step: ")
+        line[line.index(kind) :]
+        for line in server.log_lines(mark, "trio_mlx")
+        for kind in ("slow decode step: ", "slow admission: ")
+        if kind in line
     ]
     records = out.pop("_records")
     out.pop("_go")

@@ -442,6 +442,18 @@ def _buffer_length(generator: Any) -> int | None:
     return None if keys is None else int(keys.shape[2])
 
 
+def _memory() -> str:
+    """MLX's memory figures, for the slow-step log: a stall that is the allocator's
+    (a new mapping, a cache cleared) shows as a jump in them."""
+    import mlx.core as mx
+
+    mib = 1 << 20
+    return (
+        f"memory active {mx.get_active_memory() // mib} MiB, "
+        f"cached {mx.get_cache_memory() // mib} MiB, peak {mx.get_peak_memory() // mib} MiB"
+    )
+
+
 def _plain_batch(caches: list[Any]) -> bool:
     """Whether every layer is a plain ``BatchKVCache`` holding keys, between passes
     (no right padding pending): the caches :func:`_filter_caches` takes."""
@@ -935,9 +947,10 @@ class BatchLane:
     slow_step_quiet: float = 10.0
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
-    #: Slow steps not logged since the last line (the quiet period), and when that was.
-    _slow_unlogged: int = attrs.field(init=False, default=0)
-    _slow_logged_at: float = attrs.field(init=False, default=-math.inf)
+    #: Slow steps, and slow admissions, not logged since their last line (the quiet
+    #: period), and when that was: index 0 for steps, 1 for admissions.
+    _slow_unlogged: list[int] = attrs.field(init=False, factory=lambda: [0, 0])
+    _slow_logged_at: list[float] = attrs.field(init=False, factory=lambda: [-math.inf] * 2)
     #: Rows inserted into the batch per adapter name (base rows are not counted here).
     adapter_rows: Counter[str] = attrs.field(init=False, factory=Counter)
     #: The stack whose layers are on the model during the current ``next()`` (else None).
@@ -1110,8 +1123,11 @@ class BatchLane:
         self._chunk = plan.prefill_chunk
         events: list[RowEvent] = []
         cached: dict[int, int] = {}
+        start = time.perf_counter()
         self._kill(plan.removes, store=False)
+        compacted = 0
         if self._dead and (inserts or resumes or self._compaction_due()):
+            compacted = len(self._dead)
             self._compact()
         for spec in inserts:
             try:
@@ -1125,6 +1141,9 @@ class BatchLane:
             except Exception as exc:
                 self._drop(row_id)
                 events.append(RowEvent(row_id, error=exc))
+        elapsed = time.perf_counter() - start
+        if elapsed >= self.slow_step_seconds and (compacted or inserts or resumes):
+            self._slow_admission(elapsed, compacted, len(inserts), len(resumes))
         decoded = 0
         if self._by_uid or self._waiting:
             burst, decoded = self._burst(steps, seconds, interrupt)
@@ -1169,20 +1188,47 @@ class BatchLane:
     def _slow_step(self, elapsed: float, prefill: int, traced: int | None) -> None:
         """Log a slow decode step with what it carried, so that a stall can be told
         apart: a long prefill, a first trace, or neither (MLX or the device)."""
-        now = time.perf_counter()
-        if now - self._slow_logged_at < self.slow_step_quiet:
-            self._slow_unlogged += 1
+        unlogged = self._slow_due(0)
+        if unlogged is None:
             return
-        unlogged, self._slow_unlogged, self._slow_logged_at = self._slow_unlogged, 0, now
         logger.info(
             "slow decode step: %.0f ms; %d rows in the batch, a prefill pass of %d positions, "
-            "%d rows prefilling, buffer %s positions, %s; %d slow steps not logged before it",
+            "%d rows prefilling, buffer %s positions, %s; %s; %d slow steps not logged before it",
             elapsed * 1000,
             len(self._by_uid),
             prefill,
             len(self._prefilling),
             _buffer_length(self._generator),
             "eager" if traced is None else f"traced, {traced} new shapes",
+            _memory(),
+            unlogged,
+        )
+
+    def _slow_due(self, kind: int) -> int | None:
+        """None inside ``kind``'s quiet period (counted); else the count not logged before."""
+        now = time.perf_counter()
+        if now - self._slow_logged_at[kind] < self.slow_step_quiet:
+            self._slow_unlogged[kind] += 1
+            return None
+        unlogged, self._slow_unlogged[kind] = self._slow_unlogged[kind], 0
+        self._slow_logged_at[kind] = now
+        return unlogged
+
+    def _slow_admission(self, elapsed: float, compacted: int, inserts: int, resumes: int) -> None:
+        """Log a slow removal and admission (the work before a step's decoding); its
+        quiet period is its own."""
+        unlogged = self._slow_due(1)
+        if unlogged is None:
+            return
+        logger.info(
+            "slow admission: %.0f ms; %d dead rows compacted, %d rows inserted, %d resumed, "
+            "%d rows in the batch; %s; %d slow steps not logged before it",
+            elapsed * 1000,
+            compacted,
+            inserts,
+            resumes,
+            len(self._by_uid),
+            _memory(),
             unlogged,
         )
 
