@@ -726,7 +726,8 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
         # One pass prefills the three prompts, as wide as the longest but its last token.
         width = 3 * (max(map(len, prompts)) - 1)
         assert re.fullmatch(
-            rf"slow decode step: \d+ ms; 3 rows in the batch, a prefill pass of {width} positions, "
+            r"slow decode step: \d+ ms; step 1, \d+ ms of it in Python's garbage collector; "
+            rf"3 rows in the batch, a prefill pass of {width} positions, "
             r"3 rows prefilling, buffer None positions, eager; memory active \d+ MiB, "
             r"cached \d+ MiB, peak \d+ MiB; 0 slow steps not logged before it",
             first,
@@ -797,3 +798,29 @@ def test_a_slow_traced_step_says_whether_it_traced_a_new_shape(
     # A step that met a new batch shape says so (the build's own check traces once more).
     assert 1 <= sum(shapes) <= lane.traced.traces
     assert shapes.count(0) >= 2  # and the steps that replayed one say so
+
+
+@pytest.mark.parametrize("periodic_clear", [True, False])
+def test_the_lane_keeps_mlx_lms_cache_clear_every_512_steps_only_when_asked(
+    tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, periodic_clear: bool
+) -> None:
+    """mlx-lm's ``BatchGenerator`` clears MLX's buffer cache at every 512th decode
+    step; ``periodic_clear=False`` keeps the cache, and the rows decode the same."""
+    import mlx.core as mx
+
+    model, tokenizer = tiny_model
+    clears: list[int] = []
+    lane = _lane(model, tokenizer)
+    lane.periodic_clear = periodic_clear
+    real = mx.clear_cache
+    monkeypatch.setattr(mx, "clear_cache", lambda: (clears.append(lane.decode_steps), real()))
+    params = SamplingParams(max_tokens=1030, logit_bias=NO_EOS)
+    result = lane.step(StepPlan([RowSpec(0, tuple(tokenizer.encode(PROMPTS[0])), params)]))
+    tokens = sum(len(e.token_ids) for e in result.events)
+    while lane.rows:
+        tokens += sum(len(e.token_ids) for e in lane.step().events)
+    assert tokens == 1030
+    assert lane.decode_steps >= 1024
+    # At mlx-lm's 512th and 1,024th step (the lane's counts include the prefill calls).
+    assert len(clears) == (2 if periodic_clear else 0)
+    assert clears[1:] == [c + 512 for c in clears[:-1]]

@@ -40,6 +40,7 @@ mlx-lm <0.33, as the prompt cache's trie is).
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import sys
@@ -440,6 +441,36 @@ def _buffer_length(generator: Any) -> int | None:
     caches = getattr(batch, "prompt_cache", None)
     keys = getattr(caches[0], "keys", None) if caches else None
     return None if keys is None else int(keys.shape[2])
+
+
+#: Seconds Python's garbage collector has run in this process since the import
+#: (index 0), and when the running collection started (index 1); for the slow-step log.
+_gc_seconds: list[float] = [0.0, 0.0]
+
+
+def _gc_timer(phase: str, _info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_seconds[1] = time.perf_counter()
+    else:
+        _gc_seconds[0] += time.perf_counter() - _gc_seconds[1]
+
+
+gc.callbacks.append(_gc_timer)
+
+
+def _skip_periodic_clear(generator: Any) -> None:
+    """Keep mlx-lm's ``BatchGenerator`` from clearing MLX's buffer cache in this step.
+
+    It counts its decode steps (``_counters.generation_steps``) only to clear the
+    cache at each multiple of 512 and to report them: moved past the multiple the
+    coming step would reach, the count runs one short per 512 steps and the cache
+    is kept. On CUDA a cleared cache is every buffer freed, and every buffer the
+    next steps need allocated anew (design/performance.md, fourteenth round).
+    """
+    counters: Any = getattr(generator, "_counters", None)
+    steps = getattr(counters, "generation_steps", None)
+    if isinstance(steps, int) and (steps + 1) % 512 == 0:
+        counters.generation_steps = steps + 1
 
 
 def _memory() -> str:
@@ -945,8 +976,14 @@ class BatchLane:
     #: carried (see ``_slow_step``); at most one line per ``slow_step_quiet`` seconds.
     slow_step_seconds: float = 0.5
     slow_step_quiet: float = 10.0
+    #: mlx-lm's ``BatchGenerator`` clears MLX's buffer cache every 512 decode steps
+    #: (``mx.clear_cache()``); False skips it (``TRIO_MLX_PERIODIC_CLEAR=0``, for
+    #: side-by-side runs; see ``_skip_periodic_clear``).
+    periodic_clear: bool = True
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
+    #: Decode steps run (``BatchGenerator.next()`` calls), for the slow-step log.
+    decode_steps: int = attrs.field(init=False, default=0)
     #: Slow steps, and slow admissions, not logged since their last line (the quiet
     #: period), and when that was: index 0 for steps, 1 for admissions.
     _slow_unlogged: list[int] = attrs.field(init=False, factory=lambda: [0, 0])
@@ -1185,16 +1222,20 @@ class BatchLane:
                         events.append(merge_events([event, *errors]) if errors else event)
                 return events, decoded
 
-    def _slow_step(self, elapsed: float, prefill: int, traced: int | None) -> None:
+    def _slow_step(self, elapsed: float, prefill: int, traced: int | None, gc: float) -> None:
         """Log a slow decode step with what it carried, so that a stall can be told
-        apart: a long prefill, a first trace, or neither (MLX or the device)."""
+        apart: a long prefill, a first trace, Python's garbage collector, MLX's
+        allocator (a cache cleared every 512 steps), or none of these."""
         unlogged = self._slow_due(0)
         if unlogged is None:
             return
         logger.info(
-            "slow decode step: %.0f ms; %d rows in the batch, a prefill pass of %d positions, "
+            "slow decode step: %.0f ms; step %d, %.0f ms of it in Python's garbage collector; "
+            "%d rows in the batch, a prefill pass of %d positions, "
             "%d rows prefilling, buffer %s positions, %s; %s; %d slow steps not logged before it",
             elapsed * 1000,
+            self.decode_steps,
+            gc * 1000,
             len(self._by_uid),
             prefill,
             len(self._prefilling),
@@ -1487,6 +1528,9 @@ class BatchLane:
         if self.traced_decode and self._traced is None:
             self._trace()
         traces = self._traced.traces if self._traced is not None else 0
+        if not self.periodic_clear:
+            _skip_periodic_clear(self._generator)
+        collected = _gc_seconds[0]
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (
@@ -1513,11 +1557,12 @@ class BatchLane:
             self._generator = self._new_generator()
             return True
         elapsed = time.perf_counter() - start
+        self.decode_steps += 1
         self.generator_seconds += elapsed
         self._timings.append((prefill, elapsed))
         if elapsed >= self.slow_step_seconds:
             traced = self._traced.traces - traces if self._traced is not None else None
-            self._slow_step(elapsed, prefill, traced)
+            self._slow_step(elapsed, prefill, traced, _gc_seconds[0] - collected)
         prefilling = self._prefilling
         for progress in _prompt_responses:
             if progress.end_of_prompt:
