@@ -727,6 +727,8 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
         width = 3 * (max(map(len, prompts)) - 1)
         assert re.fullmatch(
             r"slow decode step: \d+ ms; step 1, \d+ ms of it in Python's garbage collector; "
+            r"the decode pass built in \d+ ms, queued in \d+ ms, the pass before it waited "
+            r"for \d+ ms; "
             rf"3 rows in the batch, a prefill pass of {width} positions, "
             r"3 rows prefilling, buffer None positions, eager; memory active \d+ MiB, "
             r"cached \d+ MiB, peak \d+ MiB; 0 slow steps not logged before it",

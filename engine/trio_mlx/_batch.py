@@ -649,6 +649,10 @@ def _generation_class() -> Any:
         grammar: GrammarBatch | None = None
         #: Uids whose next emitted token is their prompt's last one (see above).
         fresh: set[int]
+        #: The last step's seconds building its graph, queueing it (``mx.async_eval``:
+        #: MLX's encoding, kernels compiled, buffers allocated) and waiting for the
+        #: step before it (the device's work); for the slow-step log.
+        phases: tuple[float, float, float] = (0.0, 0.0, 0.0)
         #: Uids of rows that asked for logprobs (a superset of those in the batch).
         logprob_uids: set[int]
         #: Uids of constrained rows (a superset of those in the batch).
@@ -743,17 +747,21 @@ def _generation_class() -> Any:
                 self._enter_solo()
             queued, queued_lps = b._next_tokens, b._next_logprobs
             b._current_tokens, b._current_logprobs = queued, queued_lps
+            built = time.perf_counter()
             logits, contexts = _processed(b, self._logits(queued), queued)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             b._next_tokens = _sampled(b, logprobs)
+            queueing = time.perf_counter()
             if b.logprob_uids:
                 b._next_logprobs = list(logprobs)
                 mx.async_eval(b._next_tokens, b._next_logprobs, contexts)  # type: ignore[no-untyped-call]
             else:  # nobody reads a row's vector: every row shares the batch's
                 b._next_logprobs = [logprobs] * len(b.uids)
                 mx.async_eval(b._next_tokens, logprobs, contexts)  # type: ignore[no-untyped-call]
+            waiting = time.perf_counter()
             mx.eval(queued, queued_lps)
             tokens: list[int] = queued.tolist()
+            self.phases = (queueing - built, waiting - queueing, time.perf_counter() - waiting)
             for history, token in zip(b.tokens, tokens, strict=False):
                 history.append(token)
             return tokens, queued_lps
@@ -1231,11 +1239,13 @@ class BatchLane:
             return
         logger.info(
             "slow decode step: %.0f ms; step %d, %.0f ms of it in Python's garbage collector; "
-            "%d rows in the batch, a prefill pass of %d positions, "
+            "the decode pass built in %.0f ms, queued in %.0f ms, the pass before it waited "
+            "for %.0f ms; %d rows in the batch, a prefill pass of %d positions, "
             "%d rows prefilling, buffer %s positions, %s; %s; %d slow steps not logged before it",
             elapsed * 1000,
             self.decode_steps,
             gc * 1000,
+            *(seconds * 1000 for seconds in self._generator._generation_batch.phases),
             len(self._by_uid),
             prefill,
             len(self._prefilling),
