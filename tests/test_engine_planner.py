@@ -730,7 +730,7 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
             r"the decode pass built in \d+ ms, queued in \d+ ms, the pass before it waited "
             r"for \d+ ms; "
             rf"3 rows in the batch, a prefill pass of {width} positions, "
-            r"3 rows prefilling, buffer None positions, eager; memory active \d+ MiB, "
+            r"3 rows prefilling, buffer None positions, eager; no kernel compiled; memory active \d+ MiB, "
             r"cached \d+ MiB, peak \d+ MiB; 0 slow steps not logged before it",
             first,
         ), first
@@ -740,7 +740,9 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
             lane.step()
     assert logged()[1].endswith(f"; {steps - 1} slow steps not logged before it")
     assert all(
-        re.search(r"eager; memory [^;]+; 0 slow steps not logged before it$", line)
+        re.search(
+            r"eager; no kernel compiled; memory [^;]+; 0 slow steps not logged before it$", line
+        )
         for line in logged()[2:]
     )
 
@@ -802,27 +804,27 @@ def test_a_slow_traced_step_says_whether_it_traced_a_new_shape(
     assert shapes.count(0) >= 2  # and the steps that replayed one say so
 
 
-@pytest.mark.parametrize("periodic_clear", [True, False])
-def test_the_lane_keeps_mlx_lms_cache_clear_every_512_steps_only_when_asked(
-    tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, periodic_clear: bool
+def test_the_slow_step_log_names_the_kernel_modules_mlx_compiled_during_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """mlx-lm's ``BatchGenerator`` clears MLX's buffer cache at every 512th decode
-    step; ``periodic_clear=False`` keeps the cache, and the rows decode the same."""
-    import mlx.core as mx
+    """MLX's CUDA backend writes each module it compiles to its PTX cache directory:
+    the ones written since the step began are named, the older ones are not."""
+    import os
 
-    model, tokenizer = tiny_model
-    clears: list[int] = []
-    lane = _lane(model, tokenizer)
-    lane.periodic_clear = periodic_clear
-    real = mx.clear_cache
-    monkeypatch.setattr(mx, "clear_cache", lambda: (clears.append(lane.decode_steps), real()))
-    params = SamplingParams(max_tokens=1030, logit_bias=NO_EOS)
-    result = lane.step(StepPlan([RowSpec(0, tuple(tokenizer.encode(PROMPTS[0])), params)]))
-    tokens = sum(len(e.token_ids) for e in result.events)
-    while lane.rows:
-        tokens += sum(len(e.token_ids) for e in lane.step().events)
-    assert tokens == 1030
-    assert lane.decode_steps >= 1024
-    # At mlx-lm's 512th and 1,024th step (the lane's counts include the prefill calls).
-    assert len(clears) == (2 if periodic_clear else 0)
-    assert clears[1:] == [c + 512 for c in clears[:-1]]
+    from trio_mlx._batch import _kernels_compiled
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    assert _kernels_compiled(0.0) == "no kernel compiled"
+    old = tmp_path / "gather_bfloat16_int32_1.ptx"
+    old.write_bytes(b"")
+    os.utime(old, (1000.0, 1000.0))
+    for i in range(6):
+        (tmp_path / f"scatter_axis_{i}.ptx").write_bytes(b"")
+        (tmp_path / f"scatter_axis_{i}.cu").write_text("source")
+    assert _kernels_compiled(2000.0) == (
+        "6 kernel modules compiled: scatter_axis_0, scatter_axis_1, scatter_axis_2, "
+        "scatter_axis_3 and 2 more"
+    )
+    assert _kernels_compiled(0.0).startswith("7 kernel modules compiled: gather_bfloat16_int32_1")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "absent"))
+    assert _kernels_compiled(0.0) == "no kernel compiled"

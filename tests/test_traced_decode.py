@@ -289,9 +289,6 @@ def test_rows_coming_and_going_replay_a_few_traced_shapes(
     # 1-12 rows over buffers of 256 positions (no row here passes 100 positions);
     # without the padding this schedule traced 45 shapes.
     assert traced.traces <= 16
-    # Inputs left by a removal, a join or a padding pass through mx.contiguous once;
-    # a step over what the traced step returned passes them as they are.
-    assert 10 < traced.fresh_inputs < traced.traced_steps // 2
     with caplog.at_level(logging.INFO, logger="trio_mlx"):
         lane.close()
     assert f"{traced.traces} shapes traced" in caplog.text, "shutdown logs what it did"

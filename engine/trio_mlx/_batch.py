@@ -458,19 +458,34 @@ def _gc_timer(phase: str, _info: dict[str, int]) -> None:
 gc.callbacks.append(_gc_timer)
 
 
-def _skip_periodic_clear(generator: Any) -> None:
-    """Keep mlx-lm's ``BatchGenerator`` from clearing MLX's buffer cache in this step.
+def _kernels_compiled(since: float) -> str:
+    """The kernel modules MLX's CUDA backend compiled since ``since`` (a ``time.time()``),
+    for the slow-step log.
 
-    It counts its decode steps (``_counters.generation_steps``) only to clear the
-    cache at each multiple of 512 and to report them: moved past the multiple the
-    coming step would reach, the count runs one short per 512 steps and the cache
-    is kept. On CUDA a cleared cache is every buffer freed, and every buffer the
-    next steps need allocated anew (design/performance.md, fourteenth round).
+    MLX compiles a module with NVRTC the first time a process meets it (a fused
+    graph, a gather of a new dtype, a custom kernel; a second or more each on the
+    H200) and writes it to its PTX cache directory, ``MLX_PTX_CACHE_DIR`` or
+    ``<temp>/mlx/<version>/ptx``; modules written during a slow step are the ones it
+    compiled then. A module read back from that directory is not listed, nor is
+    anything where the directory is absent (the CPU).
     """
-    counters: Any = getattr(generator, "_counters", None)
-    steps = getattr(counters, "generation_steps", None)
-    if isinstance(steps, int) and (steps + 1) % 512 == 0:
-        counters.generation_steps = steps + 1
+    import os
+    import tempfile
+    from pathlib import Path
+
+    chosen = os.environ.get("MLX_PTX_CACHE_DIR")
+    roots = [Path(chosen)] if chosen else sorted(Path(tempfile.gettempdir()).glob("mlx/*/ptx"))
+    names: list[str] = []
+    for root in roots:
+        try:
+            names += sorted(p.stem for p in root.glob("*.ptx") if p.stat().st_mtime >= since)
+        except OSError:  # gone meanwhile: nothing to say about it
+            continue
+    if not names:
+        return "no kernel compiled"
+    shown = ", ".join(name[:60] for name in names[:4])
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return f"{len(names)} kernel modules compiled: {shown}{more}"
 
 
 def _memory() -> str:
@@ -984,10 +999,6 @@ class BatchLane:
     #: carried (see ``_slow_step``); at most one line per ``slow_step_quiet`` seconds.
     slow_step_seconds: float = 0.5
     slow_step_quiet: float = 10.0
-    #: mlx-lm's ``BatchGenerator`` clears MLX's buffer cache every 512 decode steps
-    #: (``mx.clear_cache()``); False skips it (``TRIO_MLX_PERIODIC_CLEAR=0``, for
-    #: side-by-side runs; see ``_skip_periodic_clear``).
-    periodic_clear: bool = True
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
     #: Decode steps run (``BatchGenerator.next()`` calls), for the slow-step log.
@@ -1230,10 +1241,10 @@ class BatchLane:
                         events.append(merge_events([event, *errors]) if errors else event)
                 return events, decoded
 
-    def _slow_step(self, elapsed: float, prefill: int, traced: int | None, gc: float) -> None:
+    def _slow_step(self, elapsed: float, prefill: int, how: str, gc: float) -> None:
         """Log a slow decode step with what it carried, so that a stall can be told
-        apart: a long prefill, a first trace, Python's garbage collector, MLX's
-        allocator (a cache cleared every 512 steps), or none of these."""
+        apart: a long prefill, a first trace, Python's garbage collector, kernels
+        compiled, MLX's allocator, or none of these."""
         unlogged = self._slow_due(0)
         if unlogged is None:
             return
@@ -1241,7 +1252,8 @@ class BatchLane:
             "slow decode step: %.0f ms; step %d, %.0f ms of it in Python's garbage collector; "
             "the decode pass built in %.0f ms, queued in %.0f ms, the pass before it waited "
             "for %.0f ms; %d rows in the batch, a prefill pass of %d positions, "
-            "%d rows prefilling, buffer %s positions, %s; %s; %d slow steps not logged before it",
+            "%d rows prefilling, buffer %s positions, %s; %s; %s; "
+            "%d slow steps not logged before it",
             elapsed * 1000,
             self.decode_steps,
             gc * 1000,
@@ -1250,7 +1262,8 @@ class BatchLane:
             prefill,
             len(self._prefilling),
             _buffer_length(self._generator),
-            "eager" if traced is None else f"traced, {traced} new shapes",
+            how,
+            _kernels_compiled(time.time() - elapsed - 0.01),
             _memory(),
             unlogged,
         )
@@ -1537,9 +1550,8 @@ class BatchLane:
         prefill = self._pass_tokens() if self._prefilling else 0  # steady decoding: none
         if self.traced_decode and self._traced is None:
             self._trace()
-        traces = self._traced.traces if self._traced is not None else 0
-        if not self.periodic_clear:
-            _skip_periodic_clear(self._generator)
+        traced = self._traced
+        before = (traced.traces, traced.traced_steps) if traced is not None else (0, 0)
         collected = _gc_seconds[0]
         start = time.perf_counter()
         stack = self._stack()
@@ -1571,8 +1583,10 @@ class BatchLane:
         self.generator_seconds += elapsed
         self._timings.append((prefill, elapsed))
         if elapsed >= self.slow_step_seconds:
-            traced = self._traced.traces - traces if self._traced is not None else None
-            self._slow_step(elapsed, prefill, traced, _gc_seconds[0] - collected)
+            how = "eager"  # the model's own step, or no decode pass
+            if traced is not None and traced.traced_steps > before[1]:
+                how = f"traced, {traced.traces - before[0]} new shapes"
+            self._slow_step(elapsed, prefill, how, _gc_seconds[0] - collected)
         prefilling = self._prefilling
         for progress in _prompt_responses:
             if progress.end_of_prompt:

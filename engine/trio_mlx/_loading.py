@@ -264,7 +264,6 @@ def load(
         prefill_step_size=settings.prefill_step_size,
         prefill_batch_size=settings.prefill_batch_size,
         solo_decode=os.environ.get("TRIO_MLX_SOLO_DECODE", "1") != "0",
-        periodic_clear=os.environ.get("TRIO_MLX_PERIODIC_CLEAR", "1") != "0",
     )
     # One process only: every rank would have to trace and check alike.
     lane.traced_decode = channel is None and _traced_decode.wanted(

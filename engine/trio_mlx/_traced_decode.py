@@ -38,22 +38,6 @@ every shape's graph for the life of the compiled function; after
 :data:`MAX_SHAPES` traces a fresh one starts, so a server that meets many
 shapes does not hold them all.
 
-Inputs that are views
-=====================
-
-A removal trims the left padding every remaining row shares with a slice
-(``_filter_caches``, mlx-lm's ``BatchKVCache.filter``): the buffers become
-views that start inside a larger one. Where the trimmed length is a multiple
-of the cache's step no padding to the step copies them, and the traced graph
-meets strided inputs. MLX's CUDA backend compiles a fused kernel for the
-memory layout it meets, so the first such step of a process compiles anew
-while every row waits: served on the H200, one step queued for 2.35 s with no
-new trace, once per server, at 64 rows and 4,096 positions (design/performance.md,
-fourteenth round). So keys and values that are not the ones the traced step
-returned last time (a removal, a join, a padding or an eager step came
-between) go through ``mx.contiguous`` first: a copy where they are views, and
-nothing where they are not.
-
 After the traced step the caches are what mlx-lm's own step leaves: the new
 buffers, ``offset`` one further, ``_idx`` one further. So removal, joins,
 parking and prefix caching see nothing different.
@@ -132,13 +116,8 @@ class TracedDecode:
         #: Graphs traced (one per new batch shape) and buffers padded to the step.
         self.traces = 0
         self.padded = 0
-        #: Steps whose keys and values came from outside the traced step (a removal,
-        #: a join, a padding, an eager step) and were passed through ``mx.contiguous``.
-        self.fresh_inputs = 0
         #: Set once a trace failed: every later step runs eagerly.
         self.failed = False
-        #: The identities of the keys and values the last traced step returned.
-        self._returned: tuple[int, ...] = ()
         self._compiled = mx.compile(self._step)
         self._kept = 0  # traces held by ``_compiled``
         #: The model's arrays when traced: the graph holds these, not what the model holds later.
@@ -193,10 +172,6 @@ class TracedDecode:
             self._compiled, self._kept = mx.compile(self._step), 0
         idx = mx.array([first._idx], dtype=mx.int32)
         kv = [a for c in caches for a in (c.keys, c.values)]
-        if tuple(map(id, kv)) != self._returned:
-            # Not what this step returned: maybe views (see "Inputs that are views").
-            kv = [mx.contiguous(a) for a in kv]
-            self.fresh_inputs += 1
         try:
             logits, *kv = self._compiled(tokens, idx, first.offset, first.left_padding, *kv)
         except Exception:  # tracing a new shape failed: the caches are untouched
@@ -209,7 +184,6 @@ class TracedDecode:
             cache.keys, cache.values = kv[2 * i], kv[2 * i + 1]
             cache.offset = offset
             cache._idx += 1
-        self._returned = tuple(map(id, kv))
         self.traced_steps += 1
         return logits
 
@@ -217,8 +191,7 @@ class TracedDecode:
         """What the traced step did, for the log at shutdown."""
         return (
             f"{self.traced_steps} steps traced, {self.eager_steps} eager, "
-            f"{self.traces} shapes traced, {self.padded} buffers padded to the step, "
-            f"{self.fresh_inputs} steps' inputs made contiguous"
+            f"{self.traces} shapes traced, {self.padded} buffers padded to the step"
         )
 
     def _pad_to_step(self, caches: list[Any]) -> None:
