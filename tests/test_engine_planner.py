@@ -730,8 +730,8 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
             r"the decode pass built in \d+ ms, queued in \d+ ms, the pass before it waited "
             r"for \d+ ms; "
             rf"3 rows in the batch, a prefill pass of {width} positions, "
-            r"3 rows prefilling, buffer None positions, eager; no kernel compiled; memory active \d+ MiB, "
-            r"cached \d+ MiB, peak \d+ MiB; 0 slow steps not logged before it",
+            r"3 rows prefilling, buffer None positions, eager; no kernel compiled; memory active \d+ -> \d+ MiB, "
+            r"cached \d+ -> \d+ MiB, peak \d+ MiB; 0 slow steps not logged before it",
             first,
         ), first
         lane.slow_step_quiet = 0.0

@@ -488,15 +488,26 @@ def _kernels_compiled(since: float) -> str:
     return f"{len(names)} kernel modules compiled: {shown}{more}"
 
 
-def _memory() -> str:
-    """MLX's memory figures, for the slow-step log: a stall that is the allocator's
-    (a new mapping, a cache cleared) shows as a jump in them."""
+def _memory_now() -> tuple[int, int]:
+    """MLX's active and cached memory in bytes (read before each decode step)."""
+    import mlx.core as mx
+
+    return mx.get_active_memory(), mx.get_cache_memory()
+
+
+def _memory(before: tuple[int, int] | None = None) -> str:
+    """MLX's memory figures, for the slow-step log, from ``before`` (if given) to now:
+    a stall that is the allocator's (a large new buffer, a cache cleared) shows as a
+    jump in them."""
     import mlx.core as mx
 
     mib = 1 << 20
+    active, cached = _memory_now()
+    was = "" if before is None else f"{before[0] // mib} -> "
+    was_cached = "" if before is None else f"{before[1] // mib} -> "
     return (
-        f"memory active {mx.get_active_memory() // mib} MiB, "
-        f"cached {mx.get_cache_memory() // mib} MiB, peak {mx.get_peak_memory() // mib} MiB"
+        f"memory active {was}{active // mib} MiB, cached {was_cached}{cached // mib} MiB, "
+        f"peak {mx.get_peak_memory() // mib} MiB"
     )
 
 
@@ -1241,7 +1252,9 @@ class BatchLane:
                         events.append(merge_events([event, *errors]) if errors else event)
                 return events, decoded
 
-    def _slow_step(self, elapsed: float, prefill: int, how: str, gc: float) -> None:
+    def _slow_step(
+        self, elapsed: float, prefill: int, how: str, gc: float, memory: tuple[int, int]
+    ) -> None:
         """Log a slow decode step with what it carried, so that a stall can be told
         apart: a long prefill, a first trace, Python's garbage collector, kernels
         compiled, MLX's allocator, or none of these."""
@@ -1264,7 +1277,7 @@ class BatchLane:
             _buffer_length(self._generator),
             how,
             _kernels_compiled(time.time() - elapsed - 0.01),
-            _memory(),
+            _memory(memory),
             unlogged,
         )
 
@@ -1553,6 +1566,7 @@ class BatchLane:
         traced = self._traced
         before = (traced.traces, traced.traced_steps) if traced is not None else (0, 0)
         collected = _gc_seconds[0]
+        memory = _memory_now()
         start = time.perf_counter()
         stack = self._stack()
         if stack is not None and not (
@@ -1586,7 +1600,7 @@ class BatchLane:
             how = "eager"  # the model's own step, or no decode pass
             if traced is not None and traced.traced_steps > before[1]:
                 how = f"traced, {traced.traces - before[0]} new shapes"
-            self._slow_step(elapsed, prefill, how, _gc_seconds[0] - collected)
+            self._slow_step(elapsed, prefill, how, _gc_seconds[0] - collected, memory)
         prefilling = self._prefilling
         for progress in _prompt_responses:
             if progress.end_of_prompt:
