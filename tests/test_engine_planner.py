@@ -703,10 +703,14 @@ def test_a_row_asking_for_logprobs_gets_the_same_ones_alone_and_joining_plain_ro
 
 
 def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quiet_period(
-    tiny_model: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+    tiny_model: tuple[Any, Any],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every step counts as slow here (threshold 0): the first one logs, the rest are
     counted until the quiet period ends, and the next line says how many were not logged."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))  # no module compiled there
     model, tokenizer = tiny_model
     lane = _lane(model, tokenizer)
     lane.slow_step_seconds, lane.slow_step_quiet = 0.0, 3600.0
