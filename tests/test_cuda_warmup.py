@@ -7,7 +7,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from trio_mlx import _cuda_warmup
+from trio_mlx import SamplingParams, _cuda_warmup
+from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._prompt_cache import PromptCache
 
 
 class CountingModel:
@@ -55,3 +57,43 @@ def test_warm_up_primes_each_width_once_and_leaves_the_model_unchanged(
     assert done["seconds"] >= 0
     after = model(prompt, cache=make_prompt_cache(model))
     assert mx.array_equal(before, after).item()
+
+
+def _greedy(lane: BatchLane, prompts: list[tuple[int, ...]]) -> dict[int, list[int]]:
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    tokens: dict[int, list[int]] = {}
+    plan = StepPlan([RowSpec(100 + i, p, params) for i, p in enumerate(prompts)])
+    while True:
+        for event in lane.step(plan).events:
+            assert event.error is None
+            tokens.setdefault(event.id, []).extend(event.token_ids)
+        plan = StepPlan()
+        if not lane.rows:
+            return tokens
+
+
+def test_the_lane_pass_meets_the_lanes_paths_and_leaves_it_as_it_was(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    """Asked for, on CUDA, with the lane: its schedule runs (a prompt-cache hit among
+    it), no row and no cache entry is left, and the lane decodes as a fresh one does."""
+    model, tokenizer = tiny_model
+    prompts = [tuple(tokenizer.encode(p)) for p in ("Hello world", "def main():")]
+
+    def fresh() -> BatchLane:
+        lane = BatchLane(model, tokenizer, max_batch=12)
+        lane.prefill_budget = 48  # the pass's long prompt is prefilled in chunks
+        lane.prompt_cache = PromptCache(1 << 26)
+        return lane
+
+    want = _greedy(fresh(), prompts)
+    lane = fresh()
+    done = _cuda_warmup.warm_up(model, 12, 48, {"TRIO_MLX_CUDA_WARMUP": "1"}, cuda=True, lane=lane)
+    assert done["lane_rows"] == 8 + 4  # a batch of max_batch - 4, two joining, two later
+    assert 20 < done["lane_calls"] < _cuda_warmup.LANE_PASS_STEPS
+    assert done["lane_cached"] >= 64, "the 130-token prompt came again and hit the cache"
+    assert lane.rows == 0
+    assert lane.prompt_cache is not None
+    assert lane.prompt_cache.nbytes == 0
+    assert lane.decode_steps > 20
+    assert _greedy(lane, prompts) == want

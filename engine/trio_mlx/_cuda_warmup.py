@@ -24,6 +24,25 @@ the GPU default of 1,536 (Llama-3.2-1B shape, H200).
 in-process long-prompt trace nor the served traffic part moved beyond their
 spread (two fresh servers with the same settings read 5,050 and 3,599 tok/s at
 64 streams in one run), so the start-up time buys nothing measured yet.
+
+Kernels compiled on first use
+=============================
+
+MLX's CUDA backend compiles a kernel module with NVRTC the first time a
+process meets it (each fused graph, gather, scatter and custom kernel of a new
+kind), a second or more each on the H200; a fresh server's first requests
+stalled 2.3-12.6 s on them (design/performance.md, fourteenth round). MLX keeps
+what it compiled on disk (``<temp>/mlx/<version>/ptx``), so later processes on
+the machine load them instead. With the same variable, :func:`lane_pass` then
+runs the loaded lane through a small schedule that meets its paths once before
+traffic does: a batch of rows above and below 32 (the decode-attention kernel's
+two block sizes), prompts of several lengths and one longer than the prefill
+budget (chunked), rows joining a decoding batch, finishing at different steps
+(removal), cancelled, parked and resumed, a buffer filled past mlx-lm's
+256-position step (its own step grows it), a prompt-cache hit, and one row alone
+(the solo step). What it leaves: no rows, an empty prompt cache, the traced
+step's shapes. Not measured on the H200 yet: whether it moves the first
+requests' stalls to start-up.
 """
 
 from __future__ import annotations
@@ -35,8 +54,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from trio_mlx import _cuda_settings
+from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._params import SamplingParams
 
-__all__ = ["prime", "prime_widths", "warm_up"]
+__all__ = ["lane_pass", "prime", "prime_widths", "warm_up"]
 
 logger = logging.getLogger("trio_mlx")
 
@@ -56,6 +77,67 @@ def prime(model: Any, widths: Iterable[int]) -> None:
     mx.clear_cache()
 
 
+#: The most lane calls :func:`lane_pass` makes (its schedule needs a few hundred).
+LANE_PASS_STEPS = 3000
+
+
+def lane_pass(lane: BatchLane) -> dict[str, float]:
+    """Run ``lane`` (empty, loaded) through every path traffic takes, once; see the notes.
+
+    Returns the rows run, the lane calls made and the prompt tokens served from the
+    prompt cache. The rows' tokens are thrown away; the lane is left without rows
+    and its prompt cache empty.
+    """
+    eos = set(lane.tokenizer.eos_token_ids)
+    # Any ordinary token will do: the rows' content does not matter.
+    token = next(t for t in range(3, 1000) if t not in eos)
+    no_eos = dict.fromkeys(eos, -100.0)
+    budget = lane.prefill_budget or 256
+    lengths = [3, 17, 64, 130, 250]
+    first = max(1, min(lane.max_batch - 4, 40))
+
+    def spec(row_id: int, length: int, tokens: int) -> RowSpec:
+        prompt = tuple([token] * (length - 1) + [token + 1 + row_id % 7])
+        return RowSpec(row_id, prompt, SamplingParams(max_tokens=tokens, logit_bias=no_eos))
+
+    plans = [
+        # A batch above 32 rows (or the lane's most), prompts of several lengths,
+        # finishing at different steps; the 250-token ones cross position 256.
+        StepPlan([spec(i, lengths[i % 5], (30, 4, 9, 16)[i % 4]) for i in range(first)]),
+        StepPlan(),
+        StepPlan(),
+        # Rows join while others decode: one longer than the prefill budget, one
+        # cancelled at once.
+        StepPlan([spec(first, budget * 2 + 5, 6), spec(first + 1, 40, 8)]),
+        StepPlan(removes=[first + 1]),
+    ]
+    calls = rows = cached = 0
+    for plan in plans:
+        rows += len(plan.inserts)
+        cached += sum(lane.step(plan).cached.values())
+        calls += 1
+    lane.park([0])  # row 0 decodes 30 tokens: still in the batch
+    lane.step(StepPlan(resumes=[0]))
+    calls += 1
+    while lane.rows and calls < LANE_PASS_STEPS:
+        lane.step()
+        calls += 1
+    # The 130-token prompt again, stored when its row finished: a prompt-cache hit.
+    # Then one row alone (the solo step), under 32 rows.
+    for plan in (StepPlan([spec(2 * first + 3, 130, 4)]), StepPlan([spec(first + 2, 9, 5)])):
+        rows += 1
+        cached += sum(lane.step(plan).cached.values())
+        calls += 1
+        while lane.rows and calls < LANE_PASS_STEPS:
+            lane.step()
+            calls += 1
+    if lane.rows:  # the bound: never leave rows behind
+        lane.discard(range(2 * first + 4))
+    if lane.prompt_cache is not None:
+        lane.prompt_cache.clear()
+    return {"lane_rows": float(rows), "lane_calls": float(calls), "lane_cached": float(cached)}
+
+
 def warm_up(
     model: Any,
     max_batch: int,
@@ -63,8 +145,10 @@ def warm_up(
     environ: Mapping[str, str] | None = None,
     *,
     cuda: bool | None = None,
+    lane: BatchLane | None = None,
 ) -> dict[str, float]:
-    """:func:`prime` on CUDA when ``TRIO_MLX_CUDA_WARMUP=1``: widths primed and seconds taken.
+    """:func:`prime` (and :func:`lane_pass` over ``lane``) on CUDA when
+    ``TRIO_MLX_CUDA_WARMUP=1``: what each did and the seconds taken.
 
     ``environ`` defaults to ``os.environ`` and ``cuda`` to whether MLX's CUDA
     backend is available (both are parameters for the tests).
@@ -79,6 +163,8 @@ def warm_up(
     widths = prime_widths(max_batch, prefill_budget)
     prime(model, widths)
     done["primed_widths"] = float(len(widths))
+    if lane is not None:
+        done.update(lane_pass(lane))
     done["seconds"] = time.perf_counter() - start
     logger.info("CUDA warm-up: %s", done)
     return done

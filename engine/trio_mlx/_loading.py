@@ -288,7 +288,7 @@ def load(
         GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
     )
     if channel is None:  # ranks would have to agree on every pass: not worth it there
-        _cuda_warmup.warm_up(model, settings.max_batch, lane.prefill_budget)
+        _cuda_warmup.warm_up(model, settings.max_batch, lane.prefill_budget, lane=lane)
     if not grouping:
         lane.removal_delay = 0  # every dead row leaves at the end of its step
         lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
