@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from trio_mlx import SamplingParams, _cuda_warmup
@@ -97,3 +98,25 @@ def test_the_lane_pass_meets_the_lanes_paths_and_leaves_it_as_it_was(
     assert lane.prompt_cache.nbytes == 0
     assert lane.decode_steps > 20
     assert _greedy(lane, prompts) == want
+
+
+def test_a_lane_pass_that_fails_leaves_the_lane_empty_and_the_load_going(
+    tiny_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the schedule raises half-way; the warm-up logs it, returns
+    what it did, and leaves no row behind."""
+    model, tokenizer = tiny_model
+    lane = BatchLane(model, tokenizer, max_batch=12)
+    lane.prompt_cache = PromptCache(1 << 26)
+    real = BatchLane.park
+
+    def broken(self: BatchLane, ids: Any) -> None:
+        real(self, ids)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(BatchLane, "park", broken)
+    done = _cuda_warmup.warm_up(model, 12, 48, {"TRIO_MLX_CUDA_WARMUP": "1"}, cuda=True, lane=lane)
+    assert "lane_rows" not in done
+    assert done["primed_widths"] > 0
+    assert lane.rows == 0
+    assert lane.prompt_cache.nbytes == 0

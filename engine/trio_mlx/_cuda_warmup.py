@@ -164,7 +164,13 @@ def warm_up(
     prime(model, widths)
     done["primed_widths"] = float(len(widths))
     if lane is not None:
-        done.update(lane_pass(lane))
+        try:
+            done.update(lane_pass(lane))
+        except Exception:  # a warm-up never keeps the server from starting
+            logger.warning("CUDA warm-up: the lane pass failed; serving without it", exc_info=True)
+            lane.discard(range(lane.max_batch * 2 + 4))
+            if lane.prompt_cache is not None:
+                lane.prompt_cache.clear()
     done["seconds"] = time.perf_counter() - start
     logger.info("CUDA warm-up: %s", done)
     return done
