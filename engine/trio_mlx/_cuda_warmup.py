@@ -86,8 +86,18 @@ def lane_pass(lane: BatchLane) -> dict[str, float]:
 
     Returns the rows run, the lane calls made and the prompt tokens served from the
     prompt cache. The rows' tokens are thrown away; the lane is left without rows
-    and its prompt cache empty.
+    and its prompt cache empty, whether the schedule ends or raises.
     """
+    try:
+        return _schedule(lane)
+    finally:
+        if lane.rows:  # the bound, or an error: never leave rows behind
+            lane.discard(range(2 * lane.max_batch + 4))  # every id the schedule uses
+        if lane.prompt_cache is not None:
+            lane.prompt_cache.clear()
+
+
+def _schedule(lane: BatchLane) -> dict[str, float]:
     eos = set(lane.tokenizer.eos_token_ids)
     # Any ordinary token will do: the rows' content does not matter.
     token = next(t for t in range(3, 1000) if t not in eos)
@@ -100,41 +110,35 @@ def lane_pass(lane: BatchLane) -> dict[str, float]:
         prompt = tuple([token] * (length - 1) + [token + 1 + row_id % 7])
         return RowSpec(row_id, prompt, SamplingParams(max_tokens=tokens, logit_bias=no_eos))
 
-    plans = [
-        # A batch above 32 rows (or the lane's most), prompts of several lengths,
-        # finishing at different steps; the 250-token ones cross position 256.
-        StepPlan([spec(i, lengths[i % 5], (30, 4, 9, 16)[i % 4]) for i in range(first)]),
-        StepPlan(),
-        StepPlan(),
-        # Rows join while others decode: one longer than the prefill budget, one
-        # cancelled at once.
-        StepPlan([spec(first, budget * 2 + 5, 6), spec(first + 1, 40, 8)]),
-        StepPlan(removes=[first + 1]),
-    ]
     calls = rows = cached = 0
-    for plan in plans:
+
+    def run(plan: StepPlan, *, drain: bool) -> None:
+        nonlocal calls, rows, cached
         rows += len(plan.inserts)
         cached += sum(lane.step(plan).cached.values())
         calls += 1
-    lane.park([0])  # row 0 decodes 30 tokens: still in the batch
-    lane.step(StepPlan(resumes=[0]))
-    calls += 1
-    while lane.rows and calls < LANE_PASS_STEPS:
-        lane.step()
-        calls += 1
-    # The 130-token prompt again, stored when its row finished: a prompt-cache hit.
-    # Then one row alone (the solo step), under 32 rows.
-    for plan in (StepPlan([spec(2 * first + 3, 130, 4)]), StepPlan([spec(first + 2, 9, 5)])):
-        rows += 1
-        cached += sum(lane.step(plan).cached.values())
-        calls += 1
-        while lane.rows and calls < LANE_PASS_STEPS:
+        while drain and lane.rows and calls < LANE_PASS_STEPS:
             lane.step()
             calls += 1
-    if lane.rows:  # the bound: never leave rows behind
-        lane.discard(range(2 * first + 4))
-    if lane.prompt_cache is not None:
-        lane.prompt_cache.clear()
+
+    # A batch above 32 rows (or the lane's most), prompts of several lengths,
+    # finishing at different steps; the 250-token ones cross position 256.
+    run(
+        StepPlan([spec(i, lengths[i % 5], (30, 4, 9, 16)[i % 4]) for i in range(first)]),
+        drain=False,
+    )
+    run(StepPlan(), drain=False)
+    run(StepPlan(), drain=False)
+    # Rows join while others decode: one longer than the prefill budget, one
+    # cancelled at once.
+    run(StepPlan([spec(first, budget * 2 + 5, 6), spec(first + 1, 40, 8)]), drain=False)
+    run(StepPlan(removes=[first + 1]), drain=False)
+    lane.park([0])  # row 0 decodes 30 tokens: still in the batch
+    run(StepPlan(resumes=[0]), drain=True)
+    # The 130-token prompt again, stored when its row finished: a prompt-cache hit.
+    # Then one row alone (the solo step), under 32 rows.
+    run(StepPlan([spec(2 * first + 3, 130, 4)]), drain=True)
+    run(StepPlan([spec(first + 2, 9, 5)]), drain=True)
     return {"lane_rows": float(rows), "lane_calls": float(calls), "lane_cached": float(cached)}
 
 
@@ -168,9 +172,6 @@ def warm_up(
             done.update(lane_pass(lane))
         except Exception:  # a warm-up never keeps the server from starting
             logger.warning("CUDA warm-up: the lane pass failed; serving without it", exc_info=True)
-            lane.discard(range(lane.max_batch * 2 + 4))
-            if lane.prompt_cache is not None:
-                lane.prompt_cache.clear()
     done["seconds"] = time.perf_counter() - start
     logger.info("CUDA warm-up: %s", done)
     return done
