@@ -731,8 +731,7 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
         width = 3 * (max(map(len, prompts)) - 1)
         assert re.fullmatch(
             r"slow decode step: \d+ ms; step 1, \d+ ms of it in Python's garbage collector; "
-            r"the decode pass built in \d+ ms, queued in \d+ ms, the pass before it waited "
-            r"for \d+ ms; "
+            r"no decode pass; "
             rf"3 rows in the batch, a prefill pass of {width} positions, "
             r"3 rows prefilling, buffer None positions, eager; no kernel compiled; memory active \d+ -> \d+ MiB, "
             r"cached \d+ -> \d+ MiB, peak \d+ MiB; 0 slow steps not logged before it",
@@ -749,6 +748,31 @@ def test_a_slow_decode_step_is_logged_with_what_it_carried_at_most_once_per_quie
         )
         for line in logged()[2:]
     )
+
+
+def test_a_slow_step_without_a_decode_pass_says_so_rather_than_an_earlier_passs_phases(
+    tiny_model: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A long prompt alone is prefilled in chunks: those steps run no decode pass,
+    and their lines must not repeat the phases of the pass before them."""
+    model, tokenizer = tiny_model
+    words = tuple(tokenizer.encode(PROMPTS[3]))
+    lane = BatchLane(model, tokenizer, max_batch=8, prefill_budget=4)
+    lane.slow_step_seconds, lane.slow_step_quiet = 0.0, 0.0
+    params = SamplingParams(max_tokens=3, logit_bias=NO_EOS)
+    with caplog.at_level(logging.INFO, logger="trio_mlx"):
+        lane.step(StepPlan([RowSpec(0, words[:5], params)]))
+        while lane.rows:
+            lane.step()
+        lane.step(StepPlan([RowSpec(1, words, params)]))  # the first of several chunks
+    lines = [r.getMessage() for r in caplog.records if "slow decode step" in r.getMessage()]
+    assert len(words) > 12
+    # The first row: its prompt prefilled (no pass), its first step on an idle
+    # batch (mlx-lm's), then the lane's own decode passes.
+    assert "; no decode pass; 1 rows in the batch, a prefill pass of 4 positions" in lines[0]
+    assert "; the arrivals' first step (mlx-lm's own) took " in lines[1]
+    assert "; the decode pass built in " in lines[2]
+    assert "; no decode pass; 1 rows in the batch, a prefill pass of 4 positions" in lines[-1]
 
 
 def test_a_slow_admission_is_logged_with_the_rows_it_compacted_and_inserted(

@@ -677,8 +677,12 @@ def _generation_class() -> Any:
         fresh: set[int]
         #: The last step's seconds building its graph, queueing it (``mx.async_eval``:
         #: MLX's encoding, kernels compiled, buffers allocated) and waiting for the
-        #: step before it (the device's work); for the slow-step log.
-        phases: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        #: step before it (the device's work); for the slow-step log. None: the
+        #: lane's step had no decode pass (the lane resets it before each step).
+        phases: tuple[float, float, float] | None = None
+        #: The seconds of mlx-lm's own first step of rows that arrived at an idle
+        #: batch (see ``extend``; not split in phases). None: none this step.
+        arrivals_step: float | None = None
         #: Uids of rows that asked for logprobs (a superset of those in the batch).
         logprob_uids: set[int]
         #: Uids of constrained rows (a superset of those in the batch).
@@ -729,7 +733,9 @@ def _generation_class() -> Any:
                 else:
                     # Nothing decodes: no pass to share, so the arrivals' own first
                     # step now (mlx-lm's), and an idle engine's TTFT stays as it was.
+                    began = time.perf_counter()
                     batch._step()
+                    self.arrivals_step = time.perf_counter() - began
             b: Any = self
             if (
                 b.prompt_cache
@@ -1261,16 +1267,26 @@ class BatchLane:
         unlogged = self._slow_due(0)
         if unlogged is None:
             return
+        generation = self._generator._generation_batch
+        phases, arrivals = generation.phases, generation.arrivals_step
+        if phases is not None:
+            passes = (
+                "the decode pass built in {:.0f} ms, queued in {:.0f} ms, the pass before it "
+                "waited for {:.0f} ms".format(*(seconds * 1000 for seconds in phases))
+            )
+        elif arrivals is not None:
+            passes = f"the arrivals' first step (mlx-lm's own) took {arrivals * 1000:.0f} ms"
+        else:
+            passes = "no decode pass"
         logger.info(
             "slow decode step: %.0f ms; step %d, %.0f ms of it in Python's garbage collector; "
-            "the decode pass built in %.0f ms, queued in %.0f ms, the pass before it waited "
-            "for %.0f ms; %d rows in the batch, a prefill pass of %d positions, "
+            "%s; %d rows in the batch, a prefill pass of %d positions, "
             "%d rows prefilling, buffer %s positions, %s; %s; %s; "
             "%d slow steps not logged before it",
             elapsed * 1000,
             self.decode_steps,
             gc * 1000,
-            *(seconds * 1000 for seconds in self._generator._generation_batch.phases),
+            passes,
             len(self._by_uid),
             prefill,
             len(self._prefilling),
@@ -1566,6 +1582,8 @@ class BatchLane:
         traced = self._traced
         before = (traced.traces, traced.traced_steps) if traced is not None else (0, 0)
         collected = _gc_seconds[0]
+        generation = self._generator._generation_batch
+        generation.phases = generation.arrivals_step = None  # set again by a decode pass
         memory = _memory_now()
         start = time.perf_counter()
         stack = self._stack()
