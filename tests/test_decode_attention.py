@@ -59,10 +59,11 @@ def test_warps_fill_few_blocks_and_fit_shared_memory() -> None:
     assert _decode_attention._warps(blocks=512, group=4, dim=64) == 8
     for group in (1, 2, 4, 8, 16):
         for dim in (32, 64, 128, 256):
+            most = _decode_attention._max_warps(group, dim)
+            assert most * group * (dim + 2) * 4 <= 48 * 1024
             for blocks in (1, 255, 256, 4096):
                 warps = _decode_attention._warps(blocks, group, dim)
-                assert warps >= 1
-                assert warps * group * (dim + 2) * 4 <= 48 * 1024
+                assert 1 <= warps <= most  # the merge buffers are sized for ``most``
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on CUDA only")
@@ -127,14 +128,14 @@ def _masked(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask[:, None, None, :])
 
 
-def _installed(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> tuple[Any, list[int]]:
+def _installed(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> tuple[Any, list[tuple[int, bool]]]:
     """mlx-lm llama's attention with the wrapper installed around a stand-in ``kernel``."""
     import mlx_lm.models.llama as llama
 
-    calls: list[int] = []
+    calls: list[tuple[int, bool]] = []  # (rows, whether a stop was passed) per call
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
+        calls.append((args[0].shape[0], len(args) > 5 or kwargs.get("stop") is not None))
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention)
@@ -168,14 +169,17 @@ def _answers_three_times_as_masked(
 
 
 def test_decode_calls_go_to_the_kernel_once_it_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode call with a batch cache takes the kernel (checked against mlx-lm's at first)."""
+    """A decode call with a batch cache takes the kernel (checked against mlx-lm's at
+    first); once a head shape is checked, both of the kernel's variants (with and
+    without ``stop``) are compiled at once, on one row, so that no later step
+    compiles one."""
     attention, calls = _installed(monkeypatch, _masked)
     q, k, v, cache, mask = _decode_call()
     _answers_three_times_as_masked(attention, q, k, v, cache, mask)
-    assert len(calls) == 3
+    assert calls == [(2, False), (1, False), (1, True), (2, False), (2, False)]
     prefill = mx.random.normal((2, 8, 4, 64))
     attention(prefill, k, v, cache=cache, scale=0.125, mask="causal")
-    assert len(calls) == 3  # several queries: mlx-lm's attention
+    assert len(calls) == 5  # several queries: mlx-lm's attention
 
 
 def test_a_traced_steps_call_goes_to_the_kernel_with_its_stop(
@@ -191,7 +195,7 @@ def test_a_traced_steps_call_goes_to_the_kernel_with_its_stop(
     mask = ((positions >= batch.left_padding[:, None]) & (positions <= idx))[:, None, None, :]
     cache = TracedCache(k, v, idx, idx - batch.left_padding, batch.left_padding, mask)
     _answers_three_times_as_masked(attention, q, k, v, cache, mask)
-    assert len(calls) == 3
+    assert calls == [(2, True), (1, False), (1, True), (2, True), (2, True)]
 
 
 def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,4 +204,4 @@ def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch, lambda q, k, v, start, scale, stop=None: mx.zeros_like(q)
     )
     _answers_three_times_as_masked(attention, *_decode_call())
-    assert len(calls) == 1
+    assert calls == [(2, False)]  # checked once, then mlx-lm's; nothing primed

@@ -854,5 +854,11 @@ def test_the_slow_step_log_names_the_kernel_modules_mlx_compiled_during_the_step
         "scatter_axis_3 and 2 more"
     )
     assert _kernels_compiled(0.0).startswith("7 kernel modules compiled: gather_bfloat16_int32_1")
+    # A module name past 245 characters is cut into folders: still one module.
+    nested = tmp_path / "nested"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(nested))
+    (nested / ("fused_" + "x" * 239)).mkdir(parents=True)
+    (nested / ("fused_" + "x" * 239) / "_tail.ptx").write_bytes(b"")
+    assert _kernels_compiled(2000.0) == f"1 kernel modules compiled: fused_{'x' * 54}"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "absent"))
     assert _kernels_compiled(0.0) == "no kernel compiled"

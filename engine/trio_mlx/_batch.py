@@ -463,11 +463,13 @@ def _kernels_compiled(since: float) -> str:
     for the slow-step log.
 
     MLX compiles a module with NVRTC the first time a process meets it (a fused
-    graph, a gather of a new dtype, a custom kernel; a second or more each on the
-    H200) and writes it to its PTX cache directory, ``MLX_PTX_CACHE_DIR`` or
-    ``<temp>/mlx/<version>/ptx``; modules written during a slow step are the ones it
-    compiled then. A module read back from that directory is not listed, nor is
-    anything where the directory is absent (the CPU).
+    graph, a gather of a new dtype; a second or more each on the H200) and writes
+    it to its PTX cache directory, ``MLX_PTX_CACHE_DIR`` or
+    ``<temp>/mlx/<version>/ptx`` (a long module name as nested folders); modules
+    written during a slow step are the ones it compiled then. Not listed: a module
+    read back from that directory, a custom kernel's (``mx.fast.cuda_kernel``, such
+    as the fused decode attention: MLX 0.32 compiles those in every process and
+    never writes them), anything where the directory is absent (the CPU).
     """
     import os
     import tempfile
@@ -478,7 +480,11 @@ def _kernels_compiled(since: float) -> str:
     names: list[str] = []
     for root in roots:
         try:
-            names += sorted(p.stem for p in root.glob("*.ptx") if p.stat().st_mtime >= since)
+            names += sorted(
+                "".join(p.relative_to(root).with_suffix("").parts)
+                for p in root.rglob("*.ptx")
+                if p.stat().st_mtime >= since
+            )
         except OSError:  # gone meanwhile: nothing to say about it
             continue
     if not names:

@@ -53,6 +53,7 @@ logger = logging.getLogger("trio_mlx")
 #: and a row-contiguous copy of them would cost two more kernels per layer.
 _SOURCE = """
     constexpr int E = D / 32;
+    const int W = blockDim.x / 32;  // at most WMAX, which sizes the merge buffers
     const int kv_head = blockIdx.x;
     const int row = blockIdx.y;
     const int warp = threadIdx.x / 32;
@@ -107,9 +108,9 @@ _SOURCE = """
             best[g] = top;
         }
     }
-    __shared__ float merged_best[W][G];
-    __shared__ float merged_total[W][G];
-    __shared__ float merged_acc[W][G][D];
+    __shared__ float merged_best[WMAX][G];
+    __shared__ float merged_total[WMAX][G];
+    __shared__ float merged_acc[WMAX][G][D];
     for (int g = 0; g < G; ++g) {
         for (int e = 0; e < E; ++e) {
             merged_acc[warp][g][lane * E + e] = acc[g][e];
@@ -182,7 +183,7 @@ def decode_attention(
             _scalar(scale, "float32"),
             *([] if stop is None else [stop]),
         ],
-        template=[("T", queries.dtype), ("D", dim), ("G", group), ("W", warps)],
+        template=[("T", queries.dtype), ("D", dim), ("G", group), ("WMAX", _max_warps(group, dim))],
         grid=(32 * warps * kv_heads, rows, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(rows, heads, 1, dim)],
@@ -200,7 +201,16 @@ _SHARED_BYTES = 48 * 1024
 
 def _warps(blocks: int, group: int, dim: int) -> int:
     """Warps per block: more when there are few blocks, as many as shared memory holds."""
-    warps = WARPS or (8 if blocks >= 256 else 16)
+    return min(WARPS or (8 if blocks >= 256 else 16), _max_warps(group, dim))
+
+
+def _max_warps(group: int, dim: int) -> int:
+    """The most warps a block of this head shape may have: its merge buffers, sized
+    for them, fit in shared memory. A template argument of the kernel, where the
+    warps themselves are not: the row count picks the warps, and a new template
+    is a new NVRTC compile (1.5-2.5 s on the H200, in the step that meets it,
+    in every process: MLX does not keep custom kernels on disk)."""
+    warps = 16
     while warps > 1 and warps * group * (dim + 2) * 4 > _SHARED_BYTES:
         warps //= 2
     return warps
@@ -212,6 +222,20 @@ def _scalar(value: float, dtype: str) -> Any:
     import mlx.core as mx
 
     return mx.array([value], dtype=getattr(mx, dtype))
+
+
+def _prime(dim: int, group: int, dtype: Any) -> None:
+    """Compile both of the kernel's variants (with and without ``stop``) for a head
+    shape now, on a one-row batch: the first check of a shape runs at load (the
+    traced step's check, the warm-up), and the variant it did not use would
+    otherwise be compiled in a served step (the eager step of a full buffer)."""
+    import mlx.core as mx
+
+    q = mx.zeros((1, group, 1, dim), dtype=dtype)
+    kv = mx.zeros((1, 1, 1, dim), dtype=dtype)
+    start = mx.zeros((1,), dtype=mx.int32)
+    stop = mx.ones((1,), dtype=mx.int32)
+    mx.eval(decode_attention(q, kv, kv, start, 1.0), decode_attention(q, kv, kv, start, 1.0, stop))
 
 
 def _works() -> bool:
@@ -314,6 +338,7 @@ def install(model: Any) -> bool:
             if not verified[shape]:
                 logger.warning("the fused decode attention is off for %s: it disagreed", shape)
                 return plain
+            _prime(*shape)
         return fused
 
     attention.trio_mlx_decode = True  # type: ignore[attr-defined]
