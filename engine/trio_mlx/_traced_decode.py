@@ -19,8 +19,15 @@ buffers with the positions as arrays instead: each layer's cache is a
 buffer with the unwritten tail left out (the fused decode kernel's ``stop`` on
 CUDA, a boolean mask elsewhere). So consecutive steps are one graph until the
 batch's row count or its buffer length changes; a step the traced graph cannot
-take (a full buffer, which mlx-lm grows, or caches of another kind) runs
-eagerly, as before.
+take (caches of another kind, a row mid-prefill) runs eagerly, as before.
+
+A full buffer is grown by the traced step itself, by one cache step (256
+positions) at its end, as mlx-lm's own step would grow it, and the step is
+traced at the new length. It used to run eagerly, and on the H200 that one
+eager step was the long-prompt stall: at 64 rows it met kernels the process
+had compiled for nothing else (the fused decode attention's unstopped variant
+at that row count, first of all), 1.5-2.9 s of NVRTC in one served step
+(design/performance.md, fifteenth round). Every served step is now traced.
 
 Shapes that repeat
 ==================
@@ -113,9 +120,11 @@ class TracedDecode:
         #: another cache kind, a failed trace).
         self.traced_steps = 0
         self.eager_steps = 0
-        #: Graphs traced (one per new batch shape) and buffers padded to the step.
+        #: Graphs traced (one per new batch shape), buffers padded to the step and
+        #: full buffers grown by a step.
         self.traces = 0
         self.padded = 0
+        self.grown = 0
         #: Set once a trace failed: every later step runs eagerly.
         self.failed = False
         self._compiled = mx.compile(self._step)
@@ -148,8 +157,8 @@ class TracedDecode:
         keys: Any = getattr(first, "keys", None)
         if type(first) is not BatchKVCache or keys is None:
             return False
-        if first._idx >= keys.shape[2] or getattr(first, "_right_padding", None) is not None:
-            return False  # full (mlx-lm grows it) or mid-prefill
+        if getattr(first, "_right_padding", None) is not None:
+            return False  # mid-prefill
         return all(type(c) is BatchKVCache for c in caches)
 
     def logits(self, tokens: Any, caches: list[Any]) -> Any | None:
@@ -191,20 +200,26 @@ class TracedDecode:
         """What the traced step did, for the log at shutdown."""
         return (
             f"{self.traced_steps} steps traced, {self.eager_steps} eager, "
-            f"{self.traces} shapes traced, {self.padded} buffers padded to the step"
+            f"{self.traces} shapes traced, {self.padded} buffers padded to the step, "
+            f"{self.grown} full ones grown by a step"
         )
 
     def _pad_to_step(self, caches: list[Any]) -> None:
-        """Pad every layer's buffers at their end to a multiple of the cache's step."""
+        """Pad every layer's buffers at their end to a multiple of the cache's step,
+        and a full buffer (this step's key has no slot) by one step more."""
         import mlx.core as mx
 
         first: Any = caches[0]
         size = first.keys.shape[2]
         step = int(getattr(first, "step", 256))
         want = -(-size // step) * step
+        if first._idx >= want:
+            want = (first._idx // step + 1) * step
+            self.grown += 1
+        elif want > size:
+            self.padded += 1
         if want == size:
             return
-        self.padded += 1
         for cache in caches:
             for name in ("keys", "values"):
                 a = getattr(cache, name)
