@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 TRIO_MLX_BENCH_CACHE=/root/bench-cache
 export PYTHONPATH=$PWD:$PWD/engine:$PWD/http:${PYTHONPATH:-} PATH=/root/site/bin:$PATH
 step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; date -u +%T
   timeout "$t" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$? $(date -u +%T)"; tail -n 16 "$OUT/$name.txt"; }
-step 120 kernel-tests python -m pytest -q -p no:cacheprovider tests/test_decode_attention.py tests/test_traced_decode.py
+step 100 kernel-tests python -m pytest -q -p no:cacheprovider tests/test_decode_attention.py tests/test_traced_decode.py
 step 60 kernel-compile python bench/experiments/kernel_compile.py
 step 330 suite-long python -m bench.suite --profile gpu --only traffic --concurrency 64 \
   --traffic long --no-mlx-lm-server --variant cold:MLX_PTX_CACHE_DIR=/root/ptx-cold \
