@@ -208,8 +208,8 @@ def _max_warps(group: int, dim: int) -> int:
     """The most warps a block of this head shape may have: its merge buffers, sized
     for them, fit in shared memory. A template argument of the kernel, where the
     warps themselves are not: the row count picks the warps, and a new template
-    is a new NVRTC compile (1.5-2.5 s on the H200, in the step that meets it,
-    in every process: MLX does not keep custom kernels on disk)."""
+    is a new NVRTC compile in the step that meets it, in every process (MLX does
+    not keep custom kernels on disk): the H200's long-prompt stall, 1.5-2.9 s."""
     warps = 16
     while warps > 1 and warps * group * (dim + 2) * 4 > _SHARED_BYTES:
         warps //= 2
