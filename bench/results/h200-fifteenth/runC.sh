@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 TRIO_MLX_BENCH_CACHE=/root/bench-cache
 export PYTHONPATH=$PWD:$PWD/engine:$PWD/http:${PYTHONPATH:-} PATH=/root/site/bin:$PATH
 step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; date -u +%T
   timeout "$t" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$? $(date -u +%T)"; tail -n 16 "$OUT/$name.txt"; }
-MLX_PTX_CACHE_DIR=/root/ptx-cold step 240 suite-long python -m bench.suite --profile gpu \
+step 240 suite-long env MLX_PTX_CACHE_DIR=/root/ptx-cold python -m bench.suite --profile gpu \
   --only traffic --concurrency 64 --traffic long --no-mlx-lm-server \
   --variant warm:TRIO_MLX_CUDA_WARMUP=1,MLX_PTX_CACHE_DIR=/root/ptx-warm \
   --traffic-rounds 1 --out "$OUT/suite-long"
