@@ -47,18 +47,22 @@ def stretches(profile: dict[str, Any], frames: list[dict[str, Any]]) -> list[tup
     return out
 
 
+def threads(path: Path, thread: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The profile's frames and the sample lists of the threads named like ``thread``."""
+    raw = path.read_bytes()
+    data = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+    profiles = [p for p in data["profiles"] if thread in p["name"]]
+    return data["shared"]["frames"], profiles
+
+
 def main() -> None:
     """Read the profile and print the thread's compiling stretches."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile", type=Path)
     parser.add_argument("--thread", default="trio-mlx-worker")
     args = parser.parse_args()
-    raw = args.profile.read_bytes()
-    data = json.loads(gzip.decompress(raw) if args.profile.suffix == ".gz" else raw)
-    frames = data["shared"]["frames"]
-    for profile in data["profiles"]:
-        if args.thread not in profile["name"]:
-            continue
+    frames, profiles = threads(args.profile, args.thread)
+    for profile in profiles:
         total = sum(profile["weights"])
         found = stretches(profile, frames)
         compiling = sum(seconds for _, seconds, *_ in found)

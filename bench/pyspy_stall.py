@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 from pathlib import Path
 from typing import Any
+
+from pyspy_jit import threads  # beside this file: run as ``python bench/pyspy_stall.py``
 
 _IDLE = ("epoll_wait", "pthread_cond_wait", "pthread_cond_timedwait", "futex_wait", "sem_wait",
          "PyThread_acquire_lock")  # fmt: skip
@@ -75,12 +75,8 @@ def main() -> None:
     parser.add_argument("--min", type=float, default=0.5, help="shortest stall, in seconds")
     parser.add_argument("--busy", action="store_true", help="leave idle waits out")
     args = parser.parse_args()
-    raw = args.profile.read_bytes()
-    data = json.loads(gzip.decompress(raw) if args.profile.suffix == ".gz" else raw)
-    frames = data["shared"]["frames"]
-    for profile in data["profiles"]:
-        if args.thread not in profile["name"]:
-            continue
+    frames, profiles = threads(args.profile, args.thread)
+    for profile in profiles:
         print(f"{profile['name']}: {sum(profile['weights']):.1f} s sampled")
         for start, seconds, python, members in stalls(profile, frames, args.min):
             leaves = [" < ".join(_named(frames, s)[::-1][:3]) for s in members]
