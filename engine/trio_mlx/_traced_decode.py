@@ -27,7 +27,8 @@ traced at the new length. It used to run eagerly, and on the H200 that one
 eager step was the long-prompt stall: at 64 rows it met kernels the process
 had compiled for nothing else (the fused decode attention's unstopped variant
 at that row count, first of all), 1.5-2.9 s of NVRTC in one served step
-(design/performance.md, fifteenth round). Every served step is now traced.
+(design/performance.md, fifteenth round). A full buffer no longer makes a
+step eager.
 
 Shapes that repeat
 ==================
@@ -291,7 +292,7 @@ def build(model: Any) -> TracedDecode | None:
     except Exception:  # a model whose step cannot be traced, say: the eager step as before
         logger.warning("the traced decode step is off: it failed its check", exc_info=True)
         return None
-    traced.traced_steps = traced.eager_steps = traced.padded = 0
+    traced.traced_steps = traced.eager_steps = traced.padded = traced.grown = 0
     logger.info(
         "decode steps are traced once per batch shape (TRIO_MLX_TRACED_DECODE=0 turns it off)"
     )
