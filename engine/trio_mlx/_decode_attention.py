@@ -173,6 +173,7 @@ def decode_attention(
     rows, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
+    most = _max_warps(group, dim)
     warps = _warps(rows * kv_heads, group, dim)
     (out,) = _kernel(stop is not None)(
         inputs=[
@@ -183,7 +184,7 @@ def decode_attention(
             _scalar(scale, "float32"),
             *([] if stop is None else [stop]),
         ],
-        template=[("T", queries.dtype), ("D", dim), ("G", group), ("WMAX", _max_warps(group, dim))],
+        template=[("T", queries.dtype), ("D", dim), ("G", group), ("WMAX", most)],
         grid=(32 * warps * kv_heads, rows, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(rows, heads, 1, dim)],
@@ -204,6 +205,7 @@ def _warps(blocks: int, group: int, dim: int) -> int:
     return min(WARPS or (8 if blocks >= 256 else 16), _max_warps(group, dim))
 
 
+@functools.cache
 def _max_warps(group: int, dim: int) -> int:
     """The most warps a block of this head shape may have: its merge buffers, sized
     for them, fit in shared memory. A template argument of the kernel, where the
