@@ -170,16 +170,14 @@ def _answers_three_times_as_masked(
 
 def test_decode_calls_go_to_the_kernel_once_it_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode call with a batch cache takes the kernel (checked against mlx-lm's at
-    first); once a head shape is checked, both of the kernel's variants (with and
-    without ``stop``) are compiled at once, on one row, so that no later step
-    compiles one."""
+    first, once per head shape); a prefill call stays with mlx-lm's attention."""
     attention, calls = _installed(monkeypatch, _masked)
     q, k, v, cache, mask = _decode_call()
     _answers_three_times_as_masked(attention, q, k, v, cache, mask)
-    assert calls == [(2, False), (1, False), (1, True), (2, False), (2, False)]
+    assert calls == [(2, False), (2, False), (2, False)]
     prefill = mx.random.normal((2, 8, 4, 64))
     attention(prefill, k, v, cache=cache, scale=0.125, mask="causal")
-    assert len(calls) == 5  # several queries: mlx-lm's attention
+    assert len(calls) == 3  # several queries: mlx-lm's attention
 
 
 def test_a_traced_steps_call_goes_to_the_kernel_with_its_stop(
@@ -195,7 +193,7 @@ def test_a_traced_steps_call_goes_to_the_kernel_with_its_stop(
     mask = ((positions >= batch.left_padding[:, None]) & (positions <= idx))[:, None, None, :]
     cache = TracedCache(k, v, idx, idx - batch.left_padding, batch.left_padding, mask)
     _answers_three_times_as_masked(attention, q, k, v, cache, mask)
-    assert calls == [(2, True), (1, False), (1, True), (2, True), (2, True)]
+    assert calls == [(2, True), (2, True), (2, True)]
 
 
 def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,4 +202,4 @@ def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch, lambda q, k, v, start, scale, stop=None: mx.zeros_like(q)
     )
     _answers_three_times_as_masked(attention, *_decode_call())
-    assert calls == [(2, False)]  # checked once, then mlx-lm's; nothing primed
+    assert calls == [(2, False)]  # checked once, then mlx-lm's

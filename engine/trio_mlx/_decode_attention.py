@@ -226,20 +226,6 @@ def _scalar(value: float, dtype: str) -> Any:
     return mx.array([value], dtype=getattr(mx, dtype))
 
 
-def _prime(dim: int, group: int, dtype: Any) -> None:
-    """Compile both of the kernel's variants (with and without ``stop``) for a head
-    shape now, on a one-row batch: the first check of a shape runs at load (the
-    traced step's check, the warm-up), and the variant it did not use would
-    otherwise be compiled in a served step (the eager step of a full buffer)."""
-    import mlx.core as mx
-
-    q = mx.zeros((1, group, 1, dim), dtype=dtype)
-    kv = mx.zeros((1, 1, 1, dim), dtype=dtype)
-    start = mx.zeros((1,), dtype=mx.int32)
-    stop = mx.ones((1,), dtype=mx.int32)
-    mx.eval(decode_attention(q, kv, kv, start, 1.0), decode_attention(q, kv, kv, start, 1.0, stop))
-
-
 def _works() -> bool:
     """Whether the kernel compiles here and agrees with MLX's masked attention."""
     import mlx.core as mx
@@ -340,7 +326,6 @@ def install(model: Any) -> bool:
             if not verified[shape]:
                 logger.warning("the fused decode attention is off for %s: it disagreed", shape)
                 return plain
-            _prime(*shape)
         return fused
 
     attention.trio_mlx_decode = True  # type: ignore[attr-defined]
