@@ -129,14 +129,19 @@ def test_the_traced_step_is_on_by_default_on_cuda_only(
     assert traced_decode.wanted(environ, cuda=cuda) is on
 
 
-@pytest.mark.parametrize(("setting", "on"), [("1", True), ("0", False), (None, False)])
-async def test_the_setting_turns_the_traced_step_on_and_the_cpu_leaves_it_off(
+@pytest.mark.parametrize(("setting", "on"), [("1", True), ("0", False), (None, None)])
+async def test_the_setting_turns_the_traced_step_on_and_the_default_follows_the_device(
     tiny_model_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     setting: str | None,
-    on: bool,
+    on: bool | None,
 ) -> None:
+    """1 turns it on and 0 off anywhere; unset, it is on on CUDA only (the CPU leaves it off)."""
+    import mlx.core as mx
+
+    if on is None:
+        on = bool(mx.cuda.is_available())
     if setting is None:
         monkeypatch.delenv("TRIO_MLX_TRACED_DECODE", raising=False)
     else:

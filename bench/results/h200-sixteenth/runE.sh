@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lease 1, call 4: the closed loop at C = 8, 32, 64 after the fifteenth round's
 # change, with mlx_lm.server and MLX's CUDA graphs off as a variant (the
-# GPU-busy goal at C = 64) and the stall bound (what `--prefill-stall 3` costs
+# GPU-busy goal at C = 64) and a 768-token prefill budget (what it costs
 # the closed loop); first the decode kernel's and the traced step's
 # tests on CUDA (pytest-trio staged this time); last the engine-overhead part at
 # B = 1, 8, 64 (B = 1 read 0.83 in the fourteenth round, 1.13-1.50 before).
@@ -13,7 +13,7 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; date -u +%T
 step 70 kernel-tests python -m pytest -q -p no:cacheprovider tests/test_decode_attention.py \
   tests/test_traced_decode.py
 step 420 suite-closed python -m bench.suite --profile gpu --only traffic --concurrency 8,32,64 \
-  --traffic closed --variant nographs:MLX_USE_CUDA_GRAPHS=0 --variant stall3:--prefill-stall=3 \
+  --traffic closed --variant nographs:MLX_USE_CUDA_GRAPHS=0 --variant b768:--prefill-budget=768 \
   --traffic-rounds 1 \
   --out "$OUT/suite-closed"
 step 90 overhead python -m bench.suite --profile gpu --only overhead --batches 1,8,64 \
