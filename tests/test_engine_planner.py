@@ -23,7 +23,7 @@ import trio_mlx.testing
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import SamplingParams
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._loading import CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET
+from trio_mlx._loading import CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET, GPU_PREFILL_CHUNK
 
 pytestmark = [pytest.mark.model]
 
@@ -76,6 +76,7 @@ async def _check_schedule(
     width_multiple: int = 1,
     stall: float | None = None,
     traced: bool = False,
+    chunk: int | None = None,
 ) -> None:
     solo = await _solo_tokens(model)
     got: dict[int, tuple[str, list[int]]] = {}
@@ -89,6 +90,8 @@ async def _check_schedule(
         "removal_delay": 4,
         "removal_fraction": 2,
         "prefill_budget": budget,
+        # A chunk below the budget: a prompt longer than it is prefilled alone.
+        "prefill_chunk": chunk,
         "prefill_width_multiple": width_multiple,
         # With a stall bound each step's chunk follows the measured times (see
         # _measure_steps): it moves from step to step, down to the floor.
@@ -150,6 +153,7 @@ async def _check_schedule(
     width_multiple=st.sampled_from([1, 1, 8]),
     stall=st.sampled_from([None, None, 1.02, 1.1]),
     traced=st.booleans(),
+    chunk=st.sampled_from([None, None, 4]),
 )
 def test_rows_grouped_chunked_removed_in_bulk_cancelled_and_parked_equal_their_solo_runs(
     tiny_model_path: Path,
@@ -158,8 +162,9 @@ def test_rows_grouped_chunked_removed_in_bulk_cancelled_and_parked_equal_their_s
     width_multiple: int,
     stall: float | None,
     traced: bool,
+    chunk: int | None,
 ) -> None:
-    trio.run(_check_schedule, tiny_model_path, ops, budget, width_multiple, stall, traced)
+    trio.run(_check_schedule, tiny_model_path, ops, budget, width_multiple, stall, traced, chunk)
 
 
 async def test_arrivals_while_rows_decode_are_admitted_as_one_group(
@@ -496,6 +501,54 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
     waited = next(i for i, s in enumerate(steps) if 10 in s) - arrived
     assert waited >= len(long_prompt) // 16
     assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
+
+
+def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_while_short_ones_group(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    """With a chunk below the budget, a prompt longer than the chunk is prefilled
+    alone, a chunk a step; prompts within it still share a pass past the chunk's
+    size (within the budget); and no token changes against one pass each."""
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=40, logit_bias=NO_EOS)
+    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
+    words = tuple(tokenizer.encode(PROMPTS[3]))
+    assert len(words) > 60
+    first = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+    # Three short prompts (7 tokens to prefill each), then the long one, arriving together.
+    later = [RowSpec(10 + i, words[i : i + 8], short) for i in range(3)]
+    later.append(RowSpec(20, words, short))
+    whole, _ = _run_lane(BatchLane(model, tokenizer, max_batch=8), first, later)
+    forwards = _Forwards(model)
+    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64, prefill_chunk=16)
+    chunked, steps = _run_lane(lane, first, later)
+    assert chunked == whole, "no token changes"
+    passes = [(rows, width) for rows, width in forwards.shapes if width > 1]
+    assert passes[0][0] == 2, "the two decoding rows' own prompts, before the arrivals"
+    passes = passes[1:]
+    assert max(width for _, width in passes) <= 16, "cut to the chunk"
+    assert passes[0] == (3, 7), "the short prompts share one pass, 21 tokens: past the chunk"
+    long_passes = [(rows, width) for rows, width in passes if width > 7]
+    assert len(long_passes) >= (len(words) - 1) // 16
+    assert all(rows == 1 for rows, _ in long_passes), f"the long prompt alone: {passes}"
+    # The running rows got a token in every step while the long prompt was prefilled.
+    arrived = 5
+    waited = next(i for i, s in enumerate(steps) if 20 in s) - arrived
+    assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
+
+
+async def test_the_prefill_chunk_reaches_the_lane_and_is_checked(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path, prefill_chunk=48) as engine:
+        assert engine._loaded.lane.prefill_chunk == 48
+    import mlx.core as mx
+
+    default = None if mx.default_device() == mx.cpu else GPU_PREFILL_CHUNK
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        assert engine._loaded.lane.prefill_chunk == default
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(trio_mlx.InvalidRequest, match="prefill_chunk"):
+            async with trio_mlx.open_engine(tiny_model_path, prefill_chunk=bad):  # type: ignore[arg-type]
+                pass
 
 
 @pytest.mark.parametrize(("budget", "multiple"), [(16, 8), (24, 16), (None, 32)])

@@ -994,6 +994,15 @@ class BatchLane:
     prefill_budget: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
+    #: The chunk a long prompt is cut into, when smaller than the budget: a
+    #: prompt with more than this many tokens left is prefilled alone, this
+    #: many tokens a step, while shorter prompts still share passes of up to
+    #: the budget. So a long prompt's steps are short (the streams' gap while
+    #: it arrives) and arrivals of chat size still group (the closed loop's
+    #: throughput). None: the budget's (see ``_feed``).
+    prefill_chunk: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
     #: Experimental, off (1): every prefill pass right-padded to a multiple of
     #: this width, so that passes repeat a few shapes instead of meeting new ones
     #: (on the H200 most of a long prompt's stall was the first time MLX met a
@@ -1487,11 +1496,13 @@ class BatchLane:
         wait for a later step, in order. The step's plan may cut prompts into
         smaller chunks (``StepPlan.prefill_chunk``, the planner's stall bound);
         rows still join a pass while rows x width stays within the budget.
+        A pass that holds a prompt longer than ``prefill_chunk`` holds no more
+        than that many tokens: that prompt is prefilled alone, a chunk a step.
         Dead rows are compacted first (the batch's KV is rebuilt when rows join
         anyway).
         """
-        budget = self.prefill_budget
-        chunk = min(x for x in (budget, self._chunk, self.prefill_step_size) if x is not None)
+        budget, long = self.prefill_budget, self.prefill_chunk
+        chunk = min(x for x in (budget, long, self._chunk, self.prefill_step_size) if x is not None)
         self._generator.prefill_step_size = chunk
         prompts = self._generator._prompt_batch
         prompts.width_multiple, prompts.width_limit = self.prefill_width_multiple, chunk
@@ -1506,7 +1517,10 @@ class BatchLane:
             n = len(row.waiting[2]) - 1  # mlx-lm prefills all but the last token
             if budget is not None and (left or feed):
                 more = [*left, n] if n > 0 else left
-                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) > budget):
+                limit = budget
+                if long is not None and more and max(more) > long:
+                    limit = min(budget, long)  # a long prompt's pass: one chunk
+                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) > limit):
                     break
             self._waiting.popleft()
             feed.append(row)

@@ -111,6 +111,7 @@ async def open_engine(
     prefill_step_size: int = 2048,
     prefill_batch_size: int = 16,
     prefill_budget: int | None = None,
+    prefill_chunk: int | None = None,
     prefill_stall: float | None = None,
     parallel: str = "auto",
     chat_template: str | None = None,
@@ -134,6 +135,10 @@ async def open_engine(
     (padded) prefilled between two decode steps: a longer prompt is prefilled
     a chunk per step, so running streams keep their pace while it arrives
     (``None``: 1,536 on a GPU, 512 on the CPU; see ``design/performance.md``).
+    ``prefill_chunk`` is the chunk a longer prompt is cut into when it is
+    smaller than the budget: such a prompt is prefilled alone, that many
+    tokens a step, while shorter prompts still share passes of up to the
+    budget (``None``: 768 on a GPU, the budget on the CPU).
     ``prefill_stall`` bounds a long prompt's stall in time: while rows decode,
     each step's chunk is sized from the measured step times so that a step
     that prefills one prompt's chunk takes about ``prefill_stall`` times a
@@ -199,6 +204,7 @@ async def open_engine(
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
         prefill_budget=prefill_budget,
+        prefill_chunk=prefill_chunk,
     )
     loader = partial(load, path, settings, chat_template=chat_template)
     # Errors of the start and of the body are re-raised as themselves, not

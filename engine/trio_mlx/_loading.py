@@ -156,6 +156,15 @@ GPU_PREFILL_BUDGET = 1536
 #: at 256; but at 256 arrivals of 155 tokens that come together are prefilled apart (4-9%
 #: more forward passes at C=16), at 512 not (+0.7%).
 CPU_PREFILL_BUDGET = 512
+#: The chunk a long prompt is cut into on a GPU (``BatchLane.prefill_chunk``): it is
+#: prefilled alone, 768 tokens a step, while chat-sized arrivals still share passes of
+#: up to the budget. On the H200 (llama-1b, 63 streams while three 2,197-word prompts
+#: arrived, three rounds; design/performance.md, sixteenth round) the streams' gap p99
+#: was 2.9-3.1x their ITL median with every pass bounded at 768 against 4.7-8.1x at
+#: 1,536, but a 768-token budget split the closed loop's admission groups (C = 64: 0.81x
+#: the tok/s); this bounds only the passes that carry a long prompt. On the CPU the
+#: budget (512) is already the chunk, and a prompt cut to it is prefilled alone.
+GPU_PREFILL_CHUNK = 768
 
 
 @attrs.frozen
@@ -170,6 +179,8 @@ class LoadSettings:
     parallel: str = "auto"
     #: Prompt tokens prefilled per decode step (``BatchLane.prefill_budget``); None: the device's.
     prefill_budget: int | None = None
+    #: The chunk a long prompt is cut into (``BatchLane.prefill_chunk``); None: the device's.
+    prefill_chunk: int | None = None
 
 
 def load_settings(
@@ -181,6 +192,7 @@ def load_settings(
     prefill_batch_size: int,
     parallel: str,
     prefill_budget: int | None = None,
+    prefill_chunk: int | None = None,
 ) -> LoadSettings:
     """Check :func:`~trio_mlx.open_engine`'s loading arguments and bundle them."""
     check_adapter(adapter_path)
@@ -188,6 +200,8 @@ def load_settings(
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if prefill_budget is not None and (type(prefill_budget) is not int or prefill_budget < 1):
         raise InvalidRequest("prefill_budget must be an integer >= 1", param="prefill_budget")
+    if prefill_chunk is not None and (type(prefill_chunk) is not int or prefill_chunk < 1):
+        raise InvalidRequest("prefill_chunk must be an integer >= 1", param="prefill_chunk")
     if parallel not in _distributed.PARALLEL:
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
@@ -200,6 +214,7 @@ def load_settings(
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
         prefill_budget=prefill_budget,
+        prefill_chunk=prefill_chunk,
     )
 
 
@@ -287,6 +302,8 @@ def load(
     lane.prefill_budget = settings.prefill_budget or (
         GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
     )
+    # ... and alone, a shorter chunk a step, on a GPU (see GPU_PREFILL_CHUNK).
+    lane.prefill_chunk = settings.prefill_chunk or (GPU_PREFILL_CHUNK if grouping else None)
     if channel is None:  # ranks would have to agree on every pass: not worth it there
         _cuda_warmup.warm_up(model, settings.max_batch, lane.prefill_budget, lane=lane)
     if not grouping:

@@ -112,6 +112,15 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "prefilled in chunks (default: 1536 on a GPU, 512 on the CPU)",
     )
     parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="a prompt longer than this is prefilled alone, this many tokens between two "
+        "decode steps, while shorter ones share passes of up to --prefill-budget "
+        "(default: 768 on a GPU, the budget on the CPU)",
+    )
+    parser.add_argument(
         "--prefill-stall",
         type=float,
         default=None,
