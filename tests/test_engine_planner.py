@@ -537,6 +537,27 @@ def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_while_short_ones_grou
     assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
 
 
+def test_the_chunk_leaves_the_passes_of_prompts_shorter_than_it_as_they_were(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    """Arrivals no longer than the chunk (chat traffic): every forward pass the same
+    shape as with no chunk, so the closed loop's admission groups are unchanged."""
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=24, logit_bias=NO_EOS)
+    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
+    words = tuple(tokenizer.encode(PROMPTS[3]))
+    first = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+    later = [RowSpec(10 + i, words[3 * i : 3 * i + 12 + i], short) for i in range(5)]
+    shapes = []
+    for chunk in (None, 16):  # every prompt prefills 11-15 tokens
+        forwards = _Forwards(model)
+        lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=40, prefill_chunk=chunk)
+        _run_lane(lane, first, later)
+        shapes.append(forwards.shapes)
+    assert any(rows > 1 and rows * width > 16 for rows, width in shapes[1] if width > 1)
+    assert shapes[1] == shapes[0]
+
+
 async def test_the_prefill_chunk_reaches_the_lane_and_is_checked(tiny_model_path: Path) -> None:
     async with trio_mlx.open_engine(tiny_model_path, prefill_chunk=48) as engine:
         assert engine._loaded.lane.prefill_chunk == 48
