@@ -450,11 +450,18 @@ class _Forwards:
 
 
 def _run_lane(
-    lane: BatchLane, first: list[RowSpec], later: list[RowSpec]
+    lane: BatchLane,
+    first: list[RowSpec],
+    later: list[RowSpec],
+    *,
+    until: int | None = None,
+    warm: int = 4,
 ) -> tuple[dict[int, list[int]], list[set[int]]]:
-    """``first`` decode a while, then ``later`` arrive; every row's tokens and each step's rows."""
+    """``first`` decode a while, then ``later`` arrive; every row's tokens and each step's
+    rows. Steps until no row is left, or with ``until``, until that row has finished."""
     tokens: dict[int, list[int]] = {}
     steps: list[set[int]] = []
+    finished: set[int] = set()
 
     def step(specs: list[RowSpec]) -> None:
         events = lane.step(StepPlan(specs)).events
@@ -462,16 +469,22 @@ def _run_lane(
         steps.append({e.id for e in events if e.token_ids})
         for e in events:
             tokens.setdefault(e.id, []).extend(e.token_ids)
+            if e.finish_reason is not None:
+                finished.add(e.id)
 
-    step(first)
-    for _ in range(4):
+    def done() -> bool:
+        return not lane.rows if until is None else until in finished
+
+    if first:
+        step(first)
+    for _ in range(warm):
         step([])
     step(later)
     for _ in range(200):
-        if not lane.rows:
+        if done():
             break
         step([])
-    assert not lane.rows
+    assert done()
     return tokens, steps
 
 
@@ -503,14 +516,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
     assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
 
 
-def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_while_short_ones_group(
+def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_and_bounds_every_pass_meanwhile(
     tiny_model: tuple[Any, Any],
 ) -> None:
     """With a chunk below the budget, a prompt longer than the chunk is prefilled
-    alone, a chunk a step; prompts within it still share a pass past the chunk's
-    size (within the budget); and no token changes against one pass each."""
+    alone, a chunk a step, and while it waits or prefills no pass holds more than
+    the chunk (short prompts still share one within it); once it is through, short
+    arrivals share passes of up to the budget again. No token changes against one
+    pass each."""
     model, tokenizer = tiny_model
-    params = SamplingParams(max_tokens=40, logit_bias=NO_EOS)
+    params = SamplingParams(max_tokens=60, logit_bias=NO_EOS)
     short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
     words = tuple(tokenizer.encode(PROMPTS[3]))
     assert len(words) > 60
@@ -518,16 +533,26 @@ def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_while_short_ones_grou
     # Three short prompts (7 tokens to prefill each), then the long one, arriving together.
     later = [RowSpec(10 + i, words[i : i + 8], short) for i in range(3)]
     later.append(RowSpec(20, words, short))
-    whole, _ = _run_lane(BatchLane(model, tokenizer, max_batch=8), first, later)
+    after = [RowSpec(30 + i, words[i : i + 8], short) for i in range(3)]
+
+    def run(lane: BatchLane) -> tuple[dict[int, list[int]], list[set[int]], int]:
+        tokens, steps = _run_lane(lane, first, later, until=20)
+        passes_before = len(getattr(lane.model, "shapes", ()))
+        more, _ = _run_lane(lane, [], after, warm=0)
+        for row_id, ids in more.items():
+            tokens.setdefault(row_id, []).extend(ids)
+        return tokens, steps, passes_before
+
+    whole, _, _ = run(BatchLane(model, tokenizer, max_batch=8))
     forwards = _Forwards(model)
     lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64, prefill_chunk=16)
-    chunked, steps = _run_lane(lane, first, later)
+    chunked, steps, split = run(lane)
     assert chunked == whole, "no token changes"
-    passes = [(rows, width) for rows, width in forwards.shapes if width > 1]
+    passes = [(rows, width) for rows, width in forwards.shapes[:split] if width > 1]
     assert passes[0][0] == 2, "the two decoding rows' own prompts, before the arrivals"
     passes = passes[1:]
-    assert max(width for _, width in passes) <= 16, "cut to the chunk"
-    assert passes[0] == (3, 7), "the short prompts share one pass, 21 tokens: past the chunk"
+    assert all(rows * width <= 16 for rows, width in passes), f"one chunk at most: {passes}"
+    assert any(rows >= 2 for rows, _ in passes), f"short ones still share a pass: {passes}"
     long_passes = [(rows, width) for rows, width in passes if width > 7]
     assert len(long_passes) >= (len(words) - 1) // 16
     assert all(rows == 1 for rows, _ in long_passes), f"the long prompt alone: {passes}"
@@ -535,6 +560,8 @@ def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_while_short_ones_grou
     arrived = 5
     waited = next(i for i, s in enumerate(steps) if 20 in s) - arrived
     assert all({0, 1} <= s for s in steps[arrived : arrived + waited]), steps
+    # Through it, three short arrivals share one pass past the chunk's size again.
+    assert (3, 7) in [shape for shape in forwards.shapes[split:] if shape[1] > 1]
 
 
 def test_the_chunk_leaves_the_passes_of_prompts_shorter_than_it_as_they_were(

@@ -995,11 +995,12 @@ class BatchLane:
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
     #: The chunk a long prompt is cut into, when smaller than the budget: a
-    #: prompt with more than this many tokens left is prefilled alone, this
-    #: many tokens a step, while shorter prompts still share passes of up to
-    #: the budget. So a long prompt's steps are short (the streams' gap while
-    #: it arrives) and arrivals of chat size still group (the closed loop's
-    #: throughput). None: the budget's (see ``_feed``).
+    #: prompt with more than this many tokens to prefill is prefilled alone,
+    #: this many tokens a step, and while it waits or prefills every pass
+    #: holds at most this many tokens; with no such prompt about, prompts
+    #: share passes of up to the budget. So the streams' steps stay short
+    #: while a long prompt arrives, and chat-sized arrivals group as before
+    #: otherwise (the closed loop's throughput). None: the budget's (``_feed``).
     prefill_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
@@ -1055,6 +1056,9 @@ class BatchLane:
     _waiting: deque[int] = attrs.field(init=False, factory=deque)
     #: Generator uids in prefill -> prompt tokens it has still to prefill.
     _prefilling: dict[int, int] = attrs.field(init=False, factory=dict)
+    #: Generator uids in prefill whose prompt was longer than ``prefill_chunk``
+    #: when it joined (pruned against ``_prefilling`` when read).
+    _long_prefills: set[int] = attrs.field(init=False, factory=set)
     #: Rows whose processor failed since the last decode step looked (see ``_Guarded``).
     _failed: list[_Row] = attrs.field(init=False, factory=list)
     #: The current step call's prefill chunk (its plan's ``prefill_chunk``; None: the budget).
@@ -1395,6 +1399,7 @@ class BatchLane:
         self._dead.clear()
         self._waiting.clear()
         self._prefilling.clear()
+        self._long_prefills.clear()
         self._failed.clear()
         self._generator.close()
         self._generator = self._new_generator()
@@ -1496,12 +1501,15 @@ class BatchLane:
         wait for a later step, in order. The step's plan may cut prompts into
         smaller chunks (``StepPlan.prefill_chunk``, the planner's stall bound);
         rows still join a pass while rows x width stays within the budget.
-        A pass that holds a prompt longer than ``prefill_chunk`` holds no more
-        than that many tokens: that prompt is prefilled alone, a chunk a step.
-        Dead rows are compacted first (the batch's KV is rebuilt when rows join
-        anyway).
+        While a prompt longer than ``prefill_chunk`` waits or prefills, the
+        bound is that chunk instead: that prompt is prefilled alone, a chunk a
+        step, and no pass is longer than one of its chunks. Dead rows are
+        compacted first (the batch's KV is rebuilt when rows join anyway).
         """
         budget, long = self.prefill_budget, self.prefill_chunk
+        bound = budget
+        if bound is not None and long is not None and long < bound and self._long_about(long):
+            bound = long
         chunk = min(x for x in (budget, long, self._chunk, self.prefill_step_size) if x is not None)
         self._generator.prefill_step_size = chunk
         prompts = self._generator._prompt_batch
@@ -1515,12 +1523,9 @@ class BatchLane:
                 self._waiting.popleft()  # cancelled, failed or parked while it waited
                 continue
             n = len(row.waiting[2]) - 1  # mlx-lm prefills all but the last token
-            if budget is not None and (left or feed):
+            if bound is not None and (left or feed):
                 more = [*left, n] if n > 0 else left
-                limit = budget
-                if long is not None and more and max(more) > long:
-                    limit = min(budget, long)  # a long prompt's pass: one chunk
-                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) > limit):
+                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) > bound):
                     break
             self._waiting.popleft()
             feed.append(row)
@@ -1539,6 +1544,17 @@ class BatchLane:
                 self._rows.pop(row.spec.id, None)
                 events.append(RowEvent(row.spec.id, error=exc))
         return events
+
+    def _long_about(self, long: int) -> bool:
+        """Whether a prompt longer than ``long`` tokens is prefilling or waiting to."""
+        self._long_prefills.intersection_update(self._prefilling)
+        if self._long_prefills:
+            return True
+        for row_id in self._waiting:
+            row = self._rows.get(row_id)
+            if row is not None and row.waiting is not None and len(row.waiting[2]) - 1 > long:
+                return True
+        return False
 
     def _pass_tokens(self) -> int:
         """Prompt tokens (padded) the next ``BatchGenerator.next()`` prefills."""
@@ -1564,6 +1580,8 @@ class BatchLane:
         )
         self._joined(row, uid)
         self._prefilling[uid] = len(rest) - 1
+        if self.prefill_chunk is not None and len(rest) - 1 > self.prefill_chunk:
+            self._long_prefills.add(uid)
 
     def _resume(self, row_id: int) -> None:
         row = self._rows[row_id]
@@ -1627,6 +1645,7 @@ class BatchLane:
                 order.setdefault(event.id, []).append(event)
             self._dead.clear()
             self._prefilling.clear()
+            self._long_prefills.clear()
             self._failed.clear()
             self._generator = self._new_generator()
             return True

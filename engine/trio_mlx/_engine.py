@@ -137,8 +137,9 @@ async def open_engine(
     (``None``: 1,536 on a GPU, 512 on the CPU; see ``design/performance.md``).
     ``prefill_chunk`` is the chunk a longer prompt is cut into when it is
     smaller than the budget: such a prompt is prefilled alone, that many
-    tokens a step, while shorter prompts still share passes of up to the
-    budget (``None``: 768 on a GPU, the budget on the CPU).
+    tokens a step, and while it waits or prefills no pass holds more; with
+    none about, prompts share passes of up to the budget (``None``: 768 on a
+    GPU, the budget on the CPU).
     ``prefill_stall`` bounds a long prompt's stall in time: while rows decode,
     each step's chunk is sized from the measured step times so that a step
     that prefills one prompt's chunk takes about ``prefill_stall`` times a

@@ -157,13 +157,13 @@ GPU_PREFILL_BUDGET = 1536
 #: more forward passes at C=16), at 512 not (+0.7%).
 CPU_PREFILL_BUDGET = 512
 #: The chunk a long prompt is cut into on a GPU (``BatchLane.prefill_chunk``): it is
-#: prefilled alone, 768 tokens a step, while chat-sized arrivals still share passes of
-#: up to the budget. On the H200 (llama-1b, 63 streams while three 2,197-word prompts
-#: arrived, three rounds; design/performance.md, sixteenth round) the streams' gap p99
-#: was 2.9-3.1x their ITL median with every pass bounded at 768 against 4.7-8.1x at
-#: 1,536, but a 768-token budget split the closed loop's admission groups (C = 64: 0.81x
-#: the tok/s); this bounds only the passes that carry a long prompt. On the CPU the
-#: budget (512) is already the chunk, and a prompt cut to it is prefilled alone.
+#: prefilled alone, 768 tokens a step, and while it waits or prefills no pass is longer;
+#: otherwise chat-sized arrivals share passes of up to the budget. On the H200 (llama-1b,
+#: 63 streams while three 2,197-word prompts arrived; design/performance.md, sixteenth
+#: round) the streams' gap p99 was a median 3.1x their ITL median over seven rounds with
+#: every pass bounded at 768 against 4.7x at 1,536, but a 768-token budget also splits
+#: the closed loop's admission groups; this bounds the passes only while a long prompt
+#: is about. On the CPU the budget (512) is already the chunk.
 GPU_PREFILL_CHUNK = 768
 
 
