@@ -585,20 +585,6 @@ def test_the_chunk_leaves_the_passes_of_prompts_shorter_than_it_as_they_were(
     assert shapes[1] == shapes[0]
 
 
-async def test_the_prefill_chunk_reaches_the_lane_and_is_checked(tiny_model_path: Path) -> None:
-    async with trio_mlx.open_engine(tiny_model_path, prefill_chunk=48) as engine:
-        assert engine._loaded.lane.prefill_chunk == 48
-    import mlx.core as mx
-
-    default = None if mx.default_device() == mx.cpu else GPU_PREFILL_CHUNK
-    async with trio_mlx.open_engine(tiny_model_path) as engine:
-        assert engine._loaded.lane.prefill_chunk == default
-    for bad in (0, -5, 2.5, True):
-        with pytest.raises(trio_mlx.InvalidRequest, match="prefill_chunk"):
-            async with trio_mlx.open_engine(tiny_model_path, prefill_chunk=bad):  # type: ignore[arg-type]
-                pass
-
-
 @pytest.mark.parametrize(("budget", "multiple"), [(16, 8), (24, 16), (None, 32)])
 def test_prefill_passes_rounded_to_a_width_multiple_change_no_token(
     tiny_model: tuple[Any, Any], budget: int | None, multiple: int
@@ -628,17 +614,26 @@ def test_prefill_passes_rounded_to_a_width_multiple_change_no_token(
     assert max(rows * width for rows, width in forwards.shapes) <= (budget or 10**9)
 
 
-async def test_the_prefill_budget_reaches_the_lane_and_is_checked(tiny_model_path: Path) -> None:
-    async with trio_mlx.open_engine(tiny_model_path, prefill_budget=96) as engine:
-        assert engine._loaded.lane.prefill_budget == 96
+@pytest.mark.parametrize(
+    ("name", "value", "on_cpu", "on_gpu"),
+    [
+        ("prefill_budget", 96, CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET),
+        ("prefill_chunk", 48, None, GPU_PREFILL_CHUNK),
+    ],
+)
+async def test_a_prefill_setting_reaches_the_lane_and_is_checked(
+    tiny_model_path: Path, name: str, value: int, on_cpu: int | None, on_gpu: int
+) -> None:
+    async with trio_mlx.open_engine(tiny_model_path, **{name: value}) as engine:
+        assert getattr(engine._loaded.lane, name) == value
     import mlx.core as mx
 
-    default = CPU_PREFILL_BUDGET if mx.default_device() == mx.cpu else GPU_PREFILL_BUDGET
+    default = on_cpu if mx.default_device() == mx.cpu else on_gpu
     async with trio_mlx.open_engine(tiny_model_path) as engine:
-        assert engine._loaded.lane.prefill_budget == default
+        assert getattr(engine._loaded.lane, name) == default
     for bad in (0, -5, 2.5, True):
-        with pytest.raises(trio_mlx.InvalidRequest, match="prefill_budget"):
-            async with trio_mlx.open_engine(tiny_model_path, prefill_budget=bad):  # type: ignore[arg-type]
+        with pytest.raises(trio_mlx.InvalidRequest, match=name):
+            async with trio_mlx.open_engine(tiny_model_path, **{name: bad}):
                 pass
 
 
