@@ -449,6 +449,11 @@ class _Forwards:
         return getattr(self.model, name)
 
 
+def _two_decoding(tokenizer: Any, params: SamplingParams) -> list[RowSpec]:
+    """Rows 0 and 1 (PROMPTS[0], PROMPTS[1]): the rows that decode while others arrive."""
+    return [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+
+
 def _run_lane(
     lane: BatchLane,
     first: list[RowSpec],
@@ -496,7 +501,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
     short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
     long_prompt = tuple(tokenizer.encode(PROMPTS[3]))
     assert len(long_prompt) > 60
-    first = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+    first = _two_decoding(tokenizer, params)
     later = [RowSpec(10, long_prompt, short)] + [
         RowSpec(11 + i, tuple(tokenizer.encode(PROMPTS[i])), short) for i in (0, 1, 2)
     ]
@@ -529,7 +534,7 @@ def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_and_bounds_every_pass
     short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
     words = tuple(tokenizer.encode(PROMPTS[3]))
     assert len(words) > 60
-    first = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+    first = _two_decoding(tokenizer, params)
     # Three short prompts (7 tokens to prefill each), then the long one, arriving together.
     later = [RowSpec(10 + i, words[i : i + 8], short) for i in range(3)]
     later.append(RowSpec(20, words, short))
@@ -573,7 +578,7 @@ def test_the_chunk_leaves_the_passes_of_prompts_shorter_than_it_as_they_were(
     params = SamplingParams(max_tokens=24, logit_bias=NO_EOS)
     short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
     words = tuple(tokenizer.encode(PROMPTS[3]))
-    first = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+    first = _two_decoding(tokenizer, params)
     later = [RowSpec(10 + i, words[3 * i : 3 * i + 12 + i], short) for i in range(5)]
     shapes = []
     for chunk in (None, 16):  # every prompt prefills 11-15 tokens
@@ -592,7 +597,7 @@ def test_prefill_passes_rounded_to_a_width_multiple_change_no_token(
     model, tokenizer = tiny_model
     params = SamplingParams(max_tokens=30, logit_bias=NO_EOS)
     short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
-    first = [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
+    first = _two_decoding(tokenizer, params)
     later = [RowSpec(10, tuple(tokenizer.encode(PROMPTS[3])), short)] + [
         RowSpec(11 + i, tuple(tokenizer.encode(PROMPTS[i])), short) for i in (0, 2)
     ]

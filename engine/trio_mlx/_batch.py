@@ -1508,7 +1508,9 @@ class BatchLane:
         """
         budget, long = self.prefill_budget, self.prefill_chunk
         bound = budget
-        if bound is not None and long is not None and long < bound and self._long_about(long):
+        # Only read when rows wait: ``_feed`` runs every decode step.
+        waiting, about = self._waiting, self._long_about
+        if bound is not None and long is not None and long < bound and waiting and about(long):
             bound = long
         chunk = min(x for x in (budget, long, self._chunk, self.prefill_step_size) if x is not None)
         self._generator.prefill_step_size = chunk
