@@ -183,9 +183,9 @@ def test_a_prefill_budget_below_one_is_named() -> None:
     _assert_short_error(result, "prefill_budget", "check --prefill-budget")
 
 
-def test_a_prefill_chunk_below_one_is_named() -> None:
-    result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--prefill-chunk", "0")
-    _assert_short_error(result, "prefill_chunk", "check --prefill-chunk")
+def test_a_long_prompt_chunk_below_one_is_named() -> None:
+    result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--long-prompt-chunk", "0")
+    _assert_short_error(result, "long_prompt_chunk", "check --long-prompt-chunk")
 
 
 def test_a_prefill_stall_of_one_or_less_is_named() -> None:

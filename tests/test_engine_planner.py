@@ -23,7 +23,7 @@ import trio_mlx.testing
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import SamplingParams
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._loading import CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET, GPU_PREFILL_CHUNK
+from trio_mlx._loading import CPU_PREFILL_BUDGET, GPU_LONG_PROMPT_CHUNK, GPU_PREFILL_BUDGET
 
 pytestmark = [pytest.mark.model]
 
@@ -91,7 +91,7 @@ async def _check_schedule(
         "removal_fraction": 2,
         "prefill_budget": budget,
         # A chunk below the budget: a prompt longer than it is prefilled alone.
-        "prefill_chunk": chunk,
+        "long_prompt_chunk": chunk,
         "prefill_width_multiple": width_multiple,
         # With a stall bound each step's chunk follows the measured times (see
         # _measure_steps): it moves from step to step, down to the floor.
@@ -550,7 +550,7 @@ def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_and_bounds_every_pass
 
     whole, _, _ = run(BatchLane(model, tokenizer, max_batch=8))
     forwards = _Forwards(model)
-    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64, prefill_chunk=16)
+    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=64, long_prompt_chunk=16)
     chunked, steps, split = run(lane)
     assert chunked == whole, "no token changes"
     passes = [(rows, width) for rows, width in forwards.shapes[:split] if width > 1]
@@ -583,7 +583,9 @@ def test_the_chunk_leaves_the_passes_of_prompts_shorter_than_it_as_they_were(
     shapes = []
     for chunk in (None, 16):  # every prompt prefills 11-15 tokens
         forwards = _Forwards(model)
-        lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=40, prefill_chunk=chunk)
+        lane = BatchLane(
+            forwards, tokenizer, max_batch=8, prefill_budget=40, long_prompt_chunk=chunk
+        )
         _run_lane(lane, first, later)
         shapes.append(forwards.shapes)
     assert any(rows > 1 and rows * width > 16 for rows, width in shapes[1] if width > 1)
@@ -623,7 +625,7 @@ def test_prefill_passes_rounded_to_a_width_multiple_change_no_token(
     ("name", "value", "on_cpu", "on_gpu"),
     [
         ("prefill_budget", 96, CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET),
-        ("prefill_chunk", 48, None, GPU_PREFILL_CHUNK),
+        ("long_prompt_chunk", 48, None, GPU_LONG_PROMPT_CHUNK),
     ],
 )
 async def test_a_prefill_setting_reaches_the_lane_and_is_checked(

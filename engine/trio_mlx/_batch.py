@@ -1001,7 +1001,7 @@ class BatchLane:
     #: share passes of up to the budget. So the streams' steps stay short
     #: while a long prompt arrives, and chat-sized arrivals group as before
     #: otherwise (the closed loop's throughput). None: the budget's (``_feed``).
-    prefill_chunk: int | None = attrs.field(
+    long_prompt_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
     #: Experimental, off (1): every prefill pass right-padded to a multiple of
@@ -1056,7 +1056,7 @@ class BatchLane:
     _waiting: deque[int] = attrs.field(init=False, factory=deque)
     #: Generator uids in prefill -> prompt tokens it has still to prefill.
     _prefilling: dict[int, int] = attrs.field(init=False, factory=dict)
-    #: Generator uids in prefill whose prompt was longer than ``prefill_chunk``
+    #: Generator uids in prefill whose prompt was longer than ``long_prompt_chunk``
     #: when it joined (pruned against ``_prefilling`` when read).
     _long_prefills: set[int] = attrs.field(init=False, factory=set)
     #: Rows whose processor failed since the last decode step looked (see ``_Guarded``).
@@ -1501,12 +1501,12 @@ class BatchLane:
         wait for a later step, in order. The step's plan may cut prompts into
         smaller chunks (``StepPlan.prefill_chunk``, the planner's stall bound);
         rows still join a pass while rows x width stays within the budget.
-        While a prompt longer than ``prefill_chunk`` waits or prefills, the
+        While a prompt longer than ``long_prompt_chunk`` waits or prefills, the
         bound is that chunk instead: that prompt is prefilled alone, a chunk a
         step, and no pass is longer than one of its chunks. Dead rows are
         compacted first (the batch's KV is rebuilt when rows join anyway).
         """
-        budget, long = self.prefill_budget, self.prefill_chunk
+        budget, long = self.prefill_budget, self.long_prompt_chunk
         bound = budget
         # Only read when rows wait: ``_feed`` runs every decode step.
         waiting, about = self._waiting, self._long_about
@@ -1582,7 +1582,7 @@ class BatchLane:
         )
         self._joined(row, uid)
         self._prefilling[uid] = len(rest) - 1
-        if self.prefill_chunk is not None and len(rest) - 1 > self.prefill_chunk:
+        if self.long_prompt_chunk is not None and len(rest) - 1 > self.long_prompt_chunk:
             self._long_prefills.add(uid)
 
     def _resume(self, row_id: int) -> None:

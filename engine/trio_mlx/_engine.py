@@ -111,7 +111,7 @@ async def open_engine(
     prefill_step_size: int = 2048,
     prefill_batch_size: int = 16,
     prefill_budget: int | None = None,
-    prefill_chunk: int | None = None,
+    long_prompt_chunk: int | None = None,
     prefill_stall: float | None = None,
     parallel: str = "auto",
     chat_template: str | None = None,
@@ -135,7 +135,7 @@ async def open_engine(
     (padded) prefilled between two decode steps: a longer prompt is prefilled
     a chunk per step, so running streams keep their pace while it arrives
     (``None``: 1,536 on a GPU, 512 on the CPU; see ``design/performance.md``).
-    ``prefill_chunk`` is the chunk a longer prompt is cut into when it is
+    ``long_prompt_chunk`` is the chunk a longer prompt is cut into when it is
     smaller than the budget: such a prompt is prefilled alone, that many
     tokens a step, and while it waits or prefills no pass holds more; with
     none about, prompts share passes of up to the budget (``None``: 768 on a
@@ -205,7 +205,7 @@ async def open_engine(
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
         prefill_budget=prefill_budget,
-        prefill_chunk=prefill_chunk,
+        long_prompt_chunk=long_prompt_chunk,
     )
     loader = partial(load, path, settings, chat_template=chat_template)
     # Errors of the start and of the body are re-raised as themselves, not

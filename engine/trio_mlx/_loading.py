@@ -156,7 +156,7 @@ GPU_PREFILL_BUDGET = 1536
 #: at 256; but at 256 arrivals of 155 tokens that come together are prefilled apart (4-9%
 #: more forward passes at C=16), at 512 not (+0.7%).
 CPU_PREFILL_BUDGET = 512
-#: The chunk a long prompt is cut into on a GPU (``BatchLane.prefill_chunk``): it is
+#: The chunk a long prompt is cut into on a GPU (``BatchLane.long_prompt_chunk``): it is
 #: prefilled alone, 768 tokens a step, and while it waits or prefills no pass is longer;
 #: otherwise chat-sized arrivals share passes of up to the budget. On the H200 (llama-1b,
 #: 63 streams while three 2,197-word prompts arrived; design/performance.md, sixteenth
@@ -164,7 +164,7 @@ CPU_PREFILL_BUDGET = 512
 #: every pass bounded at 768 against 4.7x at 1,536, but a 768-token budget also splits
 #: the closed loop's admission groups; this bounds the passes only while a long prompt
 #: is about. On the CPU the budget (512) is already the chunk.
-GPU_PREFILL_CHUNK = 768
+GPU_LONG_PROMPT_CHUNK = 768
 
 
 @attrs.frozen
@@ -179,8 +179,8 @@ class LoadSettings:
     parallel: str = "auto"
     #: Prompt tokens prefilled per decode step (``BatchLane.prefill_budget``); None: the device's.
     prefill_budget: int | None = None
-    #: The chunk a long prompt is cut into (``BatchLane.prefill_chunk``); None: the device's.
-    prefill_chunk: int | None = None
+    #: The chunk a long prompt is cut into (``BatchLane.long_prompt_chunk``); None: the device's.
+    long_prompt_chunk: int | None = None
 
 
 def load_settings(
@@ -192,7 +192,7 @@ def load_settings(
     prefill_batch_size: int,
     parallel: str,
     prefill_budget: int | None = None,
-    prefill_chunk: int | None = None,
+    long_prompt_chunk: int | None = None,
 ) -> LoadSettings:
     """Check :func:`~trio_mlx.open_engine`'s loading arguments and bundle them."""
     check_adapter(adapter_path)
@@ -200,8 +200,10 @@ def load_settings(
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
     if prefill_budget is not None and (type(prefill_budget) is not int or prefill_budget < 1):
         raise InvalidRequest("prefill_budget must be an integer >= 1", param="prefill_budget")
-    if prefill_chunk is not None and (type(prefill_chunk) is not int or prefill_chunk < 1):
-        raise InvalidRequest("prefill_chunk must be an integer >= 1", param="prefill_chunk")
+    if long_prompt_chunk is not None and (
+        type(long_prompt_chunk) is not int or long_prompt_chunk < 1
+    ):
+        raise InvalidRequest("long_prompt_chunk must be an integer >= 1", param="long_prompt_chunk")
     if parallel not in _distributed.PARALLEL:
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
@@ -214,7 +216,7 @@ def load_settings(
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
         prefill_budget=prefill_budget,
-        prefill_chunk=prefill_chunk,
+        long_prompt_chunk=long_prompt_chunk,
     )
 
 
@@ -302,8 +304,10 @@ def load(
     lane.prefill_budget = settings.prefill_budget or (
         GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
     )
-    # ... and alone, a shorter chunk a step, on a GPU (see GPU_PREFILL_CHUNK).
-    lane.prefill_chunk = settings.prefill_chunk or (GPU_PREFILL_CHUNK if grouping else None)
+    # ... and alone, a shorter chunk a step, on a GPU (see GPU_LONG_PROMPT_CHUNK).
+    lane.long_prompt_chunk = settings.long_prompt_chunk or (
+        GPU_LONG_PROMPT_CHUNK if grouping else None
+    )
     if channel is None:  # ranks would have to agree on every pass: not worth it there
         _cuda_warmup.warm_up(model, settings.max_batch, lane.prefill_budget, lane=lane)
     if not grouping:

@@ -112,7 +112,7 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "prefilled in chunks (default: 1536 on a GPU, 512 on the CPU)",
     )
     parser.add_argument(
-        "--prefill-chunk",
+        "--long-prompt-chunk",
         type=int,
         default=None,
         metavar="TOKENS",

@@ -38,7 +38,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "grammar_timeout",
         "max_loras",
         "prefill_budget",
-        "prefill_chunk",
+        "long_prompt_chunk",
         "prefill_stall",
     ):
         value = getattr(args, name, None)
