@@ -569,6 +569,37 @@ def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_and_bounds_every_pass
     assert (3, 7) in [shape for shape in forwards.shapes[split:] if shape[1] > 1]
 
 
+def test_a_backlog_past_the_budget_lets_passes_take_the_budget_beside_a_long_prompt(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    """When the prompts waiting beside the longest hold more than the budget (the
+    server is behind), passes take up to the budget again, the long prompt's chunk
+    sharing one; once the backlog is within the budget, the long prompt goes alone
+    again. No token changes against one pass each."""
+    model, tokenizer = tiny_model
+    params = SamplingParams(max_tokens=60, logit_bias=NO_EOS)
+    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
+    words = tuple(tokenizer.encode(PROMPTS[3]))
+    assert len(words) > 60
+    first = _two_decoding(tokenizer, params)
+    # The long prompt first, then five short ones (7 tokens to prefill each: 35 > 32).
+    later = [RowSpec(20, words, short)]
+    later += [RowSpec(10 + i, words[i : i + 8], short) for i in range(5)]
+    whole, _ = _run_lane(BatchLane(model, tokenizer, max_batch=8), first, later)
+    forwards = _Forwards(model)
+    lane = BatchLane(forwards, tokenizer, max_batch=8, prefill_budget=32, long_prompt_chunk=16)
+    chunked, _ = _run_lane(lane, first, later)
+    assert chunked == whole, "no token changes"
+    passes = [(rows, width) for rows, width in forwards.shapes if width > 1][1:]
+    assert all(rows * width <= 32 for rows, width in passes), f"the budget bounds: {passes}"
+    # 35 tokens beside the long prompt: behind, so its chunk shares the first pass.
+    assert passes[0] == (2, 16), f"behind: the long prompt's chunk shares a pass: {passes}"
+    # 28 left beside it: within the budget, so it goes alone and the rest wait for it.
+    last_long = max(i for i, (_, width) in enumerate(passes) if width > 7)
+    assert all(rows == 1 for rows, _ in passes[1 : last_long + 1]), passes
+    assert sum(rows for rows, width in passes[last_long + 1 :] if width == 7) == 4, passes
+
+
 def test_the_chunk_leaves_the_passes_of_prompts_shorter_than_it_as_they_were(
     tiny_model: tuple[Any, Any],
 ) -> None:

@@ -1000,7 +1000,11 @@ class BatchLane:
     #: holds at most this many tokens; with no such prompt about, prompts
     #: share passes of up to the budget. So the streams' steps stay short
     #: while a long prompt arrives, and chat-sized arrivals group as before
-    #: otherwise (the closed loop's throughput). None: the budget's (``_feed``).
+    #: otherwise (the closed loop's throughput). Not while the server is
+    #: behind: when the other prompts waiting or prefilling beside the
+    #: longest hold more than the budget, passes take up to the budget again
+    #: (near capacity, prompts prefilled one at a time queue behind each
+    #: other). None: the budget's (``_feed``).
     long_prompt_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
@@ -1502,16 +1506,16 @@ class BatchLane:
         smaller chunks (``StepPlan.prefill_chunk``, the planner's stall bound);
         rows still join a pass while rows x width stays within the budget.
         While a prompt longer than ``long_prompt_chunk`` waits or prefills, the
-        bound is that chunk instead: that prompt is prefilled alone, a chunk a
-        step, and no pass is longer than one of its chunks. Dead rows are
-        compacted first (the batch's KV is rebuilt when rows join anyway).
+        bound is that chunk instead (unless the rest of the backlog is past the
+        budget: ``_shielded``): that prompt is prefilled alone, a chunk a step,
+        and no pass is longer than one of its chunks. Dead rows are compacted
+        first (the batch's KV is rebuilt when rows join anyway).
         """
         budget, long = self.prefill_budget, self.long_prompt_chunk
         bound = budget
         # Only read when rows wait: ``_feed`` runs every decode step.
-        waiting, about = self._waiting, self._long_about
-        if bound is not None and long is not None and long < bound and waiting and about(long):
-            bound = long
+        if budget is not None and long is not None and long < budget and self._waiting:
+            bound = long if self._shielded(long, budget) else budget
         chunk = min(x for x in (budget, long, self._chunk, self.prefill_step_size) if x is not None)
         self._generator.prefill_step_size = chunk
         prompts = self._generator._prompt_batch
@@ -1547,16 +1551,22 @@ class BatchLane:
                 events.append(RowEvent(row.spec.id, error=exc))
         return events
 
-    def _long_about(self, long: int) -> bool:
-        """Whether a prompt longer than ``long`` tokens is prefilling or waiting to."""
+    def _shielded(self, long: int, budget: int) -> bool:
+        """Whether the streams are shielded from long passes now: a prompt longer
+        than ``long`` tokens is prefilling or waiting to, and the prompt tokens
+        waiting or prefilling beside the longest such backlog entry stay within
+        ``budget``. Past that the server is behind on prefill, and passes of up
+        to the budget serve the queue sooner (H200 open loop, seventeenth round:
+        design/performance.md)."""
         self._long_prefills.intersection_update(self._prefilling)
-        if self._long_prefills:
-            return True
+        about = bool(self._long_prefills)
+        backlog = [n for n in self._prefilling.values() if n > 0]
         for row_id in self._waiting:
             row = self._rows.get(row_id)
-            if row is not None and row.waiting is not None and len(row.waiting[2]) - 1 > long:
-                return True
-        return False
+            if row is not None and row.waiting is not None:
+                backlog.append(len(row.waiting[2]) - 1)
+        about = about or any(n > long for n in backlog)
+        return about and sum(backlog) - max(backlog, default=0) <= budget
 
     def _pass_tokens(self) -> int:
         """Prompt tokens (padded) the next ``BatchGenerator.next()`` prefills."""
