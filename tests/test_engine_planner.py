@@ -23,7 +23,7 @@ import trio_mlx.testing
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import SamplingParams
 from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._loading import CPU_PREFILL_BUDGET, GPU_LONG_PROMPT_CHUNK, GPU_PREFILL_BUDGET
+from trio_mlx._loading import CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET
 
 pytestmark = [pytest.mark.model]
 
@@ -656,11 +656,11 @@ def test_prefill_passes_rounded_to_a_width_multiple_change_no_token(
     ("name", "value", "on_cpu", "on_gpu"),
     [
         ("prefill_budget", 96, CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET),
-        ("long_prompt_chunk", 48, None, GPU_LONG_PROMPT_CHUNK),
+        ("long_prompt_chunk", 48, None, None),  # off by default on every device
     ],
 )
 async def test_a_prefill_setting_reaches_the_lane_and_is_checked(
-    tiny_model_path: Path, name: str, value: int, on_cpu: int | None, on_gpu: int
+    tiny_model_path: Path, name: str, value: int, on_cpu: int | None, on_gpu: int | None
 ) -> None:
     async with trio_mlx.open_engine(tiny_model_path, **{name: value}) as engine:
         assert getattr(engine._loaded.lane, name) == value

@@ -138,8 +138,10 @@ async def open_engine(
     ``long_prompt_chunk`` is the chunk a longer prompt is cut into when it is
     smaller than the budget: such a prompt is prefilled alone, that many
     tokens a step, and while it waits or prefills no pass holds more; with
-    none about, prompts share passes of up to the budget (``None``: 768 on a
-    GPU, the budget on the CPU).
+    none about, or while the other prompts waiting hold more than the budget,
+    prompts share passes of up to the budget (``None``, the default: no such
+    chunk; it smooths the streams around a rare long prompt and costs TTFT
+    when many prompts are long: ``design/performance.md``).
     ``prefill_stall`` bounds a long prompt's stall in time: while rows decode,
     each step's chunk is sized from the measured step times so that a step
     that prefills one prompt's chunk takes about ``prefill_stall`` times a

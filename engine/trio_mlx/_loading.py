@@ -156,15 +156,14 @@ GPU_PREFILL_BUDGET = 1536
 #: at 256; but at 256 arrivals of 155 tokens that come together are prefilled apart (4-9%
 #: more forward passes at C=16), at 512 not (+0.7%).
 CPU_PREFILL_BUDGET = 512
-#: The chunk a long prompt is cut into on a GPU (``BatchLane.long_prompt_chunk``): it is
-#: prefilled alone, 768 tokens a step, and while it waits or prefills no pass is longer;
-#: otherwise chat-sized arrivals share passes of up to the budget. On the H200 (llama-1b,
-#: 63 streams while three 2,197-word prompts arrived; design/performance.md, sixteenth
-#: round) the streams' gap p99 was a median 3.1x their ITL median over seven rounds with
-#: every pass bounded at 768 against 4.7x at 1,536, but a 768-token budget also splits
-#: the closed loop's admission groups; this bounds the passes only while a long prompt
-#: is about. On the CPU the budget (512) is already the chunk.
-GPU_LONG_PROMPT_CHUNK = 768
+# No long-prompt chunk by default (``BatchLane.long_prompt_chunk``, ``serve
+# --long-prompt-chunk``), on any device. On the H200 (llama-1b; design/performance.md,
+# seventeenth round) a 768-token chunk lowered the streams' gap p99 while a 4,000-token
+# prompt arrived among 63 chat streams (a median 2.9x their ITL median over five rounds
+# against 3.6x without), but with prompts of 20-2,000 words arriving (the open loop) it
+# cost a half-loaded server 10-66% on TTFT p50 and 12-25% on ITL p50 (four runs; ITL p99
+# worse in three): a third of those prompts are longer than the chunk, each prefilled alone.
+# It is for chat servers with rare long prompts whose streams must stay smooth.
 
 
 @attrs.frozen
@@ -179,7 +178,7 @@ class LoadSettings:
     parallel: str = "auto"
     #: Prompt tokens prefilled per decode step (``BatchLane.prefill_budget``); None: the device's.
     prefill_budget: int | None = None
-    #: The chunk a long prompt is cut into (``BatchLane.long_prompt_chunk``); None: the device's.
+    #: The chunk a long prompt is cut into (``BatchLane.long_prompt_chunk``); None: none.
     long_prompt_chunk: int | None = None
 
 
@@ -304,10 +303,8 @@ def load(
     lane.prefill_budget = settings.prefill_budget or (
         GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
     )
-    # ... and alone, a shorter chunk a step, on a GPU (see GPU_LONG_PROMPT_CHUNK).
-    lane.long_prompt_chunk = settings.long_prompt_chunk or (
-        GPU_LONG_PROMPT_CHUNK if grouping else None
-    )
+    # ... and alone, a shorter chunk a step, where asked (see the note by CPU_PREFILL_BUDGET).
+    lane.long_prompt_chunk = settings.long_prompt_chunk
     if channel is None:  # ranks would have to agree on every pass: not worth it there
         _cuda_warmup.warm_up(model, settings.max_batch, lane.prefill_budget, lane=lane)
     if not grouping:

@@ -117,8 +117,9 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="TOKENS",
         help="a prompt longer than this is prefilled alone, this many tokens between two "
-        "decode steps, and while it waits no pass is longer; otherwise prompts share "
-        "passes of up to --prefill-budget (default: 768 on a GPU, the budget on the CPU)",
+        "decode steps, and while it waits no pass is longer, unless the other prompts "
+        "waiting hold more than --prefill-budget; smoother streams around rare long "
+        "prompts, for TTFT when many are long (default: off)",
     )
     parser.add_argument(
         "--prefill-stall",
