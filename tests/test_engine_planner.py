@@ -454,6 +454,18 @@ def _two_decoding(tokenizer: Any, params: SamplingParams) -> list[RowSpec]:
     return [RowSpec(i, tuple(tokenizer.encode(PROMPTS[i])), params) for i in (0, 1)]
 
 
+def _long_setup(
+    tokenizer: Any, decode_tokens: int
+) -> tuple[list[RowSpec], SamplingParams, tuple[int, ...]]:
+    """Rows 0 and 1 decoding ``decode_tokens`` each, the short arrivals' parameters
+    (8 tokens), and the long prompt (PROMPTS[3], past 60 tokens)."""
+    params = SamplingParams(max_tokens=decode_tokens, logit_bias=NO_EOS)
+    words = tuple(tokenizer.encode(PROMPTS[3]))
+    assert len(words) > 60
+    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
+    return _two_decoding(tokenizer, params), short, words
+
+
 def _run_lane(
     lane: BatchLane,
     first: list[RowSpec],
@@ -497,11 +509,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_equals_one_p
     tiny_model: tuple[Any, Any],
 ) -> None:
     model, tokenizer = tiny_model
-    params = SamplingParams(max_tokens=40, logit_bias=NO_EOS)
-    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
-    long_prompt = tuple(tokenizer.encode(PROMPTS[3]))
-    assert len(long_prompt) > 60
-    first = _two_decoding(tokenizer, params)
+    first, short, long_prompt = _long_setup(tokenizer, 40)
     later = [RowSpec(10, long_prompt, short)] + [
         RowSpec(11 + i, tuple(tokenizer.encode(PROMPTS[i])), short) for i in (0, 1, 2)
     ]
@@ -530,11 +538,7 @@ def test_a_prompt_longer_than_the_chunk_is_prefilled_alone_and_bounds_every_pass
     arrivals share passes of up to the budget again. No token changes against one
     pass each."""
     model, tokenizer = tiny_model
-    params = SamplingParams(max_tokens=60, logit_bias=NO_EOS)
-    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
-    words = tuple(tokenizer.encode(PROMPTS[3]))
-    assert len(words) > 60
-    first = _two_decoding(tokenizer, params)
+    first, short, words = _long_setup(tokenizer, 60)
     # Three short prompts (7 tokens to prefill each), then the long one, arriving together.
     later = [RowSpec(10 + i, words[i : i + 8], short) for i in range(3)]
     later.append(RowSpec(20, words, short))
@@ -577,11 +581,7 @@ def test_a_backlog_past_the_budget_lets_passes_take_the_budget_beside_a_long_pro
     sharing one; once the backlog is within the budget, the long prompt goes alone
     again. No token changes against one pass each."""
     model, tokenizer = tiny_model
-    params = SamplingParams(max_tokens=60, logit_bias=NO_EOS)
-    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
-    words = tuple(tokenizer.encode(PROMPTS[3]))
-    assert len(words) > 60
-    first = _two_decoding(tokenizer, params)
+    first, short, words = _long_setup(tokenizer, 60)
     # The long prompt first, then five short ones (7 tokens to prefill each: 35 > 32).
     later = [RowSpec(20, words, short)]
     later += [RowSpec(10 + i, words[i : i + 8], short) for i in range(5)]
