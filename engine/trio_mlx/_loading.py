@@ -162,7 +162,8 @@ CPU_PREFILL_BUDGET = 512
 # prompt arrived among 63 chat streams (a median 2.9x their ITL median over five rounds
 # against 3.6x without), but with prompts of 20-2,000 words arriving (the open loop) it
 # cost a half-loaded server 10-66% on TTFT p50 and 12-25% on ITL p50 (four runs; ITL p99
-# worse in three): a third of those prompts are longer than the chunk, each prefilled alone.
+# worse in three): about a third of those prompts are longer than the chunk, and each was
+# prefilled alone.
 # It is for chat servers with rare long prompts whose streams must stay smooth.
 
 
