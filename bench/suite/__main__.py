@@ -267,7 +267,7 @@ def summarize_rounds(
     ``data["bare"]`` gets, per C, the median round of each bare reference, and each
     server's row its median round by tok/s (the lower of two) with every round's tok/s
     and ratios to that same round's bare loops; the long arrivals keep the median round
-    by their gap ratio (the worse of two), with every round's ratio.
+    by their gap ratio (the worse of two), with every round's ratio and tok/s.
     """
 
     def tok_s(record: dict[str, Any]) -> float:
@@ -300,6 +300,7 @@ def summarize_rounds(
         if runs:
             row = dict(_median(runs, lambda x: x.get("during_p99_over_p50") or 0.0, upper=True))
             row["rounds_ratio"] = [x.get("during_p99_over_p50") for x in runs]
+            row["rounds_tok_s"] = [x.get("tok_s") for x in runs]
             data["long"][name] = row
 
 

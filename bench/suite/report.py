@@ -290,9 +290,15 @@ def _traffic_md(results: dict[str, Any]) -> list[str]:
                 f"{name}: {', '.join(_num(x, 1) for x in row.get('rounds_ratio', []))}"
                 for name, row in data["long"].items()
             )
+            rates = "; ".join(
+                f"{name}: {', '.join(_num(x) for x in row.get('rounds_tok_s', []))}"
+                for name, row in data["long"].items()
+            )
             lines += [
                 "",
                 f"Each round's p99 / ITL p50 (the row above is the median round, the worse of two): {each}",
+                "",
+                f"Each round's tok/s, in the same order: {rates}",
             ]
     if data.get("open"):
         lines += [
