@@ -606,10 +606,7 @@ def test_the_chunk_leaves_the_passes_of_prompts_shorter_than_it_as_they_were(
     """Arrivals no longer than the chunk (chat traffic): every forward pass the same
     shape as with no chunk, so the closed loop's admission groups are unchanged."""
     model, tokenizer = tiny_model
-    params = SamplingParams(max_tokens=24, logit_bias=NO_EOS)
-    short = SamplingParams(max_tokens=8, logit_bias=NO_EOS)
-    words = tuple(tokenizer.encode(PROMPTS[3]))
-    first = _two_decoding(tokenizer, params)
+    first, short, words = _long_setup(tokenizer, 24)
     later = [RowSpec(10 + i, words[3 * i : 3 * i + 12 + i], short) for i in range(5)]
     shapes = []
     for chunk in (None, 16):  # every prompt prefills 11-15 tokens

@@ -1512,15 +1512,21 @@ class BatchLane:
         first (the batch's KV is rebuilt when rows join anyway).
         """
         budget, long = self.prefill_budget, self.long_prompt_chunk
+        left = [n for n in self._prefilling.values() if n > 0]
         bound = budget
         # Only read when rows wait: ``_feed`` runs every decode step.
-        if budget is not None and long is not None and long < budget and self._waiting:
-            bound = long if self._shielded(long, budget) else budget
+        if (
+            budget is not None
+            and long is not None
+            and long < budget
+            and self._waiting
+            and self._shielded(long, budget, left)
+        ):
+            bound = long
         chunk = min(x for x in (budget, long, self._chunk, self.prefill_step_size) if x is not None)
         self._generator.prefill_step_size = chunk
         prompts = self._generator._prompt_batch
         prompts.width_multiple, prompts.width_limit = self.prefill_width_multiple, chunk
-        left = [n for n in self._prefilling.values() if n > 0]
         room = self.prefill_batch_size - len(self._prefilling)
         feed: list[_Row] = []
         while self._waiting:
@@ -1551,22 +1557,20 @@ class BatchLane:
                 events.append(RowEvent(row.spec.id, error=exc))
         return events
 
-    def _shielded(self, long: int, budget: int) -> bool:
+    def _shielded(self, long: int, budget: int, left: list[int]) -> bool:
         """Whether the streams are shielded from long passes now: a prompt longer
         than ``long`` tokens is prefilling or waiting to, and the prompt tokens
-        waiting or prefilling beside the longest such backlog entry stay within
-        ``budget``. Past that the server is behind on prefill, and passes of up
-        to the budget serve the queue sooner (H200 open loop, seventeenth round:
-        design/performance.md)."""
+        of every other prompt prefilling (``left``, tokens to go) or waiting
+        stay within ``budget``. Past that the server is behind on prefill, and
+        passes of up to the budget serve the queue sooner (H200 open loop,
+        seventeenth round: design/performance.md)."""
+        rows = (self._rows.get(row_id) for row_id in self._waiting)
+        waiting = [len(r.waiting[2]) - 1 for r in rows if r is not None and r.waiting is not None]
+        backlog = left + waiting
         self._long_prefills.intersection_update(self._prefilling)
-        about = bool(self._long_prefills)
-        backlog = [n for n in self._prefilling.values() if n > 0]
-        for row_id in self._waiting:
-            row = self._rows.get(row_id)
-            if row is not None and row.waiting is not None:
-                backlog.append(len(row.waiting[2]) - 1)
-        about = about or any(n > long for n in backlog)
-        return about and sum(backlog) - max(backlog, default=0) <= budget
+        if not self._long_prefills and max(backlog, default=0) <= long:
+            return False
+        return sum(backlog) - max(backlog, default=0) <= budget
 
     def _pass_tokens(self) -> int:
         """Prompt tokens (padded) the next ``BatchGenerator.next()`` prefills."""

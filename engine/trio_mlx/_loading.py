@@ -198,12 +198,12 @@ def load_settings(
     check_adapter(adapter_path)
     if prefill_step_size < 1 or prefill_batch_size < 1:
         raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
-    if prefill_budget is not None and (type(prefill_budget) is not int or prefill_budget < 1):
-        raise InvalidRequest("prefill_budget must be an integer >= 1", param="prefill_budget")
-    if long_prompt_chunk is not None and (
-        type(long_prompt_chunk) is not int or long_prompt_chunk < 1
+    for name, value in (
+        ("prefill_budget", prefill_budget),
+        ("long_prompt_chunk", long_prompt_chunk),
     ):
-        raise InvalidRequest("long_prompt_chunk must be an integer >= 1", param="long_prompt_chunk")
+        if value is not None and (type(value) is not int or value < 1):
+            raise InvalidRequest(f"{name} must be an integer >= 1", param=name)
     if parallel not in _distributed.PARALLEL:
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
