@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -32,6 +31,7 @@ from trio_mlx._gate import LaneName, choose_lane
 from trio_mlx._loading import Loaded, load, load_error, load_settings, resolve_model
 from trio_mlx._output import RowEvent
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
+from trio_mlx._prompt_size import rendered_bytes, utf8_size
 from trio_mlx._request import EngineStatistics, Phase, Request, failure
 from trio_mlx._serial import run_serial
 from trio_mlx._structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
@@ -68,10 +68,6 @@ def _too_long(what: str, limit: int) -> InvalidRequest:
     )
 
 
-def _utf8_size(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))
-
-
 def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
     """Whether tokenizing ``prompt`` costs less than a thread hop."""
     if not isinstance(prompt, str | list | tuple) or len(prompt) > _INLINE_PROMPT:
@@ -80,12 +76,16 @@ def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
         return True
     if tools or len(prompt) > 32:
         return False
+    # Only flat messages (strings for values: no tool calls, no content parts)
+    # of a few characters in all; anything else renders in a thread.
     chars = 0
     for message in prompt:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if not isinstance(content, str | None):
+        if not isinstance(message, Mapping):
             return False
-        chars += len(content or "")
+        for value in message.values():
+            if not isinstance(value, str | None):
+                return False
+            chars += len(value or "")
     return chars <= _INLINE_PROMPT
 
 
@@ -417,7 +417,7 @@ class Engine:
         """
         tokenizer = self._loaded.tokenizer
         if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
-            self._refuse_oversized(prompt, tools)
+            self.refuse_oversized(prompt, tools=tools)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
@@ -472,15 +472,22 @@ class Engine:
             return encode()
         return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
 
-    def _refuse_oversized(self, prompt: Prompt, tools: Sequence[Any] | None) -> None:
-        """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens.
+    def refuse_oversized(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> None:
+        """Refuse, before rendering or tokenizing, a prompt that cannot fit the context.
+
+        Raises :class:`~trio_mlx.InvalidRequest` (``context_length_exceeded``);
+        :meth:`encode` calls it first, and so should anything else that renders
+        a chat template (it walks the whole chat: call it off the event loop).
 
         No token covers more UTF-8 bytes than its vocabulary entry has, so a
-        text (message contents and tools, for a chat) of more bytes than the
-        longest entry times the context has too many tokens; and chat templates
-        mark every message with at least one token, so a chat has at least as
-        many tokens as messages. What is really tokenized is thus at most
-        ``context x longest entry`` bytes, whatever the body size.
+        text of more bytes than the longest entry times the context has too
+        many tokens; and chat templates mark every message with at least one
+        token, so a chat has at least as many tokens as messages. For a chat
+        the text counted is every string value the template renders: message
+        contents and content parts, tool calls, tool results, and the tool
+        definitions (:func:`~trio_mlx._prompt_size.rendered_bytes`). What is
+        really rendered and tokenized is thus at most about ``context x
+        longest entry`` bytes, whatever the body size.
         """
         limit = self.context_length
         if limit is None:
@@ -491,22 +498,19 @@ class Engine:
                 (len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=1
             )
             self._max_token_bytes = max(1, longest)
+        cap = limit * self._max_token_bytes
         if isinstance(prompt, str):
-            size = _utf8_size(prompt)
+            size = utf8_size(prompt)
         elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
             if len(prompt) > limit:
                 raise _too_long(f"the chat has {len(prompt)} messages", limit)
-            size = _utf8_size(json.dumps(list(tools), default=str)) if tools else 0
-            size += sum(
-                _utf8_size(m["content"])
-                for m in prompt
-                if isinstance(m, Mapping) and isinstance(m.get("content"), str)
-            )
+            size = rendered_bytes(tools or (), cap, keys=True)
+            size += rendered_bytes(prompt, cap - size)
         else:
             if len(prompt) > limit:
                 raise _too_long(f"the prompt has {len(prompt)} tokens", limit)
             return
-        if size > limit * self._max_token_bytes:
+        if size > cap:
             raise _too_long(f"the prompt's {size} bytes are more tokens", limit)
 
     def _chat(

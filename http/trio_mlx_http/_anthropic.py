@@ -338,14 +338,14 @@ async def _prompt(state: ServerState, request: MessagesRequest) -> GenerationReq
         return generation
     # parse_messages put the chat there.
     messages = cast("list[dict[str, Any]]", generation.prompts[0])
-    tokens = await trio.to_thread.run_sync(
-        _continued,
-        state.engine.tokenizer,
-        messages,
-        generation.tools,
-        generation.chat_template_kwargs,
-        limiter=_RENDER_LIMITER,
-    )
+
+    def render() -> list[int]:
+        state.engine.refuse_oversized(messages, tools=generation.tools)
+        return _continued(
+            state.engine.tokenizer, messages, generation.tools, generation.chat_template_kwargs
+        )
+
+    tokens = await trio.to_thread.run_sync(render, limiter=_RENDER_LIMITER)
     return attrs.evolve(generation, prompts=(tokens,))
 
 
@@ -509,7 +509,7 @@ async def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str,
     request = await _prompt(state, parse_messages(body, state.settings, counting=True))
     _model, request = _resolve_model(state, request)
     _check_tools(state, request.tools)
-    tokens = state.engine.encode(
+    tokens = await state.engine.tokenize(
         request.prompts[0], tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
     )
     return {"input_tokens": len(tokens)}

@@ -349,6 +349,7 @@ async def _opens_reasoning(
         kwargs["tools"] = request.tools
 
     def render() -> str:
+        state.engine.refuse_oversized(messages, tools=request.tools)
         text = state.engine.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **kwargs
         )
@@ -356,6 +357,8 @@ async def _opens_reasoning(
 
     try:
         prompt = await trio.to_thread.run_sync(render)
+    except InvalidRequest:
+        raise
     except Exception:  # the engine reports a template that does not render
         return False
     return prompt_opens_reasoning(prompt, *markers)
