@@ -620,6 +620,8 @@ def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
             "32",
             "--prompt-cache-bytes",
             "512M",
+            "--grammar-cache-bytes",
+            "64M",
             "--chat-template-args",
             '{"enable_thinking": false}',
             "--reasoning-markers",
@@ -631,17 +633,20 @@ def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
     assert settings.chat_template_args == {"enable_thinking": False}
     assert settings.reasoning_markers == ("<think>", "</think>")
     assert _engine_options(args)["prompt_cache_bytes"] == 512 * 1024 * 1024
+    assert _engine_options(args)["grammar_cache_bytes"] == 64 * 1024 * 1024
     # Requests that leave kv_bits out take the server's.
     request = _schema.parse_chat({"messages": USER}, settings)
     assert (request.params.kv_bits, request.params.kv_group_size) == (4, 32)
     defaults = build_parser().parse_args(["serve"])
     assert "prompt_cache_bytes" not in _engine_options(defaults)
+    assert "grammar_cache_bytes" not in _engine_options(defaults)
     assert settings_from(defaults).reasoning_markers is None
     off = build_parser().parse_args(["serve", "--reasoning-markers", "off"])
     assert settings_from(off).reasoning_markers is False
     for bad in (
         ["--kv-bits", "5"],
         ["--prompt-cache-bytes", "lots"],
+        ["--grammar-cache-bytes", "lots"],
         ["--chat-template-args", "[1]"],
         ["--reasoning-markers", "<think>"],
     ):

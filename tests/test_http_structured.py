@@ -187,6 +187,31 @@ async def test_huge_schema_past_the_bound_is_a_400(json_tools_model_path: Path) 
         assert ok.status_code == 200
 
 
+async def test_schemas_past_llguidance_limits_are_a_400_with_its_reason(
+    json_tools_model_path: Path,
+) -> None:
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(501)}}
+    endless = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+    async with (
+        live_server(json_tools_model_path) as live,
+        httpx.AsyncClient(base_url=live.url, timeout=60) as http,
+    ):
+        for schema, reason in ((wide, "max is 2000"), (endless, "Too many items")):
+            for stream in (False, True):
+                body = {
+                    "messages": USER,
+                    "max_tokens": 5,
+                    "stream": stream,
+                    "response_format": _response_format(schema),
+                }
+                reply = await http.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 400, reply.text
+                error = reply.json()["error"]
+                assert error["code"] == "grammar_too_complex"
+                assert error["param"] == "response_format"
+                assert reason in error["message"]
+
+
 def _check_calls(calls: Any, names: set[str]) -> None:
     assert calls
     for call in calls:

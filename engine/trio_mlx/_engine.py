@@ -20,10 +20,10 @@ from trio_mlx._actor import Actor
 from trio_mlx._adapters import AdapterRegistry
 from trio_mlx._arbiter import ArbiterPolicy
 from trio_mlx._batch import RowSpec
+from trio_mlx._compile_gate import CompileGate
 from trio_mlx._errors import (
     AdapterConflict,
     EngineClosed,
-    InvalidGrammar,
     InvalidRequest,
     NotFound,
 )
@@ -34,7 +34,12 @@ from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams
 from trio_mlx._prompt_size import rendered_bytes, utf8_size
 from trio_mlx._request import EngineStatistics, Phase, Request, failure
 from trio_mlx._serial import run_serial
-from trio_mlx._structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
+from trio_mlx._structured import (
+    COMPILE_TIMEOUT,
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    Constraint,
+    GrammarCompiler,
+)
 from trio_mlx._worker import Worker
 
 __all__ = ["Engine", "GenerationStream", "open_engine"]
@@ -116,6 +121,7 @@ async def open_engine(
     parallel: str = "auto",
     chat_template: str | None = None,
     grammar_timeout: float = COMPILE_TIMEOUT,
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
     max_unread_tokens: int | None = 1024,
     max_loras: int | None = 8,
     _tune: Mapping[str, Any] | None = None,
@@ -155,7 +161,12 @@ async def open_engine(
     ``mlx_lm.server --chat-template`` does.
     ``grammar_timeout`` bounds how many seconds a request's JSON schema, regex
     or grammar may take to compile (in a worker thread) before the request is
-    refused with :class:`~trio_mlx.InvalidGrammar`.
+    refused with :class:`~trio_mlx.InvalidGrammar`; two compile at once, and
+    a compile past its deadline gives up its slot at once (llguidance cannot
+    stop it: at most four such abandoned compiles may run, then new ones are
+    refused with :class:`~trio_mlx.EngineOverloaded` until one ends).
+    ``grammar_cache_bytes`` bounds the compiled grammars kept for reuse, by
+    their estimated size (0 keeps none).
     ``max_unread_tokens`` bounds what one request buffers for a reader that
     does not read: past that many unread tokens (each top log-probability
     alternative counting as one more) the request is cancelled and its stream
@@ -198,6 +209,8 @@ async def open_engine(
         raise InvalidRequest("prefill_stall must be a number > 1", param="prefill_stall")
     if not (isinstance(grammar_timeout, int | float) and grammar_timeout > 0):
         raise InvalidRequest("grammar_timeout must be > 0", param="grammar_timeout")
+    if not isinstance(grammar_cache_bytes, int) or grammar_cache_bytes < 0:
+        raise InvalidRequest("grammar_cache_bytes must be >= 0", param="grammar_cache_bytes")
     path = resolve_model(model)
     settings = load_settings(
         adapter_path=adapter_path,
@@ -226,6 +239,7 @@ async def open_engine(
                 _tune,
             )
             engine.grammar_timeout = float(grammar_timeout)
+            engine.grammar_cache_bytes = grammar_cache_bytes
         except Exception as exc:
             error = load_error(path, exc) or exc
         else:
@@ -352,10 +366,10 @@ class Engine:
     _max_token_bytes: int = attrs.field(init=False, default=0)
     #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
     grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
+    #: The byte bound of the compiled grammars kept (see :func:`open_engine`).
+    grammar_cache_bytes: int = attrs.field(init=False, default=DEFAULT_GRAMMAR_CACHE_BYTES)
     _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
-    _grammar_limiter: trio.CapacityLimiter = attrs.field(
-        init=False, factory=lambda: trio.CapacityLimiter(2)
-    )
+    _compile_gate: CompileGate = attrs.field(init=False, factory=CompileGate)
 
     @property
     def tokenizer(self) -> Any:
@@ -729,7 +743,9 @@ class Engine:
         if self._grammar is None:
             vocab = self._loaded.config.get("vocab_size")
             self._grammar = GrammarCompiler(
-                self._loaded.tokenizer, vocab if isinstance(vocab, int) else None
+                self._loaded.tokenizer,
+                vocab if isinstance(vocab, int) else None,
+                cache_bytes=self.grammar_cache_bytes,
             )
         compiler = self._grammar
         if importlib.util.find_spec("llguidance") is None:
@@ -738,14 +754,8 @@ class Engine:
                 param=param,
                 code="structured_output_unavailable",
             )
-        with trio.move_on_after(self.grammar_timeout):
-            return await trio.to_thread.run_sync(
-                compiler.compile, params, abandon_on_cancel=True, limiter=self._grammar_limiter
-            )
-        raise InvalidGrammar(
-            f"{param} did not compile within {self.grammar_timeout:g} s; simplify it",
-            param=param,
-            code="grammar_too_complex",
+        return await self._compile_gate.run(
+            partial(compiler.compile, params), seconds=self.grammar_timeout, param=param
         )
 
     def _refuse_distributed(self, what: str, param: str | None = None) -> None:

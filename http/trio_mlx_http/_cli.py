@@ -145,6 +145,14 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a response_format schema may take to compile before a 400 (default 10)",
     )
     parser.add_argument(
+        "--grammar-cache-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="bound of the compiled grammars kept for reuse, by their estimated size, "
+        "e.g. 64M; 0 keeps none (default: 256M)",
+    )
+    parser.add_argument(
         "--adapter-dir", default=None, help="POST /v1/adapters mounts only adapters in here"
     )
     parser.add_argument(

@@ -36,6 +36,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "parallel",
         "prompt_cache_bytes",
         "grammar_timeout",
+        "grammar_cache_bytes",
         "max_loras",
         "prefill_budget",
         "long_prompt_chunk",
