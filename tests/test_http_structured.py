@@ -212,6 +212,53 @@ async def test_schemas_past_llguidance_limits_are_a_400_with_its_reason(
                 assert reason in error["message"]
 
 
+async def test_a_stop_string_with_a_constraint_is_a_400_not_a_cut_value(
+    json_tools_model_path: Path,
+) -> None:
+    tool = {"name": WEATHER["function"]["name"], "input_schema": PARAMETERS["get_weather"]}
+    bodies = [
+        ("/v1/chat/completions", {"response_format": _response_format(PERSON), "stop": ["}"]}),
+        ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "required", "stop": "}"}),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "stop": ["}"],
+            },
+        ),
+        ("/v1/completions", {"response_format": _response_format(PERSON), "stop": ["}"]}),
+        (
+            "/v1/messages",
+            {"tools": [tool], "tool_choice": {"type": "any"}, "stop_sequences": ["}"]},
+        ),
+    ]
+    async with (
+        live_server(json_tools_model_path) as live,
+        httpx.AsyncClient(base_url=live.url, timeout=60) as http,
+    ):
+        model = live.engine.model_id
+        for path, extra in bodies:
+            for stream in (False, True):
+                base: dict[str, Any] = {"model": model, "max_tokens": 30, "stream": stream}
+                base["prompt" if path == "/v1/completions" else "messages"] = (
+                    "Describe a person." if path == "/v1/completions" else USER
+                )
+                reply = await http.post(path, json={**base, **extra})
+                assert reply.status_code == 400, (path, extra, reply.text)
+                error = reply.json()["error"]
+                assert "stop sequences cannot be combined with" in error["message"]
+                if path != "/v1/messages":
+                    assert error["param"] == "stop"
+        # Without the stop string the same value completes and validates.
+        body = {"model": model, "messages": USER, "max_tokens": 200}
+        body["response_format"] = _response_format(PERSON)
+        whole = await http.post("/v1/chat/completions", json=body)
+        choice = whole.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
 def _check_calls(calls: Any, names: set[str]) -> None:
     assert calls
     for call in calls:

@@ -427,3 +427,15 @@ async def test_an_abandoned_compile_gives_its_slot_back_and_abandoned_ones_are_b
         while gate.statistics().abandoned:  # noqa: ASYNC110 - counted by other threads
             await trio.sleep(0.01)
     assert await gate.run(lambda: "quick", seconds=600, param="json_schema") == "quick"
+
+
+@pytest.mark.parametrize(
+    "constraint", [{"json_schema": {"type": "object"}}, {"regex": "a+"}, {"grammar": "start: /a+/"}]
+)
+def test_stop_sequences_with_a_constraint_are_refused_at_construction(
+    constraint: dict[str, Any],
+) -> None:
+    with pytest.raises(InvalidGrammar) as refused:
+        SamplingParams(stop=["}"], **constraint)
+    assert refused.value.param == "stop"
+    assert f"combined with {next(iter(constraint))}" in refused.value.message

@@ -288,6 +288,14 @@ class SamplingParams:
                     f"{name} cannot be combined with {given[0]} (a complete value ends with EOS)",
                     param=name,
                 )
+        # A stop string matched inside the value would end it unfinished with "stop",
+        # and after the value only EOS is allowed: no place where a stop could apply.
+        if given and self.stop:
+            raise InvalidGrammar(
+                f"stop sequences cannot be combined with {given[0]}: one could cut the "
+                "value short, and a constrained value ends by itself (send no stop)",
+                param="stop",
+            )
 
     @property
     def constrained(self) -> bool:
