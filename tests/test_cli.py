@@ -191,3 +191,22 @@ def test_a_long_prompt_chunk_below_one_is_named() -> None:
 def test_a_prefill_stall_of_one_or_less_is_named() -> None:
     result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--prefill-stall", "1")
     _assert_short_error(result, "prefill_stall", "check --prefill-stall")
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_at_start_up_not_taken_as_no_authentication(
+    key: str,
+) -> None:
+    result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", env={"TRIO_MLX_API_KEY": key})
+    _assert_short_error(result, "TRIO_MLX_API_KEY", "set but empty")
+    assert result.returncode == 2
+    flag = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--api-key", key)
+    _assert_short_error(flag, "--api-key", "set but empty")
+
+
+def test_settings_refuse_an_empty_api_key() -> None:
+    from trio_mlx_http._settings import Settings
+
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        Settings(api_key="")
+    assert Settings(api_key=None).api_key is None

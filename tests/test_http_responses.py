@@ -254,28 +254,40 @@ def test_store_forgets_the_least_recently_used_response() -> None:
         ResponseStore(capacity=0)
 
 
-def test_store_keeps_within_its_byte_budget() -> None:
+def test_store_keeps_within_its_byte_budget_counting_the_json_it_holds() -> None:
     def stored(text: str) -> StoredResponse:
         return StoredResponse(body={}, conversation=({"role": "user", "content": text},))
 
-    store = ResponseStore(capacity=100, max_bytes=300)
+    one = ResponseStore()
+    one.put("a", stored("x" * 100))
+    size = one.bytes  # the JSON held, and a fixed overhead for the entry
+    assert size >= len(json.dumps([{}, [{"role": "user", "content": "x" * 100}]]))
+    store = ResponseStore(capacity=100, max_bytes=2 * size + 10)
     store.put("a", stored("x" * 100))
     store.put("b", stored("y" * 100))
-    assert store.bytes <= 300
+    assert store.bytes == 2 * size
     store.put("c", stored("z" * 100))  # over budget: "a", the least recently used, goes
     assert (store.get("a"), store.get("b") is not None, store.get("c") is not None) == (
         None,
         True,
         True,
     )
-    assert store.bytes <= 300
-    store.put("huge", stored("h" * 400))  # larger than the whole budget: not kept
+    assert store.bytes == 2 * size
+    store.put("huge", stored("h" * 1000))  # larger than the whole budget: not kept
     assert store.get("huge") is None
     assert store.get("b") is not None
     assert store.delete("b")
     assert not store.delete("b")
     store.put("c", stored("short"))  # replacing an entry recounts it
-    assert store.bytes == len(json.dumps([{}, ({"role": "user", "content": "short"},)]))
+    assert store.bytes == size - 95
+    # Each read is parsed anew: changing what it returned changes nothing kept.
+    got = store.get("c")
+    assert got is not None
+    got.conversation[0]["content"] = "changed"
+    again = store.get("c")
+    assert again is not None
+    assert again.conversation == ({"role": "user", "content": "short"},)
+    assert store.body("c") == {}
 
 
 POINT = {

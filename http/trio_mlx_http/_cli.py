@@ -325,6 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    key = getattr(args, "api_key", None)
+    if key is not None and not key.strip():
+        # An empty key used to mean no authentication at all: a typo away from an open server.
+        parser.error(
+            "the API key (--api-key or TRIO_MLX_API_KEY) is set but empty; set a key, or "
+            "unset TRIO_MLX_API_KEY and leave --api-key out to serve without authentication"
+        )
     _fast_blas(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import trio
 from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, NotFound, TrioMLXError
@@ -302,7 +303,13 @@ async def respond(
     state: ServerState, body: Mapping[str, Any], access: Access
 ) -> Response | dict[str, Any]:
     """Answer one ``POST /v1/responses``."""
-    request = parse_responses(body, state.settings, state.responses)
+    if body.get("previous_response_id") is not None:
+        # The stored conversation is parsed from its JSON: off the loop, it may be large.
+        request = await trio.to_thread.run_sync(
+            parse_responses, body, state.settings, state.responses
+        )
+    else:
+        request = parse_responses(body, state.settings, state.responses)
     try:
         return await run_turn(
             state,
@@ -323,10 +330,10 @@ async def respond(
 
 def stored(state: ServerState, response_id: str) -> dict[str, Any]:
     """``GET /v1/responses/{id}``: a stored response's body."""
-    found = state.responses.get(response_id)
+    found = state.responses.body(response_id)
     if found is None:
         raise NotFound(f"no stored response {response_id!r}", param="response_id")
-    return found.body
+    return found
 
 
 def delete(state: ServerState, response_id: str) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         reasoning_markers=_reasoning_markers(args.reasoning_markers),
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
-        api_key=args.api_key or None,
+        api_key=args.api_key,
         adapter_dir=args.adapter_dir,
         max_body_bytes=args.max_body_bytes,
         cors_origin=args.cors_origin,

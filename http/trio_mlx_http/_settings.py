@@ -16,6 +16,11 @@ def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) ->
         raise ValueError(f"{attribute.name} must be >= 1, not {value!r}")
 
 
+def _key(_instance: object, _attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ValueError("api_key must not be empty (None serves without authentication)")
+
+
 def _names(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
@@ -31,7 +36,7 @@ class Settings:
     #: The model id clients see and send; None means the engine's ``model_id``.
     model_name: str | None = None
     #: Bearer token every endpoint but ``/health`` requires; None disables auth.
-    api_key: str | None = attrs.field(default=None, repr=False)
+    api_key: str | None = attrs.field(default=None, repr=False, validator=_key)
     #: ``POST /v1/adapters`` mounts only adapters inside this folder; None disables it.
     adapter_dir: Path | None = attrs.field(default=None, converter=_to_dir)
     #: Request bodies above this many bytes get a 413 before they are read whole.
