@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm import load
 
     from trio_mlx import SamplingParams
-    from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+    from trio_mlx._lanes.batch import BatchLane
+    from trio_mlx._lanes.records import RowSpec, StepPlan
     from trio_mlx.default_model import default_model_path
 
     model, tokenizer = load(str(Path(args.model) if args.model else default_model_path()))

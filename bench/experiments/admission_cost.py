@@ -34,8 +34,8 @@ from bench.suite import models
 from bench.suite.inproc import prompt_ids
 
 from trio_mlx import SamplingParams
-from trio_mlx._batch import RowSpec, StepPlan
-from trio_mlx._loading import LoadSettings, load
+from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._start.loading import LoadSettings, load
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ hidden 256, 4 layers, vocab 2048) once, then runs each side in its own Python
 process, because the BLAS is chosen when a process starts:
 
 * ``reference``: ``LD_PRELOAD`` removed and ``TRIO_MLX_FAST_BLAS=0``;
-* ``fast, N threads``: the BLAS :func:`trio_mlx._blas.find_fast_blas` finds,
+* ``fast, N threads``: the BLAS :func:`trio_mlx._start.blas.find_fast_blas` finds,
   preloaded, with ``OPENBLAS_NUM_THREADS`` at the core count and at 1.
 
 Each side reports a 1024^3 float32 matmul in GFLOP/s, mlx-lm ``BatchGenerator``
@@ -137,7 +137,7 @@ def _side_env(fast_blas: str | None, threads: int | None) -> dict[str, str]:
     if fast_blas is None:
         env["TRIO_MLX_FAST_BLAS"] = "0"
         return env
-    from trio_mlx._blas import preload_env
+    from trio_mlx._start.blas import preload_env
 
     env["TRIO_MLX_BLAS"] = fast_blas
     env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
@@ -194,7 +194,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.parts.split(","), args.budget)))
         return
 
-    from trio_mlx._blas import find_fast_blas
+    from trio_mlx._start.blas import find_fast_blas
     from trio_mlx.testing import make_random_llama
 
     fast = find_fast_blas({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})

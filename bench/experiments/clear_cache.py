@@ -1,7 +1,7 @@
 """What ``mx.clear_cache()`` costs with a server's buffers in MLX's cache, and after it.
 
 ``python bench/experiments/clear_cache.py`` calls
-:func:`trio_mlx._cuda_pool.keep_memory` (the server's start-up), then for each
+:func:`trio_mlx._accel.pool.keep_memory` (the server's start-up), then for each
 case allocates arrays (evaluated, then dropped: they wait in MLX's cache), and
 times, synchronised: ``mx.clear_cache()``, then the same arrays allocated again
 (what the steps after a clear meet), then allocated once more (from the cache).

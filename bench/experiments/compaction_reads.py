@@ -5,7 +5,7 @@ bundled model, 150 rows, 3 rounds) loads the model as the engine does and runs a
 through the batch lane: up to 24 rows decoding, up to 4 arriving per step with random
 prompts (20-80 tokens, every tenth 600) and lengths (16-96 tokens), 128 prompt tokens
 prefilled per step, until ``ROWS`` rows have finished. It runs twice per round, once
-with the lane's ``_filter_caches``, ``_extract_row`` and split, and once with mlx-lm's
+with the lane's ``filter_caches``, ``extract_row`` and split, and once with mlx-lm's
 ``BatchKVCache.filter`` and ``extract`` (whose ``tolist`` per layer waits for the
 decode step still running) and its ``split`` (a deep copy of the prompt batch's caches,
 then two filters), with dead rows removed at once (``removal_delay`` 0, the CPU's
@@ -25,9 +25,10 @@ from typing import Any
 from bench.suite import models
 
 from trio_mlx import SamplingParams
-from trio_mlx import _batch as batch
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._loading import LoadSettings, load
+from trio_mlx._lanes import batch
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._start.loading import LoadSettings, load
 
 
 def main() -> None:
@@ -35,9 +36,9 @@ def main() -> None:
     total = int(sys.argv[2]) if len(sys.argv) > 2 else 150
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     loaded = load(str(models.prepare(name).path), LoadSettings(max_batch=32))
-    lanes_own = batch._plain_batch
+    lanes_own = batch.plain_batch
     compact = BatchLane._compact
-    prompt_class = batch._prompt_class()
+    prompt_class = batch.prompt_class()
     split = prompt_class.split
     spent: list[float] = []
     splits: list[float] = []
@@ -58,7 +59,7 @@ def main() -> None:
     prompt_class.split = timed_split
 
     def run(one_read: bool, delay: int) -> tuple[dict[int, list[int]], float]:
-        batch._plain_batch = lanes_own if one_read else (lambda caches: False)
+        batch.plain_batch = lanes_own if one_read else (lambda caches: False)
         rng = random.Random(0)
         lane = BatchLane(loaded.model, loaded.tokenizer, 32, prefill_budget=128)
         lane.removal_delay = delay

@@ -21,7 +21,7 @@ It prints each way's median ms per step (and the compiled way's step run
 without ``mx.compile``: what the array positions and whole-buffer reads cost
 alone), the compiled way's first call (trace and compile) at each new batch
 size, and whether the greedy tokens agree. The engine's version of the traced
-step is ``trio_mlx._traced_decode`` (``put`` only; this script kept both writes
+step is ``trio_mlx._accel.traced_decode`` (``put`` only; this script kept both writes
 to show why).
 Why: on the H200 a 64-row decode step of llama-1b takes 6-9 ms while the GPU is
 busy a quarter of the time (design/performance.md): the step's host work sets the
@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.suite import models
 
-from trio_mlx._loading import LoadSettings, load
+from trio_mlx._start.loading import LoadSettings, load
 
 
 class StaticCache:
@@ -71,7 +71,7 @@ def route_attention(model: Any) -> None:
     """Send a StaticCache's attention to the fused kernel with ``stop`` (CUDA)."""
     import mlx.core as mx
 
-    from trio_mlx import _decode_attention
+    from trio_mlx._accel import decode_attention as _decode_attention
 
     module = sys.modules[type(model).__module__]
     inner = module.scaled_dot_product_attention

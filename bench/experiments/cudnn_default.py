@@ -1,6 +1,6 @@
 """Whether the engine's MLX CUDA default takes effect: prefill attention per new shape.
 
-``trio_mlx._cuda_settings.apply()`` (the call the engine makes before it loads
+``trio_mlx._accel.settings.apply()`` (the call the engine makes before it loads
 a model) should leave MLX's cuDNN attention off, and the user's
 ``MLX_CUDA_USE_CUDNN_SDPA=1`` should keep it on. MLX reads the variable once,
 at its first attention call, and cuDNN builds an execution plan for every new
@@ -23,7 +23,7 @@ LENGTHS = [97, 131, 177, 203, 251, 307, 353, 401, 449, 503, 557, 613]
 
 def child() -> None:
     """Time the attention of each new shape (first call), then of the same shapes again."""
-    from trio_mlx import _cuda_settings
+    from trio_mlx._accel import settings as _cuda_settings
 
     chosen = _cuda_settings.apply()
     import mlx.core as mx

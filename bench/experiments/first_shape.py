@@ -25,7 +25,7 @@ passes had met its shapes: its "no first-call cost" then was not a measurement
 of new shapes.) With ``sweep``, one process times the matmul's first and second
 call for every M from 96 to 160: a cost per new M, or only at the few M that
 meet a new kernel; then again in a process that ran every multiple of 8 first
-(what the engine's CUDA warm-up does: ``trio_mlx._cuda_warmup``).
+(what the engine's CUDA warm-up does: ``trio_mlx._accel.warmup``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sibling projections stacked into one matmul: the decode step's time, with and without.
 
-``trio_mlx._fused_projections.install`` computes each layer's q/k/v, and
+``trio_mlx._accel.fused_projections.install`` computes each layer's q/k/v, and
 gate/up, as one matmul (three MLX operations fewer per layer and step). This
 loads the model twice in one process (the engine's load-time settings and the
 fused decode attention on both; the stacking on one), then times batched greedy
@@ -26,7 +26,8 @@ import mlx_lm
 from bench.suite import models
 from mlx_lm.models.cache import BatchKVCache
 
-from trio_mlx import _cuda_settings, _decode_attention, _fused_projections
+from trio_mlx._accel import _decode_attention, _fused_projections
+from trio_mlx._accel import settings as _cuda_settings
 
 STEPS = 64
 

@@ -5,7 +5,7 @@
 MLX compiles a custom CUDA kernel (``mx.fast.cuda_kernel``) with NVRTC the first
 time a process launches each distinct source and keeps it in memory only, never
 in its PTX cache on disk. In a fresh process this times, synchronised, calls of
-:func:`trio_mlx._decode_attention.decode_attention` in the order a server meets
+:func:`trio_mlx._accel.decode_attention.decode_attention` in the order a server meets
 them: a few rows (the load's check), 64 rows (a served batch: before the
 fifteenth round, another warps template and so another compile), the same
 again, the traced step's variant (with ``stop``) at 64 rows, and again.
@@ -19,7 +19,7 @@ import time
 def main() -> None:
     import mlx.core as mx
 
-    from trio_mlx import _decode_attention
+    from trio_mlx._accel import decode_attention as _decode_attention
 
     def call(rows: int, stopped: bool) -> float:
         q = mx.zeros((rows, 32, 1, 64), dtype=mx.bfloat16)

@@ -41,7 +41,7 @@ def _bare(model_path: str) -> list[list[int]]:
     import mlx_lm
     from mlx_lm.generate import BatchGenerator
 
-    from trio_mlx._decode_attention import install
+    from trio_mlx._accel.decode_attention import install
 
     model, _ = mlx_lm.load(model_path)
     install(model)

@@ -25,7 +25,8 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
 from trio_mlx import SamplingParams
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx.default_model import default_model_path
 
 

@@ -4,7 +4,7 @@
 (default ``llama-1b``, 63 rows, long prompts of 3000, 3500 and 4000 tokens) loads
 the model as the engine does (its prefill budget for the device, or N; with
 ``mlx-join``, rows join the batch by mlx-lm's ``BatchKVCache.extend`` instead of
-the lane's ``_join_caches``; with ``width=M``, every prefill pass right-padded to a
+the lane's ``join_caches``; with ``width=M``, every prefill pass right-padded to a
 multiple of M: ``BatchLane.prefill_width_multiple``; with ``keys=P``, every
 prefill pass's attention over keys padded to a multiple of P, the tail masked out,
 so that a chunk at a new offset meets a key length met before (an experiment's
@@ -33,17 +33,17 @@ from bench.suite import models
 from bench.suite.inproc import prompt_ids
 
 from trio_mlx import SamplingParams
-from trio_mlx._batch import RowSpec, StepPlan
-from trio_mlx._loading import LoadSettings, load
+from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._start.loading import LoadSettings, load
 
 
 def time_joins() -> None:
     """Time each join, synchronised, and fresh zeroed arrays of its size twice."""
     import mlx.core as mx
 
-    import trio_mlx._batch
+    import trio_mlx._lanes.batch
 
-    real = trio_mlx._batch._join_caches
+    real = trio_mlx._lanes.batch.join_caches
 
     def timed_join(ours: list[Any], theirs: list[Any]) -> bool:
         mx.synchronize()
@@ -69,7 +69,7 @@ def time_joins() -> None:
               f"{fresh[0]:.1f} ms, again {fresh[1]:.1f} ms", flush=True)  # fmt: skip
         return joined
 
-    trio_mlx._batch._join_caches = timed_join
+    trio_mlx._lanes.batch.join_caches = timed_join
 
 
 def steady_median(lane: Any, steps: int) -> float:
@@ -123,9 +123,9 @@ def main() -> None:
     budget = [int(x[7:]) for x in sys.argv[3:] if x.startswith("budget=")]
     longs = [int(x) for x in sys.argv[3:] if x.isdigit()] or [3000, 3500, 4000]
     if "mlx-join" in sys.argv:
-        import trio_mlx._batch
+        import trio_mlx._lanes.batch
 
-        trio_mlx._batch._join_caches = lambda ours, theirs: False
+        trio_mlx._lanes.batch.join_caches = lambda ours, theirs: False
     if "time-join" in sys.argv:
         time_joins()
     for arg in sys.argv[3:]:

@@ -2,7 +2,7 @@
 
 ``python bench/experiments/pool_alloc.py [GIB ...]`` runs, for each GIB (default
 ``off 0 24``; ``off`` is MLX's own allocator), a fresh process that calls
-:func:`trio_mlx._cuda_pool.keep_memory` with ``TRIO_MLX_CUDA_POOL_GIB=GIB`` and
+:func:`trio_mlx._accel.pool.keep_memory` with ``TRIO_MLX_CUDA_POOL_GIB=GIB`` and
 then times, synchronised, the zeroed keys and values of a 64-row batch (32
 arrays, 16 layers of Llama-3.2-1B's shape) at 3,072, 3,584, 4,096 and 4,608
 positions, each size twice, then the first size again after the others. A

@@ -6,7 +6,7 @@ padded. This times one single-query attention call, Llama-3.2-1B's shape
 (32 query heads, 8 KV heads, head dim 64), B rows, keys and values as views
 of a longer buffer (as the cache hands them over), 16 calls per evaluation
 (one step's layers), for: no mask, a boolean mask, an additive mask, and on
-CUDA trio-mlx's fused decode kernel at several warps per block (``trio_mlx._decode_attention``), with its
+CUDA trio-mlx's fused decode kernel at several warps per block (``trio_mlx._accel.decode_attention``), with its
 largest difference from the boolean-mask call.
 Run: ``python bench/experiments/sdpa_mask.py`` (numbers in design/performance.md).
 """
@@ -62,7 +62,7 @@ def main() -> None:
             for name, mask in (("none", None), ("bool", boolean), ("additive", additive))
         }
         if mx.cuda.is_available():
-            from trio_mlx import _decode_attention
+            from trio_mlx._accel import decode_attention as _decode_attention
 
             fused = partial(_decode_attention.decode_attention, q, k, v, padding, 64**-0.5)
             want = attend(q, k, v, boolean).astype(mx.float32)

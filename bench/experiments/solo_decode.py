@@ -32,7 +32,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from trio_mlx import SamplingParams
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
 
 WARM = 8
 
@@ -119,7 +120,7 @@ def main() -> None:
         path = str(default_model_path())
     else:
         path = str(models.prepare(name).path)
-    from trio_mlx._loading import LoadSettings, load
+    from trio_mlx._start.loading import LoadSettings, load
 
     loaded = load(path, LoadSettings(max_batch=8))
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -26,7 +26,7 @@ def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     model, _ = mlx_lm.load(str(models.prepare(name).path))
-    from trio_mlx._decode_attention import install
+    from trio_mlx._accel.decode_attention import install
 
     print("fused attention installed:", install(model))
     cache = [BatchKVCache([i % 3 for i in range(rows)]) for _ in model.layers]

@@ -2,12 +2,12 @@
 
 ``python bench/experiments/strided_trace.py [MODEL]`` (default ``llama-1b``)
 loads the model as the engine does and runs its traced decode step
-(:mod:`trio_mlx._traced_decode`) over 64-row batches made by hand, each step
+(:mod:`trio_mlx._accel.traced_decode`) over 64-row batches made by hand, each step
 timed in three parts, synchronised: the step's graph built (the traced call), queued
 (``mx.async_eval``: MLX's encoding, kernels compiled, buffers allocated) and
 run (``mx.eval``). The keys and values are either
 contiguous buffers or views that start 256 positions into a larger buffer
-(what ``_filter_caches`` leaves when the rows' shared left padding it trims is
+(what ``filter_caches`` leaves when the rows' shared left padding it trims is
 a multiple of the cache's step, so that no padding to the step copies them),
 passed as they are or through ``mx.contiguous`` first. A served step that
 queued for 2.35 s with no new trace (design/performance.md, fourteenth round)
@@ -23,8 +23,8 @@ from typing import Any
 
 from bench.suite import models
 
-from trio_mlx import _traced_decode
-from trio_mlx._loading import LoadSettings, load
+from trio_mlx._accel import traced_decode as _traced_decode
+from trio_mlx._start.loading import LoadSettings, load
 
 
 def caches(layers: int, rows: int, length: int, heads: int, dim: int, view: bool) -> list[Any]:

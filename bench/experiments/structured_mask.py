@@ -75,7 +75,7 @@ def run(
     from bench.suite.schemas import SCHEMAS, endless
 
     from trio_mlx import SamplingParams
-    from trio_mlx._structured import GrammarBatch
+    from trio_mlx._lanes.structured import GrammarBatch
 
     constraints = [
         compiler.compile(SamplingParams(json_schema=endless(SCHEMAS[i % len(SCHEMAS)])))
@@ -124,7 +124,8 @@ def lane_run(model: Any, tokenizer: Any, compiler: Any, batch: int, steps: int, 
     from bench.suite.schemas import SCHEMAS, endless
 
     from trio_mlx import SamplingParams
-    from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+    from trio_mlx._lanes.batch import BatchLane
+    from trio_mlx._lanes.records import RowSpec, StepPlan
 
     lane = BatchLane(model, tokenizer, max_batch=batch, grammar_batch=on)
     specs = []
@@ -161,7 +162,7 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from trio_mlx._structured import GrammarCompiler
+    from trio_mlx._lanes.structured import GrammarCompiler
 
     config = json.loads((args.model / "config.json").read_text())
     width = int(config["vocab_size"])

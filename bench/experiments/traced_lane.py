@@ -4,7 +4,7 @@
 ``llama-1b``, 32 rows, 96 tokens) loads the model as the engine does, then runs
 the same greedy rows (chat-sized prompts, admitted together) through two
 lanes, the model's own decode step and the traced one
-(:mod:`trio_mlx._traced_decode`), alternating twice. It prints each run's
+(:mod:`trio_mlx._accel.traced_decode`), alternating twice. It prints each run's
 median step time once every row decodes, the traced lane's traced and eager
 step counts, and how many rows' tokens equal the other lane's (bf16 on a GPU:
 fused kernels may round differently, so a row can part after some tokens; the
@@ -21,8 +21,9 @@ from bench.suite import models
 from bench.suite.inproc import prompt_ids
 
 from trio_mlx import SamplingParams
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._loading import LoadSettings, load
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._start.loading import LoadSettings, load
 
 
 def main() -> None:
