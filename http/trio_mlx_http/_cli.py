@@ -223,6 +223,16 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "(default: the engine's, 256M)",
     )
     parser.add_argument(
+        "--kv-memory",
+        dest="kv_memory_bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="what the running requests' KV caches may hold at worst, e.g. 8GiB; a request "
+        "waits until it fits, one that never could is refused (default: half of MLX's "
+        "memory limit less the weights)",
+    )
+    parser.add_argument(
         "--graceful-timeout",
         type=float,
         default=10.0,

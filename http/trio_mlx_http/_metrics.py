@@ -33,12 +33,16 @@ _GAUGES = {
     "mlx_cache_memory": "Bytes MLX keeps in freed buffers for reuse.",
     "mlx_peak_memory": "Highest active MLX memory since the process started, in bytes.",
     "prompt_cache_bytes": "Bytes the prompt cache counts for its entries.",
+    "kv_memory_budget": "Bytes the requests' KV caches may hold at worst (the admission budget).",
+    "kv_memory_reserved": "Worst-case KV bytes of the running and parked requests.",
 }
 #: Gauges whose exported name differs from the statistics field (Prometheus' unit suffix).
 _GAUGE_NAMES = {
     "mlx_active_memory": "mlx_active_memory_bytes",
     "mlx_cache_memory": "mlx_cache_memory_bytes",
     "mlx_peak_memory": "mlx_peak_memory_bytes",
+    "kv_memory_budget": "kv_memory_budget_bytes",
+    "kv_memory_reserved": "kv_memory_reserved_bytes",
 }
 #: Engine statistics exported as counters (name in statistics -> help).
 _COUNTERS = {

@@ -35,6 +35,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "drain_timeout",
         "parallel",
         "prompt_cache_bytes",
+        "kv_memory_bytes",
         "grammar_timeout",
         "max_loras",
         "prefill_budget",

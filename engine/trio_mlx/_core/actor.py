@@ -70,6 +70,7 @@ from trio_mlx._core.arbiter import (
     Wait,
 )
 from trio_mlx._core.gate import LaneName
+from trio_mlx._core.memory import KVBudget
 from trio_mlx._core.output import RowEvent
 from trio_mlx._core.planner import StepPlanner
 from trio_mlx._core.request import Ending, EngineStatistics, Phase, Request
@@ -77,12 +78,27 @@ from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
     EngineClosed,
     EngineOverloaded,
+    InvalidRequest,
     ReaderStalled,
 )
 from trio_mlx._lanes.batch import BatchLane
-from trio_mlx._lanes.records import StepResult
+from trio_mlx._lanes.records import RowSpec, StepResult
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "too_large"]
+
+
+def too_large(spec: RowSpec, memory: KVBudget) -> InvalidRequest:
+    """The refusal of a request whose KV cache alone could never fit the budget."""
+    prompt, max_tokens = len(spec.prompt), spec.params.max_tokens
+    capacity = memory.row_capacity()
+    needed = memory.profile.row_bytes(prompt + max_tokens)
+    return InvalidRequest(
+        f"the request needs a KV cache of {prompt + max_tokens} tokens ({prompt} prompt + "
+        f"{max_tokens} max_tokens), {needed} bytes; the engine's KV memory budget is "
+        f"{memory.limit} bytes, which holds at most {capacity} tokens for one request",
+        param="prompt",
+        code="kv_memory_exceeded",
+    )
 
 
 @attrs.define(eq=False)
@@ -186,16 +202,24 @@ class Actor:
 
     def _accept(self, request: Request) -> None:
         now = trio.current_time()
+        spec = request.spec
+        # A generation's worst case: its prompt and every token it may generate.
+        tokens = 0 if spec is None else len(spec.prompt) + spec.params.max_tokens
         if request.lane is LaneName.BATCH:
-            rejection = self._arbiter.submit_row(request.id, now)
+            rejection = self._arbiter.submit_row(request.id, now, tokens)
         else:
-            rejection = self._arbiter.submit_job(request.id, now)
+            rejection = self._arbiter.submit_job(request.id, now, tokens)
         if rejection is None:
             request.phase = Phase.PENDING
             if request.spec is not None:
                 self._tokens["prompt"] += len(request.spec.prompt)
         elif rejection is Rejection.CLOSED:
             request.rejection = EngineClosed("the engine is closed")
+            self._end(request, Ending.REJECTED)
+        elif rejection is Rejection.TOO_LARGE:
+            assert spec is not None
+            assert self.policy.memory is not None
+            request.rejection = too_large(spec, self.policy.memory)
             self._end(request, Ending.REJECTED)
         else:
             request.rejection = EngineOverloaded(
@@ -260,6 +284,8 @@ class Actor:
             prompt_token_seconds=self.planner.token_seconds,
             adapter_requests=MappingProxyType(dict(self._adapter_counts)),
             adapter_rows=MappingProxyType(dict(self._live_adapter_rows())),
+            kv_memory_budget=arb.kv_bytes_budget or 0,
+            kv_memory_reserved=arb.kv_bytes_reserved,
         )
 
     def _live_adapter_rows(self) -> Counter[str]:

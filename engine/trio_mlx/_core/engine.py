@@ -21,6 +21,7 @@ from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.gate import LaneName, choose_lane
+from trio_mlx._core.memory import KVBudget
 from trio_mlx._core.output import RowEvent
 from trio_mlx._core.request import EngineStatistics, Phase, Request, failure
 from trio_mlx._core.worker import Worker
@@ -118,6 +119,7 @@ async def open_engine(
     grammar_timeout: float = COMPILE_TIMEOUT,
     max_unread_tokens: int | None = 1024,
     max_loras: int | None = 8,
+    kv_memory_bytes: int | None = None,
     _tune: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
@@ -162,6 +164,12 @@ async def open_engine(
     raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
     ``max_loras`` bounds the adapters mounted at once (a mount past it raises
     :class:`~trio_mlx.AdapterConflict`; ``None``: no bound).
+    ``kv_memory_bytes`` is what the rows' KV caches may hold at worst (each
+    counting its prompt plus ``max_tokens``): a row waits in the queue until it
+    fits beside the running ones, a request too large to fit alone is refused
+    with :class:`~trio_mlx.InvalidRequest`, and ``max_tokens`` is cut to the
+    room one request has (``None``: half of MLX's memory limit less the weights,
+    less ``prompt_cache_bytes``; see ``design/engine.md``).
     ``_tune`` is for tests and benchmarks, not a stable API: it sets public
     fields of the actor (``decision_hook``), of its step planner (burst and
     grouped-admission bounds) or of the batch lane (removal bounds) by name
@@ -182,6 +190,8 @@ async def open_engine(
         message = str(invalid.args[0]) if invalid.args else str(invalid)
         named = re.match(r"'(\w+)'", message)
         raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
+    if kv_memory_bytes is not None and (type(kv_memory_bytes) is not int or kv_memory_bytes < 1):
+        raise InvalidRequest("kv_memory_bytes must be an integer >= 1", param="kv_memory_bytes")
     if prompt_cache_bytes < 0:
         raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
     if max_loras is not None and (not isinstance(max_loras, int) or max_loras < 1):
@@ -224,6 +234,7 @@ async def open_engine(
                 max_loras,
                 prefill_stall,
                 _tune,
+                kv_memory_bytes,
             )
             engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:
@@ -250,6 +261,7 @@ async def _serve(
     max_loras: int | None,
     prefill_stall: float | None,
     tune: Mapping[str, Any] | None,
+    kv_memory_bytes: int | None,
     *,
     task_status: trio.TaskStatus[Engine],
 ) -> None:
@@ -260,8 +272,9 @@ async def _serve(
         loaded = await worker.run(load)
         registry = AdapterRegistry(max_loras=max_loras)
         loaded.lane.adapter_stack = lambda: registry.stack
+        limit = loaded.kv_default if kv_memory_bytes is None else kv_memory_bytes
         actor = Actor(
-            policy,
+            attrs.evolve(policy, memory=KVBudget(loaded.kv_profile, limit)),
             worker,
             loaded.lane,
             serial_work=partial(_serial_work, loaded, registry),
@@ -674,6 +687,7 @@ class Engine:
         # the prompt: off the event loop, a few prompts at a time.
         tokens = await self.tokenize(prompt, tools=tools, chat_template_kwargs=template_kwargs)
         params = self._fit_context(len(tokens), params)
+        params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
         params = self._sampler_safe(params)
         constraint = await self._constraint(params) if params.constrained else None
@@ -713,6 +727,22 @@ class Engine:
             raise _too_long(
                 f"the prompt has {prompt_tokens} tokens, leaving no room to generate", limit
             )
+        return attrs.evolve(params, max_tokens=room)
+
+    def _fit_memory(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with max_tokens cut to the tokens one request's KV cache may hold.
+
+        Like the context's cut (:meth:`_fit_context`): the row ends with
+        finish_reason "length" there. A prompt with no room left at all is
+        refused by the arbiter when it is submitted (``Rejection.TOO_LARGE``).
+        """
+        memory = self._actor.policy.memory
+        capacity = None if memory is None else memory.row_capacity()
+        if capacity is None or prompt_tokens + params.max_tokens <= capacity:
+            return params
+        room = capacity - prompt_tokens
+        if room < max(1, params.min_tokens):
+            return params
         return attrs.evolve(params, max_tokens=room)
 
     async def _constraint(self, params: SamplingParams) -> Constraint | None:

@@ -171,6 +171,10 @@ class EngineStatistics:
     #: Live requests that named an adapter, by ``"lane:adapter"``: every one not yet
     #: ended, whether queued, decoding or parked (a gauge; absent keys are 0).
     adapter_rows: Mapping[str, int] = attrs.field(factory=dict)
+    #: The rows' KV memory budget in bytes (``open_engine(kv_memory_bytes=)``; 0: none),
+    #: and the worst case the running and parked rows hold of it.
+    kv_memory_budget: int = 0
+    kv_memory_reserved: int = 0
 
 
 def failure(error: BaseException) -> BaseException:

@@ -24,12 +24,14 @@ from trio_mlx._accel import pool as _cuda_pool
 from trio_mlx._accel import settings as _cuda_settings
 from trio_mlx._accel import traced_decode as _traced_decode
 from trio_mlx._accel import warmup as _cuda_warmup
+from trio_mlx._core.memory import KVProfile, default_limit
 from trio_mlx._dist import leader as _distributed
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._params import SamplingParams
+from trio_mlx._start import kv_measure
 
 __all__ = [
     "LoadSettings",
@@ -64,6 +66,10 @@ class Loaded:
     #: removal and fetch dominates and grouping pays; on the CPU the compute dominates,
     #: and a held arrival, a dead row or a prefilled token only wastes it.
     grouping: bool = True
+    #: What a row's KV cache costs (measured on the model's caches), and the default
+    #: KV memory budget of the rows (``open_engine(kv_memory_bytes=None)``).
+    kv_profile: KVProfile = attrs.field(factory=KVProfile)
+    kv_default: int = 0
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -273,6 +279,11 @@ def load(
     _fused_projections.install(model)  # sibling projections: one matmul per group
     _decode_attention.install(model)  # CUDA only: the padded batch's decode attention fused
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+    warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
+    kv_profile = kv_measure.measure(model, warm[0])
+    kv_default = default_limit(
+        kv_measure.memory_limit(), kv_measure.weight_bytes(model), prompt_cache_bytes, kv_profile
+    )
     lane = lane_type(
         model,
         tokenizer,
@@ -285,7 +296,6 @@ def load(
     lane.traced_decode = channel is None and _traced_decode.wanted(
         os.environ, cuda=_cuda_settings.on_cuda()
     )
-    warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))
         while lane.rows:
@@ -311,7 +321,17 @@ def load(
         lane.removal_delay = 0  # every dead row leaves at the end of its step
         lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
     return Loaded(
-        model, tokenizer, dict(config), caches_merge, lane, prompt_cache, channel, leader, grouping
+        model,
+        tokenizer,
+        dict(config),
+        caches_merge,
+        lane,
+        prompt_cache,
+        channel,
+        leader,
+        grouping,
+        kv_profile,
+        kv_default,
     )
 
 
