@@ -37,7 +37,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["decode_attention", "install"]
@@ -277,17 +277,19 @@ def _takes(queries: Any, keys: Any, values: Any, cache: Any, sinks: Any) -> bool
     )
 
 
-def install(model: Any) -> bool:
+def install(model: Any, switches: Mapping[str, str] | None = None) -> bool:
     """Route the model's single-query batch attention through the kernel; True if it is.
 
-    Only on MLX's CUDA backend, not when ``TRIO_MLX_DECODE_KERNEL`` is ``0``, and
+    Only on MLX's CUDA backend, not when ``TRIO_MLX_DECODE_KERNEL`` is ``0`` in
+    ``switches`` (default: the process's environment), and
     only once the kernel has compiled and matched MLX's masked attention on a
     small padded batch (else a warning, and mlx-lm's path as before). The
     first real call of each head shape is checked again against mlx-lm's call.
     """
     import mlx.core as mx
 
-    if os.environ.get("TRIO_MLX_DECODE_KERNEL", "1") == "0" or not mx.cuda.is_available():
+    switches = os.environ if switches is None else switches
+    if switches.get("TRIO_MLX_DECODE_KERNEL", "1") == "0" or not mx.cuda.is_available():
         return False
     if not _works():
         return False

@@ -27,8 +27,9 @@ __all__ = ["generate", "serve", "serve_http"]
 logger = logging.getLogger("trio_mlx_http")
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"model": args.model, "adapter_path": args.adapter_path}
+def _engine_settings(args: argparse.Namespace) -> trio_mlx.EngineSettings:
+    """The engine's settings from the command line's flags (each unset flag: its default)."""
+    options: dict[str, Any] = {"adapter_path": args.adapter_path}
     for name in (
         "max_batch",
         "max_queue",
@@ -50,7 +51,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "prompt_concurrency", None) is not None:
         # mlx_lm.server's name for how many prompts are prefilled together.
         options["prefill_batch_size"] = args.prompt_concurrency
-    return options
+    return trio_mlx.EngineSettings(**options)
 
 
 def _chat_template(template: str | None) -> str | None:
@@ -256,7 +257,7 @@ async def _serve_until_stopped(args: argparse.Namespace, stopping: _Stopping) ->
     # The port first: a busy one fails in a moment, not after minutes of model loading.
     async with (
         bound_socket(args.host, args.port) as listener,
-        trio_mlx.open_engine(**_engine_options(args)) as engine,
+        trio_mlx.open_engine(args.model, _engine_settings(args)) as engine,
     ):
         config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns the socket from here
         # After the engine: loading mlx-lm lowers the fd limit (to 2,048 of 4,096).
@@ -272,7 +273,7 @@ async def _serve_until_stopped(args: argparse.Namespace, stopping: _Stopping) ->
 
 async def generate(args: argparse.Namespace) -> int:
     """Generate one completion, streaming its text to stdout."""
-    async with trio_mlx.open_engine(**_engine_options(args)) as engine:
+    async with trio_mlx.open_engine(args.model, _engine_settings(args)) as engine:
         prompt: Any = args.prompt
         if not args.raw and engine.tokenizer.has_chat_template:
             prompt = [{"role": "user", "content": args.prompt}]
