@@ -145,8 +145,8 @@ def model_env() -> dict[str, str]:
     """The environment for processes that run MLX: an optimized BLAS preloaded where one exists,
     and the engine's MLX CUDA settings (unless set), so the bare loops and ``mlx_lm.server`` run
     under the same MLX settings as trio-mlx: like with like."""
-    from trio_mlx._blas import preload_env
-    from trio_mlx._cuda_settings import DEFAULTS
+    from trio_mlx._accel.settings import DEFAULTS
+    from trio_mlx._start.blas import preload_env
 
     env = preload_env(dict(os.environ))
     for name, value in DEFAULTS.items():
@@ -177,7 +177,7 @@ def environment(env: dict[str, str]) -> dict[str, Any]:
     info = json.loads(_probe(env, code) or "{}")
     info["cpus"] = os.cpu_count()
     if info.get("cuda"):
-        from trio_mlx._cuda_settings import DEFAULTS
+        from trio_mlx._accel.settings import DEFAULTS
 
         info["mlx_settings"] = {name: env.get(name) for name in DEFAULTS}
     return info

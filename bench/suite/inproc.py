@@ -194,7 +194,7 @@ def overhead(job: dict[str, Any]) -> None:
         emit({"job": "overhead", "batch": b, "bare": _best(runs), "engine": None})
 
 
-def _memory_now() -> dict[str, int]:
+def memory_now() -> dict[str, int]:
     import mlx.core as mx
 
     out = {
@@ -240,12 +240,12 @@ def memory(job: dict[str, Any]) -> None:
                     pass
             done += 1
             if done in marks:
-                snapshots[str(done)] = _memory_now()
+                snapshots[str(done)] = memory_now()
 
     async def main() -> None:
         send, receive = trio.open_memory_channel[int](0)
         async with trio_mlx.open_engine(job["model"], max_batch=job["concurrency"]) as engine:
-            snapshots["0"] = _memory_now()
+            snapshots["0"] = memory_now()
             async with trio.open_nursery() as nursery:
                 for _ in range(job["concurrency"]):
                     nursery.start_soon(worker, engine, receive.clone())
@@ -268,7 +268,7 @@ def closed_loop(job: dict[str, Any]) -> None:
 
     model, tokenizer = mlx_lm.load(job["model"])
     if job.get("kernel"):  # optional: the bare loop with trio-mlx's decode attention
-        from trio_mlx._decode_attention import install
+        from trio_mlx._accel.decode_attention import install
 
         install(model)
     length, max_tokens = job["prompt_len"], job["max_tokens"]
@@ -384,7 +384,7 @@ def structured(job: dict[str, Any]) -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     import trio_mlx
-    from trio_mlx._structured import GrammarCompiler
+    from trio_mlx._lanes.structured import GrammarCompiler
 
     tokenizer = load_tokenizer(Path(job["model"]))
     bias = {int(k): v for k, v in job["logit_bias"].items()} if job["logit_bias"] else None

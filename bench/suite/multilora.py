@@ -14,10 +14,10 @@ in a worker process (:func:`job`):
   its adapter put on and taken off), end to end; and 8 base requests both ways, which bounds what batching can gain on
   the machine at all.
 * **engine by method**: the rows over 4 adapters (and half base) again, the
-  stack rebuilt with each of ``trio_mlx._multilora.METHODS`` in turn.
+  stack rebuilt with each of ``trio_mlx._adapters.multilora.METHODS`` in turn.
 * **methods**: the model's decode step (a bare forward over a KV cache, one
   ``mx.eval`` per step) with the stacked layers of each
-  ``trio_mlx._multilora.METHODS``, for the same row mixes, against the base
+  ``trio_mlx._adapters.multilora.METHODS``, for the same row mixes, against the base
   model; milliseconds per step, the lower quartile of all rounds' steps. This
   is the per-step cost of the adapted layers alone, without the engine.
 
@@ -205,7 +205,7 @@ async def _by_method(
     registry: a measurement knob, not an API).
     """
 
-    from trio_mlx._multilora import DEFAULT_METHOD
+    from trio_mlx._adapters.multilora import DEFAULT_METHOD
 
     name, path = f"a{len(adapters) - 1}", adapters[-1]
 
@@ -268,7 +268,7 @@ def _quartile(times: list[float]) -> float:
 def _methods_part(job: dict[str, Any], adapters: list[Path]) -> None:
     import mlx_lm
 
-    from trio_mlx._adapters import AdapterRegistry
+    from trio_mlx._adapters.registry import AdapterRegistry
 
     model, _ = mlx_lm.load(job["model"])
     stacks = {}
@@ -327,7 +327,7 @@ def job(job: dict[str, Any]) -> None:
 
 def collect(records: list[dict[str, Any]], model: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The part's results from the worker's records."""
-    from trio_mlx._multilora import DEFAULT_METHOD
+    from trio_mlx._adapters.multilora import DEFAULT_METHOD
 
     rows = [r for r in records if r["job"] == "multilora_rows"]
     serial = [r for r in records if r["job"] == "multilora_serial"]

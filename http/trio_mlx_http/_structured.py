@@ -185,7 +185,7 @@ def tool_call_grammar(
             }
         )
     body = options[0] if len(options) == 1 else {"anyOf": options}
-    # Compact JSON, as the engine writes JSON schemas (see trio_mlx._structured).
+    # Compact JSON, as the engine writes JSON schemas (see trio_mlx._lanes.structured).
     body = {"x-guidance": COMPACT_JSON, **body}
     start = _literal(tokenizer, tokenizer.tool_call_start)
     end = _literal(tokenizer, tokenizer.tool_call_end)

@@ -17,10 +17,13 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from trio_mlx._actor import Actor
-from trio_mlx._adapters import AdapterRegistry
-from trio_mlx._arbiter import ArbiterPolicy
-from trio_mlx._batch import RowSpec
+from trio_mlx._adapters.registry import AdapterRegistry
+from trio_mlx._core.actor import Actor
+from trio_mlx._core.arbiter import ArbiterPolicy
+from trio_mlx._core.gate import LaneName, choose_lane
+from trio_mlx._core.output import RowEvent
+from trio_mlx._core.request import EngineStatistics, Phase, Request, failure
+from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
     AdapterConflict,
     EngineClosed,
@@ -28,14 +31,11 @@ from trio_mlx._errors import (
     InvalidRequest,
     NotFound,
 )
-from trio_mlx._gate import LaneName, choose_lane
-from trio_mlx._loading import Loaded, load, load_error, load_settings, resolve_model
-from trio_mlx._output import RowEvent
+from trio_mlx._lanes.records import RowSpec
+from trio_mlx._lanes.serial import run_serial
+from trio_mlx._lanes.structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
-from trio_mlx._request import EngineStatistics, Phase, Request, failure
-from trio_mlx._serial import run_serial
-from trio_mlx._structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
-from trio_mlx._worker import Worker
+from trio_mlx._start.loading import Loaded, load, load_error, load_settings, resolve_model
 
 __all__ = ["Engine", "GenerationStream", "open_engine"]
 

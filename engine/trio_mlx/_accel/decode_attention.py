@@ -256,7 +256,7 @@ def _cache_types() -> tuple[type, type]:
     mlx-lm's ``BatchKVCache`` and the traced step's (which carries ``stop``)."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from trio_mlx._traced_decode import TracedCache
+    from trio_mlx._accel.traced_decode import TracedCache
 
     return BatchKVCache, TracedCache
 

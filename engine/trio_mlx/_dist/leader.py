@@ -4,12 +4,12 @@ Under ``mlx.launch`` every rank loads its shard (:func:`load_shard`: tensor
 parallel where the architecture has ``shard``, e.g. llama; pipeline parallel
 where it has ``model.pipeline``, e.g. qwen2; ``parallel`` picks).
 Rank 0 runs the engine as usual; every other rank runs
-:func:`trio_mlx._follower.follow`: no HTTP, no arbiter, just a loop that
+:func:`trio_mlx._dist.follower.follow`: no HTTP, no arbiter, just a loop that
 receives rank 0's worker commands and makes the same MLX calls in the same
 order, so the collectives inside the sharded model line up.
 
 The seam: this module is all of distributed mode below the worker boundary.
-:func:`trio_mlx._loading.load` builds a :class:`MirroredLane` and rank 0's
+:func:`trio_mlx._start.loading.load` builds a :class:`MirroredLane` and rank 0's
 :class:`Leader`; the engine makes one call, :meth:`Leader.attach` (the
 watchdog, the heartbeat task, the lost-group hook), and hands serial work to
 :meth:`Leader.run_serial`. The actor and the arbiter never see it.
@@ -18,7 +18,7 @@ The command stream
 ------------------
 Rank 0's :class:`Leader` broadcasts, on its MLX thread and before making the
 call itself, every state-changing call as a :class:`Command`: the batch lane's
-step (a :class:`~trio_mlx._batch.StepPlan`: inserts, resumes, removes and
+step (a :class:`~trio_mlx._lanes.batch.StepPlan`: inserts, resumes, removes and
 the burst length, the lane call's one argument),
 park, discard, fail_all and close (:class:`MirroredLane`), and each serial
 generation (its :class:`RowSpec`). On the wire a command is its short string
@@ -85,13 +85,14 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import attrs
 import trio
 
-from trio_mlx._batch import DECODE, BatchLane, RowSpec, StepPlan, StepResult
+from trio_mlx._core.output import RowEvent
 from trio_mlx._errors import EngineClosed
-from trio_mlx._output import RowEvent
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import DECODE, RowSpec, StepPlan, StepResult
 
 if TYPE_CHECKING:
-    from trio_mlx._actor import Actor
-    from trio_mlx._worker import Worker
+    from trio_mlx._core.actor import Actor
+    from trio_mlx._core.worker import Worker
 
 __all__ = [
     "PARALLEL",
@@ -143,13 +144,13 @@ START_TIMEOUT = 600.0
 class Command(enum.Enum):
     """What rank 0 tells the followers; the value is what travels (a short string)."""
 
-    #: A batch-lane step: a :class:`~trio_mlx._batch.StepPlan`.
+    #: A batch-lane step: a :class:`~trio_mlx._lanes.batch.StepPlan`.
     STEP = "step"
     #: ``BatchLane.park(ids)``, ``discard(ids)``, ``fail_all(error)``.
     PARK = "park"
     DISCARD = "discard"
     FAIL_ALL = "fail_all"
-    #: A serial generation: its :class:`~trio_mlx._batch.RowSpec`.
+    #: A serial generation: its :class:`~trio_mlx._lanes.batch.RowSpec`.
     SERIAL = "serial"
     #: Whether the running serial generation takes its next token.
     GO = "go"
@@ -531,7 +532,7 @@ class MirroredLane(BatchLane):
     """A batch lane whose every state change is broadcast first (rank 0, once ``leader`` is set).
 
     Followers hold the same class with ``leader`` None and are driven by
-    :func:`trio_mlx._follower.follow`. Rank 0 fixes each burst's length before it starts (see
+    :func:`trio_mlx._dist.follower.follow`. Rank 0 fixes each burst's length before it starts (see
     the module's notes), from :attr:`step_seconds`.
     """
 

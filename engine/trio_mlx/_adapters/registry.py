@@ -33,8 +33,8 @@ from typing import Any
 
 import attrs
 
+from trio_mlx._adapters.multilora import DEFAULT_METHOD, AdapterLayers, AdapterStack
 from trio_mlx._errors import AdapterConflict, GenerationFailed, InvalidRequest, NotFound
-from trio_mlx._multilora import DEFAULT_METHOD, AdapterLayers, AdapterStack
 
 __all__ = ["AdapterRegistry", "BaseModelChanged"]
 

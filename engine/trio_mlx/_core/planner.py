@@ -5,7 +5,7 @@ Theory of operation
 
 The arbiter decides *that* a step runs (``Step``) and which rows join the
 batch (``Admit``, ``Resume``); the :class:`StepPlanner` decides what each
-step call carries, as one :class:`~trio_mlx._batch.StepPlan`: which of the
+step call carries, as one :class:`~trio_mlx._lanes.batch.StepPlan`: which of the
 admitted rows are inserted now, the parked rows resumed and the cancelled
 rows removed, and how many decode steps the call may run (a *burst*). It is
 the one place that builds a step; the actor feeds it the rows and sends its
@@ -47,7 +47,7 @@ Two decisions live here:
 - *Burst length* (:meth:`StepPlanner.next_step`). In plain decoding (the
   arbiter ADMITTING, no job waiting) a step call may run up to
   ``burst_steps`` decode steps within ``burst_seconds``; the lane stops it
-  early on news (see :meth:`~trio_mlx._batch.BatchLane.step`), and
+  early on news (see :meth:`~trio_mlx._lanes.batch.BatchLane.step`), and
   :meth:`StepPlanner.ends_burst` says which submissions are news.
 
 Pure: the actor passes in the time, the arbiter's state and the lane's
@@ -63,8 +63,8 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from trio_mlx._arbiter import State
-from trio_mlx._batch import RowSpec, StepPlan
+from trio_mlx._core.arbiter import State
+from trio_mlx._lanes.records import RowSpec, StepPlan
 
 __all__ = ["StepPlanner"]
 

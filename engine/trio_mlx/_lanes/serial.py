@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from trio_mlx._batch import RowSpec, make_row_sampler, row_processors
-from trio_mlx._output import RowEvent, RowOutput
-from trio_mlx._prompt_cache import PromptCache
+from trio_mlx._core.output import RowEvent, RowOutput
+from trio_mlx._lanes.processors import make_row_sampler, row_processors
+from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.records import RowSpec
 
 __all__ = ["EMIT_INTERVAL", "run_serial"]
 

@@ -69,7 +69,7 @@ holds (repeatedly; these rows change state without the actor doing anything),
 and :meth:`Arbiter.decide` applies the first matching ``DECIDE`` row and
 returns its decision. :func:`render_mermaid` and :func:`render_table` draw the
 same table into ``design/arbiter.md``; regenerate it with
-``python -m trio_mlx._arbiter design/arbiter.md``.
+``python -m trio_mlx._core.arbiter design/arbiter.md``.
 """
 
 from __future__ import annotations
@@ -723,7 +723,9 @@ class Arbiter:
 
 # --- the diagram ----------------------------------------------------------------------
 
-DIAGRAM_BEGIN = "<!-- BEGIN GENERATED DIAGRAM: python -m trio_mlx._arbiter design/arbiter.md -->"
+DIAGRAM_BEGIN = (
+    "<!-- BEGIN GENERATED DIAGRAM: python -m trio_mlx._core.arbiter design/arbiter.md -->"
+)
 DIAGRAM_END = "<!-- END GENERATED DIAGRAM -->"
 
 

@@ -7,7 +7,7 @@ returns a :class:`Loaded` (the model, its tokenizer and config, the batch lane,
 the prompt cache), with a LoRA adapter fused and the chat template replaced
 when asked, and :func:`load_error` names what could not be found or fetched.
 Under ``mlx.launch`` :func:`load` takes rank 0's :class:`LoadSettings` and this
-rank's shard instead (:mod:`trio_mlx._distributed`).
+rank's shard instead (:mod:`trio_mlx._dist.leader`).
 """
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ from typing import Any
 
 import attrs
 
-from trio_mlx import (
-    _cuda_pool,
-    _cuda_settings,
-    _cuda_warmup,
-    _decode_attention,
-    _distributed,
-    _fused_projections,
-    _traced_decode,
-)
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._accel import decode_attention as _decode_attention
+from trio_mlx._accel import fused_projections as _fused_projections
+from trio_mlx._accel import pool as _cuda_pool
+from trio_mlx._accel import settings as _cuda_settings
+from trio_mlx._accel import traced_decode as _traced_decode
+from trio_mlx._accel import warmup as _cuda_warmup
+from trio_mlx._dist import leader as _distributed
 from trio_mlx._errors import InvalidRequest, NotFound
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._params import SamplingParams
-from trio_mlx._prompt_cache import PromptCache
 
 __all__ = [
     "LoadSettings",

@@ -57,7 +57,7 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-from trio_mlx import _cuda_settings
+from trio_mlx._accel import settings as _cuda_settings
 from trio_mlx._errors import InvalidRequest
 
 __all__ = ["MLX_CACHE_BYTES", "VARIABLE", "Driver", "keep_memory", "requested_gib"]

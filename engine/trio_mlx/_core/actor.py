@@ -15,7 +15,7 @@ the inbox, then asks ``arbiter.decide(now)`` and carries the decision out:
 - ``Admit`` / ``Resume``: remember the rows; they enter the batch with the next step;
 - ``Step``: ONE worker call removes cancelled rows, inserts admitted ones, runs one
   decode step and returns every row's events; what it carries is the
-  :class:`~trio_mlx._planner.StepPlanner`'s :class:`~trio_mlx._batch.StepPlan`
+  :class:`~trio_mlx._core.planner.StepPlanner`'s :class:`~trio_mlx._lanes.batch.StepPlan`
   (grouped admission may hold admitted rows back a few steps). In plain
   decoding (ADMITTING, no job waiting) that call may run a short *burst* of
   steps (the planner's ``burst_steps``, ``burst_seconds``); it stops at the
@@ -54,7 +54,7 @@ import attrs
 import outcome
 import trio
 
-from trio_mlx._arbiter import (
+from trio_mlx._core.arbiter import (
     Admit,
     Arbiter,
     ArbiterPolicy,
@@ -69,17 +69,18 @@ from trio_mlx._arbiter import (
     Step,
     Wait,
 )
-from trio_mlx._batch import BatchLane, StepResult
+from trio_mlx._core.gate import LaneName
+from trio_mlx._core.output import RowEvent
+from trio_mlx._core.planner import StepPlanner
+from trio_mlx._core.request import Ending, EngineStatistics, Phase, Request
+from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
     EngineClosed,
     EngineOverloaded,
     ReaderStalled,
 )
-from trio_mlx._gate import LaneName
-from trio_mlx._output import RowEvent
-from trio_mlx._planner import StepPlanner
-from trio_mlx._request import Ending, EngineStatistics, Phase, Request
-from trio_mlx._worker import Worker
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import StepResult
 
 __all__ = ["Actor"]
 

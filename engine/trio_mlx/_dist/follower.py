@@ -1,11 +1,11 @@
 """A distributed follower: a rank > 0 that replays rank 0's MLX calls (no HTTP, no actor).
 
-It loads the same shard layout as rank 0 (:func:`trio_mlx._loading.load` takes rank
+It loads the same shard layout as rank 0 (:func:`trio_mlx._start.loading.load` takes rank
 0's settings over the channel first), then receives rank 0's commands in order and
-makes each call on its own lane: a :class:`~trio_mlx._distributed.Command` selects
+makes each call on its own lane: a :class:`~trio_mlx._dist.leader.Command` selects
 a method of :class:`Follower` from one table, so every command rank 0 can send
 has exactly one handler here. How the ranks stay in step, and why a follower
-never follows a clock, is in :mod:`trio_mlx._distributed`.
+never follows a clock, is in :mod:`trio_mlx._dist.leader`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._distributed import (
+from trio_mlx._dist.leader import (
     Channel,
     Command,
     GroupLost,
@@ -29,8 +28,10 @@ from trio_mlx._distributed import (
     timeout,
     watch_follower,
 )
-from trio_mlx._loading import Loaded, LoadSettings, load, resolve_model
-from trio_mlx._serial import run_serial
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._lanes.serial import run_serial
+from trio_mlx._start.loading import Loaded, LoadSettings, load, resolve_model
 
 __all__ = ["Follower", "follow"]
 

@@ -48,7 +48,7 @@ def choose_lane(
     ``caches_merge`` is mlx-lm's test: every cache of ``make_prompt_cache(model)``
     has ``merge``. ``adapter_reason`` says why the mounted adapter that
     ``params.adapter`` names cannot batch (None: it is a plain LoRA adapter the
-    batch stacks, see :mod:`trio_mlx._multilora`).
+    batch stacks, see :mod:`trio_mlx._adapters.multilora`).
     """
     if max_batch <= 1:
         return Lane(LaneName.SERIAL, "max_batch=1")

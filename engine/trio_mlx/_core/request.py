@@ -20,11 +20,11 @@ import attrs
 import outcome
 import trio
 
-from trio_mlx._arbiter import ArbiterStatistics
-from trio_mlx._batch import RowSpec
+from trio_mlx._core.arbiter import ArbiterStatistics
+from trio_mlx._core.gate import LaneName
+from trio_mlx._core.output import RowEvent
 from trio_mlx._errors import GenerationFailed, TrioMLXError
-from trio_mlx._gate import LaneName
-from trio_mlx._output import RowEvent
+from trio_mlx._lanes.records import RowSpec
 
 __all__ = ["Ending", "EngineStatistics", "Outbox", "Phase", "Request", "failure"]
 

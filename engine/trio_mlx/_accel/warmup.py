@@ -53,8 +53,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from trio_mlx import _cuda_settings
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._accel import settings as _cuda_settings
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._params import SamplingParams
 
 __all__ = ["lane_pass", "prime", "prime_widths", "warm_up"]
