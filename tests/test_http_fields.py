@@ -21,7 +21,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from http_helpers import NO_EOS, LiveServer, live_server, sse_events
 from trio_mlx import SamplingParams
-from trio_mlx_http import _schema
+from trio_mlx_http._openai import schema as _schema
 from trio_mlx_http._settings import Settings
 
 pytestmark = pytest.mark.model
@@ -578,7 +578,7 @@ async def test_chat_template_kwargs_reach_the_template(tiny_model_path: Path) ->
 
 async def test_the_model_answers_to_every_name_and_lists_the_first(tiny_model_path: Path) -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._run import model_names, settings_from
+    from trio_mlx_http._server.run import model_names, settings_from
 
     assert model_names("mlx-community/Some-Model", None) == (
         "mlx-community/Some-Model",
@@ -609,7 +609,7 @@ async def test_the_model_answers_to_every_name_and_lists_the_first(tiny_model_pa
 
 def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._run import _engine_options, settings_from
+    from trio_mlx_http._server.run import _engine_options, settings_from
 
     args = build_parser().parse_args(
         [

@@ -18,11 +18,13 @@ from mlx_lm.tool_parsers import json_tools
 from werkzeug.exceptions import NotFound as RouteNotFound
 
 from trio_mlx import EngineOverloaded, GenerationResult, InvalidRequest, TokenLogprob
-from trio_mlx_http import _openai, _schema, _sse
-from trio_mlx_http._app import _adapter_path
+from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.tools import ToolCallExtractor
 from trio_mlx_http._errors import Forbidden, error_body, error_response
+from trio_mlx_http._openai import schema as _schema
+from trio_mlx_http._openai import shapes as _openai
+from trio_mlx_http._server.app import _adapter_path
 from trio_mlx_http._settings import Settings
-from trio_mlx_http._tools import ToolCallExtractor
 
 SETTINGS = Settings()
 USER = [{"role": "user", "content": "hi"}]
@@ -304,7 +306,7 @@ def test_adapter_paths_must_stay_inside_the_folder(tmp_path: Path) -> None:
 
 def test_streamed_tool_calls_become_indexed_deltas_and_finish_with_tool_calls() -> None:
     from trio_mlx import Delta
-    from trio_mlx_http._generation import _ChatFormat
+    from trio_mlx_http._openai.chat import _ChatFormat
 
     fmt = _ChatFormat(
         _openai.Envelope.chat("m", chunk=True),
@@ -376,7 +378,7 @@ def test_any_json_body_parses_or_raises_invalid_request(
 
 
 def test_max_tokens_beyond_the_context_is_cut_to_it() -> None:
-    from trio_mlx_http._generation import _clamp_max_tokens
+    from trio_mlx_http._openai.chat import _clamp_max_tokens
 
     state: Any = SimpleNamespace(engine=SimpleNamespace(context_length=100))
     assert _clamp_max_tokens(state, _chat(max_tokens=10**9)).params.max_tokens == 100
@@ -386,7 +388,7 @@ def test_max_tokens_beyond_the_context_is_cut_to_it() -> None:
 def test_sse_event_stays_one_line_for_unicode_line_separators() -> None:
     import json as _json
 
-    from trio_mlx_http._sse import event
+    from trio_mlx_http._common.sse import event
 
     text = "a\u2028b\u2029c\x85d\ne"
     raw = event({"content": text})
@@ -398,7 +400,7 @@ def test_sse_event_stays_one_line_for_unicode_line_separators() -> None:
 
 def test_prompt_concurrency_flag_sets_the_engines_prefill_batch_size() -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._run import _engine_options
+    from trio_mlx_http._server.run import _engine_options
 
     args = build_parser().parse_args(["serve", "--prompt-concurrency", "3", "--max-batch", "16"])
     options = _engine_options(args)
@@ -409,7 +411,7 @@ def test_prompt_concurrency_flag_sets_the_engines_prefill_batch_size() -> None:
 
 def test_chat_template_flag_takes_text_or_a_file(tmp_path: Path) -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._run import _engine_options
+    from trio_mlx_http._server.run import _engine_options
 
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     file = tmp_path / "template.jinja"
@@ -433,7 +435,7 @@ def test_engine_errors_carry_a_machine_readable_code() -> None:
 
 
 def test_reasoning_is_split_even_when_markers_arrive_in_pieces() -> None:
-    from trio_mlx_http._reasoning import ReasoningSplitter
+    from trio_mlx_http._common.reasoning import ReasoningSplitter
 
     text = "<think>\nPlan it.</think>\n\nThe answer. <thi"
     splitter = ReasoningSplitter("<think>", "</think>")
@@ -453,7 +455,7 @@ def test_reasoning_is_split_even_when_markers_arrive_in_pieces() -> None:
 
 def test_best_of_returns_the_most_likely_candidates() -> None:
     from trio_mlx import Completion
-    from trio_mlx_http._generation import _best
+    from trio_mlx_http._openai.chat import _best
 
     def candidate(*logprobs: float) -> Completion:
         result = GenerationResult("length", 3, len(logprobs), 0, "batch", 0.0, 0.0)

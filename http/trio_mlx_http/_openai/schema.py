@@ -22,8 +22,8 @@ from typing import Any
 import attrs
 
 from trio_mlx import InvalidRequest, SamplingParams
+from trio_mlx_http._common.structured import ToolChoice, parse_response_format, parse_tool_choice
 from trio_mlx_http._settings import Settings
-from trio_mlx_http._structured import ToolChoice, parse_response_format, parse_tool_choice
 
 __all__ = [
     "CHAT_FIELDS",

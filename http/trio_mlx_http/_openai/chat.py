@@ -30,14 +30,15 @@ from trio_mlx import (
     NotFound,
     TrioMLXError,
 )
-from trio_mlx_http import _openai, _sse
+from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from trio_mlx_http._common.structured import after_reasoning, grammar_param, tool_call_grammar
+from trio_mlx_http._common.tools import ToolCallExtractor
 from trio_mlx_http._errors import error_body, status_of
-from trio_mlx_http._prompt_logprobs import prompt_logprobs
-from trio_mlx_http._reasoning import ReasoningSplitter, prompt_opens_reasoning
-from trio_mlx_http._schema import GenerationRequest, Prompt
-from trio_mlx_http._state import Access, ServerState
-from trio_mlx_http._structured import after_reasoning, grammar_param, tool_call_grammar
-from trio_mlx_http._tools import ToolCallExtractor
+from trio_mlx_http._openai import shapes as _openai
+from trio_mlx_http._openai.prompt_logprobs import prompt_logprobs
+from trio_mlx_http._openai.schema import GenerationRequest, Prompt
+from trio_mlx_http._server.state import Access, ServerState
 
 __all__ = ["respond"]
 

@@ -16,10 +16,10 @@ from typing import Any
 import attrs
 
 from trio_mlx import InvalidRequest
-from trio_mlx_http._response_store import ResponseStore
-from trio_mlx_http._schema import _EFFORTS, GenerationRequest, _get, _messages, _sampling
+from trio_mlx_http._common.structured import ToolChoice, parse_response_format
+from trio_mlx_http._openai.schema import _EFFORTS, GenerationRequest, _get, _messages, _sampling
+from trio_mlx_http._responses.store import ResponseStore
 from trio_mlx_http._settings import Settings
-from trio_mlx_http._structured import ToolChoice, parse_response_format
 
 __all__ = ["IGNORED", "REFUSED", "ResponsesRequest", "parse_responses"]
 

@@ -1,7 +1,7 @@
 """``POST /v1/messages``: Anthropic's Messages API over the engine.
 
 ``system`` and ``messages`` (text, ``tool_use`` and ``tool_result`` blocks)
-become chat messages and run as one turn through :mod:`._turn`; the renderer
+become chat messages and run as one turn through :mod:`trio_mlx_http._common.turn`; the renderer
 below writes Anthropic's ``message`` object with ``text`` and ``tool_use``
 content blocks and, when streaming, its event sequence (``message_start``,
 ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta`` with the
@@ -25,14 +25,14 @@ import trio
 from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, TrioMLXError
+from trio_mlx_http._common.structured import ToolChoice, grammar_param
+from trio_mlx_http._common.tools import ToolCall
+from trio_mlx_http._common.turn import Ending, Event, Piece, Thought, run_turn
 from trio_mlx_http._errors import anthropic_error_body
-from trio_mlx_http._generation import _check_tools, _resolve_model
-from trio_mlx_http._schema import GenerationRequest, _get, _messages, _sampling
+from trio_mlx_http._openai.chat import _check_tools, _resolve_model
+from trio_mlx_http._openai.schema import GenerationRequest, _get, _messages, _sampling
+from trio_mlx_http._server.state import Access, ServerState
 from trio_mlx_http._settings import Settings
-from trio_mlx_http._state import Access, ServerState
-from trio_mlx_http._structured import ToolChoice, grammar_param
-from trio_mlx_http._tools import ToolCall
-from trio_mlx_http._turn import Ending, Event, Piece, Thought, run_turn
 
 __all__ = ["IGNORED", "REFUSED", "MessagesRequest", "count_tokens", "parse_messages", "respond"]
 

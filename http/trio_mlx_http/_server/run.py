@@ -15,12 +15,12 @@ from hypercorn.config import Config
 from quart_trio import QuartTrio
 
 import trio_mlx
-from trio_mlx_http import _serve
-from trio_mlx_http._app import create_app, shutdown_trigger
-from trio_mlx_http._serve import ConnectionGuard, ConnectionLimits
+from trio_mlx_http._server import serve as _serve
+from trio_mlx_http._server.app import create_app, shutdown_trigger
+from trio_mlx_http._server.serve import ConnectionGuard, ConnectionLimits
+from trio_mlx_http._server.startup import bound_socket
+from trio_mlx_http._server.state import ServerState
 from trio_mlx_http._settings import Settings
-from trio_mlx_http._startup import bound_socket
-from trio_mlx_http._state import ServerState
 
 __all__ = ["generate", "serve", "serve_http"]
 

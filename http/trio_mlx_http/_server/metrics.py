@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trio_mlx import EngineStatistics, GenerationResult
-from trio_mlx_http._serve import ConnectionStatistics
+from trio_mlx_http._server.serve import ConnectionStatistics
 
 __all__ = ["Metrics"]
 

@@ -8,9 +8,9 @@ import time
 import attrs
 
 from trio_mlx import Engine
-from trio_mlx_http._metrics import Metrics
-from trio_mlx_http._openai import TokenTexts
-from trio_mlx_http._response_store import ResponseStore
+from trio_mlx_http._openai.shapes import TokenTexts
+from trio_mlx_http._responses.store import ResponseStore
+from trio_mlx_http._server.metrics import Metrics
 from trio_mlx_http._settings import Settings
 
 __all__ = ["Access", "ServerState"]

@@ -4,7 +4,7 @@ Both become one engine parameter: ``response_format`` a
 :attr:`trio_mlx.SamplingParams.json_schema`, an enforced ``tool_choice``
 ("required" or a named function) a :attr:`~trio_mlx.SamplingParams.grammar`
 that writes the model's own tool-call format, so the usual
-:class:`~trio_mlx_http._tools.ToolCallExtractor` turns the text into
+:class:`~trio_mlx_http._common.tools.ToolCallExtractor` turns the text into
 ``tool_calls``. "auto" leaves the model free; "none" drops the tools from the
 prompt and leaves no call to extract.
 """

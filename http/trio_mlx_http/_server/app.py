@@ -1,6 +1,6 @@
 """The Quart-Trio app: ``create_app(engine, settings)`` and every route.
 
-Handlers parse with :mod:`._schema`, call the engine's public API, and
+Handlers parse with :mod:`trio_mlx_http._openai.schema`, call the engine's public API, and
 return plain dicts or responses; every error goes through :mod:`._errors`.
 """
 
@@ -19,13 +19,16 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from trio_mlx import Engine, EngineClosed, InvalidRequest, NotFound
-from trio_mlx_http import _anthropic, _generation, _responses, _schema
+from trio_mlx_http._anthropic import messages as _anthropic
 from trio_mlx_http._errors import Forbidden, Unauthorized, install_error_handlers
-from trio_mlx_http._metrics import Metrics
-from trio_mlx_http._openai import TokenTexts
-from trio_mlx_http._openapi import openapi
+from trio_mlx_http._openai import chat as _generation
+from trio_mlx_http._openai import schema as _schema
+from trio_mlx_http._openai.shapes import TokenTexts
+from trio_mlx_http._responses import route as _responses
+from trio_mlx_http._server.metrics import Metrics
+from trio_mlx_http._server.openapi import openapi
+from trio_mlx_http._server.state import Access, ServerState
 from trio_mlx_http._settings import Settings
-from trio_mlx_http._state import Access, ServerState
 
 __all__ = ["create_app", "shutdown_trigger"]
 

@@ -1,7 +1,7 @@
 """``POST /v1/responses``: OpenAI's Responses API over the engine.
 
-:mod:`._response_request` validates the body; the request runs as one turn
-through :mod:`._turn`, and the renderer below writes the ``response`` object,
+:mod:`trio_mlx_http._responses.request` validates the body; the request runs as one turn
+through :mod:`trio_mlx_http._common.turn`, and the renderer below writes the ``response`` object,
 its output items (``reasoning``, ``message`` with ``output_text``,
 ``function_call``) and, when streaming, the typed events with their
 ``sequence_number``.
@@ -18,12 +18,12 @@ import attrs
 from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, NotFound, TrioMLXError
-from trio_mlx_http._response_request import ResponsesRequest, parse_responses
-from trio_mlx_http._response_store import ResponseStore, StoredResponse
-from trio_mlx_http._state import Access, ServerState
-from trio_mlx_http._structured import grammar_param
-from trio_mlx_http._tools import ToolCall
-from trio_mlx_http._turn import Ending, Event, Piece, Thought, run_turn
+from trio_mlx_http._common.structured import grammar_param
+from trio_mlx_http._common.tools import ToolCall
+from trio_mlx_http._common.turn import Ending, Event, Piece, Thought, run_turn
+from trio_mlx_http._responses.request import ResponsesRequest, parse_responses
+from trio_mlx_http._responses.store import ResponseStore, StoredResponse
+from trio_mlx_http._server.state import Access, ServerState
 
 __all__ = ["delete", "respond", "stored"]
 

@@ -18,9 +18,11 @@ import attrs
 from quart import Response
 
 from trio_mlx import GenerationResult, TrioMLXError
-from trio_mlx_http import _sse
+from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.reasoning import ReasoningSplitter
+from trio_mlx_http._common.tools import ToolCall, ToolCallExtractor
 from trio_mlx_http._errors import status_of
-from trio_mlx_http._generation import (
+from trio_mlx_http._openai.chat import (
     _check_tools,
     _clamp_max_tokens,
     _enforce_tool_choice,
@@ -30,10 +32,8 @@ from trio_mlx_http._generation import (
     _resolve_model,
     reasoning_markers,
 )
-from trio_mlx_http._reasoning import ReasoningSplitter
-from trio_mlx_http._schema import GenerationRequest
-from trio_mlx_http._state import Access, ServerState
-from trio_mlx_http._tools import ToolCall, ToolCallExtractor
+from trio_mlx_http._openai.schema import GenerationRequest
+from trio_mlx_http._server.state import Access, ServerState
 
 __all__ = ["Ending", "Event", "Piece", "Renderer", "Thought", "run_turn"]
 
