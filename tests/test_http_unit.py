@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools
 from werkzeug.exceptions import NotFound as RouteNotFound
 
-from trio_mlx import EngineOverloaded, GenerationResult, InvalidRequest, TokenLogprob
+from trio_mlx import (
+    EngineOverloaded,
+    EngineSettings,
+    GenerationResult,
+    InvalidRequest,
+    TokenLogprob,
+)
 from trio_mlx_http._common import sse as _sse
 from trio_mlx_http._common.tools import ToolCallExtractor
 from trio_mlx_http._errors import Forbidden, error_body, error_response
@@ -400,18 +406,18 @@ def test_sse_event_stays_one_line_for_unicode_line_separators() -> None:
 
 def test_prompt_concurrency_flag_sets_the_engines_prefill_batch_size() -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._server.run import _engine_options
+    from trio_mlx_http._server.run import _engine_settings
 
     args = build_parser().parse_args(["serve", "--prompt-concurrency", "3", "--max-batch", "16"])
-    options = _engine_options(args)
-    assert options["prefill_batch_size"] == 3
-    assert options["max_batch"] == 16
-    assert "prefill_batch_size" not in _engine_options(build_parser().parse_args(["serve"]))
+    settings = _engine_settings(args)
+    assert (settings.prefill_batch_size, settings.max_batch) == (3, 16)
+    default = EngineSettings().prefill_batch_size
+    assert _engine_settings(build_parser().parse_args(["serve"])).prefill_batch_size == default
 
 
 def test_chat_template_flag_takes_text_or_a_file(tmp_path: Path) -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._server.run import _engine_options
+    from trio_mlx_http._server.run import _engine_settings
 
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     file = tmp_path / "template.jinja"
@@ -419,8 +425,8 @@ def test_chat_template_flag_takes_text_or_a_file(tmp_path: Path) -> None:
     for value in (template, str(file)):
         for command in (["serve"], ["generate", "Hello"]):
             args = build_parser().parse_args([*command, "--chat-template", value])
-            assert _engine_options(args)["chat_template"] == template
-    assert "chat_template" not in _engine_options(build_parser().parse_args(["serve"]))
+            assert _engine_settings(args).chat_template == template
+    assert _engine_settings(build_parser().parse_args(["serve"])).chat_template is None
 
 
 def test_engine_errors_carry_a_machine_readable_code() -> None:
