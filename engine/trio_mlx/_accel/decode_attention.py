@@ -7,8 +7,7 @@ In a batch of rows that joined at different times, mlx-lm's ``BatchKVCache``
 left-pads the shorter rows and gives attention a boolean mask built from that
 padding, on every step and even when no row is padded. With an array mask,
 MLX 0.32's CUDA attention for a single query is 2-9x slower than without
-(``bench/experiments/sdpa_mask.py``: 287 against 62 us per call at 64 rows
-and 384 positions, 804 against 86 at 1,536; design/performance.md), for every
+(287 against 62 us per call at 64 rows and 384 positions, 804 against 86 at 1,536; design/performance.md), for every
 layer of every decode step; the cost grows with the batch's longest row, so
 one long prompt slows every stream.
 

@@ -135,7 +135,7 @@ def fuse_lora(model: Any) -> None:
 
 #: Prompt tokens (padded) prefilled per decode step on a GPU (``BatchLane.prefill_budget``):
 #: a group of 16 chat arrivals of ~90 tokens fits in one pass. On the H200, 63 streams while
-#: 2,197-word prompts arrived (``bench/experiments/prefill_budget.py``): 256 and 512 did not
+#: 2,197-word prompts arrived: 256 and 512 did not
 #: lower the streams' gap p99 (106 and 96 ms against 75-125 at 1,536) and cost 42% of the
 #: throughput and 2-4x the long prompts' TTFT.
 GPU_PREFILL_BUDGET = 1536
@@ -146,8 +146,8 @@ GPU_PREFILL_BUDGET = 1536
 #: more forward passes at C=16), at 512 not (+0.7%).
 CPU_PREFILL_BUDGET = 512
 # No long-prompt chunk by default (``BatchLane.long_prompt_chunk``, ``serve
-# --long-prompt-chunk``), on any device. On the H200 (llama-1b; design/performance.md,
-# seventeenth round) a 768-token chunk lowered the streams' gap p99 while a 4,000-token
+# --long-prompt-chunk``), on any device. On the H200 (llama-1b; design/performance.md)
+# a 768-token chunk lowered the streams' gap p99 while a 4,000-token
 # prompt arrived among 63 chat streams (a median 2.9x their ITL median over five rounds
 # against 3.6x without), but with prompts of 20-2,000 words arriving (the open loop) it
 # cost a half-loaded server 10-66% on TTFT p50 and 12-25% on ITL p50 (four runs; ITL p99
