@@ -29,14 +29,14 @@ async def test_a_prompt_that_can_never_fit_is_a_400_naming_its_tokens_and_the_li
 ) -> None:
     async with (
         live_server(tiny_model_path, kv_memory_bytes=LIMIT) as server,
-        openai.AsyncOpenAI(
-            base_url=f"{server.url}/v1", api_key="unused", max_retries=0
-        ) as client,
+        openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client,
         anthropic.AsyncAnthropic(base_url=server.url, api_key="unused", max_retries=0) as claude,
         httpx.AsyncClient(base_url=server.url, timeout=60) as http,
     ):
         with pytest.raises(openai.BadRequestError) as refused:
-            await client.completions.create(model=server.engine.model_id, prompt=[5] * 600, max_tokens=10)
+            await client.completions.create(
+                model=server.engine.model_id, prompt=[5] * 600, max_tokens=10
+            )
         error = refused.value.body
         assert isinstance(error, dict)
         assert error["code"] == "kv_memory_exceeded"
@@ -44,7 +44,9 @@ async def test_a_prompt_that_can_never_fit_is_a_400_naming_its_tokens_and_the_li
         words = " ".join(["memory"] * 200)
         with pytest.raises(anthropic.BadRequestError) as too_long:
             await claude.messages.create(
-                model=server.engine.model_id, max_tokens=10, messages=[{"role": "user", "content": words}]
+                model=server.engine.model_id,
+                max_tokens=10,
+                messages=[{"role": "user", "content": words}],
             )
         assert too_long.value.status_code == 400
         assert "KV memory budget is" in str(too_long.value)
