@@ -21,7 +21,6 @@ from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.gate import LaneName, choose_lane
-from trio_mlx._core.output import RowEvent
 from trio_mlx._core.request import EngineStatistics, Phase, Request, failure
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
@@ -31,6 +30,7 @@ from trio_mlx._errors import (
     InvalidRequest,
     NotFound,
 )
+from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import RowSpec
 from trio_mlx._lanes.serial import run_serial
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
@@ -237,7 +237,8 @@ async def _serve(
         try:
             async with trio.open_nursery() as nursery:
                 if loaded.leader is not None:  # distributed rank 0: watchdog and heartbeat
-                    loaded.leader.attach(nursery, worker, actor)
+                    actor.ranks = loaded.leader.ranks
+                    loaded.leader.attach(nursery, worker, actor.close_nowait)
                 await actor.run(engine, task_status=task_status)
                 nursery.cancel_scope.cancel()
         finally:
