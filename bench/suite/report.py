@@ -531,6 +531,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 def plots(results: dict[str, Any], out: Path) -> list[str]:
     """Draw the overhead and server plots into ``out``; return their file names."""
+    if not results.get("overhead") and not results.get("server"):
+        return []  # nothing to draw: a run without them needs no matplotlib
     import matplotlib
 
     matplotlib.use("Agg")
