@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import trio
-from http_helpers import live_server
-
 from bench.suite.agent import replay, summarize
 from bench.suite.agent_trace import AgentSize, build_session
+
+from http_helpers import live_server
 
 pytestmark = pytest.mark.model
 
@@ -43,7 +43,8 @@ async def test_replay_records_every_turn_with_a_growing_prompt(tiny_model_path: 
         turns = await trio.to_thread.run_sync(run)
     assert [t["turn"] for t in turns] == [1, 2, 3]
     for t in turns:
-        assert t["ttft_s"] is not None and 0 < t["ttft_s"] <= t["latency_s"]
+        assert t["ttft_s"] is not None
+        assert 0 < t["ttft_s"] <= t["latency_s"]
         assert t["completion_tokens"] == SIZE.max_tokens
         if t["cached_tokens"] is not None:
             assert t["prefilled_tokens"] == t["prompt_tokens"] - t["cached_tokens"]
