@@ -30,8 +30,9 @@ from trio_mlx import (
     NotFound,
     TrioMLXError,
 )
-from trio_mlx_http import _openai, _sse
+from trio_mlx_http import _keepalive, _openai, _sse
 from trio_mlx_http._errors import error_body, status_of
+from trio_mlx_http._keepalive import next_delta
 from trio_mlx_http._prompt_logprobs import prompt_logprobs
 from trio_mlx_http._reasoning import ReasoningSplitter, prompt_opens_reasoning
 from trio_mlx_http._schema import GenerationRequest, Prompt
@@ -233,6 +234,8 @@ def _resolve_model(state: ServerState, request: GenerationRequest) -> tuple[str,
     name = request.model
     if name is None or name in state.model_names:
         return state.model_id, request
+    if name not in state.engine.adapters and state.serves(name):  # a pattern's name
+        return state.model_id, request
     if name in state.engine.adapters:
         if request.params.adapter not in (None, name):
             raise InvalidRequest(
@@ -256,22 +259,31 @@ def _clamp_max_tokens(state: ServerState, request: GenerationRequest) -> Generat
     return attrs.evolve(request, params=attrs.evolve(request.params, max_tokens=limit))
 
 
+#: Efforts that mean "do not think", for templates that switch thinking on and off.
+_NO_THINKING_EFFORTS = frozenset({"none", "minimal"})
+
+
 def _reasoning_effort(state: ServerState, request: GenerationRequest) -> GenerationRequest:
-    """``reasoning_effort`` goes to a chat template that reads it (gpt-oss's); else 400."""
+    """``reasoning_effort`` on the model's own reasoning switch.
+
+    A chat template that reads ``reasoning_effort`` (gpt-oss's) gets it as it
+    is; one that reads ``enable_thinking`` (Qwen3's and its kind) gets thinking
+    off for ``none``/``minimal`` and on for the others (unless the request's
+    ``chat_template_kwargs`` set it). A template with neither has no reasoning
+    to set: the effort is accepted and changes nothing (agents send it always).
+    """
     effort = request.reasoning_effort
     if effort is None:
         return request
     template = getattr(state.engine.tokenizer, "chat_template", None)
-    if not (isinstance(template, str) and "reasoning_effort" in template):
-        raise InvalidRequest(
-            f"the model {state.model_id!r} has no reasoning effort to set (its chat template "
-            "does not read reasoning_effort); for templates with enable_thinking send "
-            "chat_template_kwargs",
-            param="reasoning_effort",
-            code="unsupported_parameter",
-        )
-    kwargs = {"reasoning_effort": effort, **(request.chat_template_kwargs or {})}
-    return attrs.evolve(request, chat_template_kwargs=kwargs)
+    template = template if isinstance(template, str) else ""
+    own = request.chat_template_kwargs or {}
+    if "reasoning_effort" in template:
+        return attrs.evolve(request, chat_template_kwargs={"reasoning_effort": effort, **own})
+    if "enable_thinking" in template:
+        thinking = effort not in _NO_THINKING_EFFORTS
+        return attrs.evolve(request, chat_template_kwargs={"enable_thinking": thinking, **own})
+    return request
 
 
 def _check_tools(state: ServerState, tools: list[dict[str, Any]] | None) -> None:
@@ -644,6 +656,7 @@ async def _stream(
             # frame): a round's choices, the last chunks with usage and [DONE].
             # None waits for another: what is pending leaves before any wait.
             pending: list[bytes] = []
+            interval = state.settings.sse_keepalive
             try:
                 for index in range(len(streams)):
                     pending += fmt.start(index)
@@ -654,7 +667,8 @@ async def _stream(
                             yield b"".join(pending)
                             pending.clear()
                         try:
-                            delta = await anext(streams[index])
+                            while (delta := await next_delta(streams[index], interval)) is None:
+                                yield _keepalive.COMMENT
                         except StopAsyncIteration:
                             active.remove(index)
                             result = results[index] = streams[index].result
