@@ -273,6 +273,31 @@ BAD: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+USER = [{"role": "user", "content": "x"}]
+# OpenAI's fields, a typo, and answer-changing fields this server lacks: each a 400 naming it.
+BAD += [
+    ({"max_tokens": 2, "messages": USER, name: value}, name)
+    for name, value in (
+        ("stop", ["."]),
+        ("seed", 1),
+        ("n", 2),
+        ("logit_bias", {"5": 1}),
+        ("presence_penalty", 1.0),
+        ("frequency_penalty", 1.0),
+        ("response_format", {"type": "json_object"}),
+        ("max_completion_tokens", 5),
+        ("temprature", 0.5),
+        ("context_management", {"edits": []}),
+    )
+]
+BAD += [
+    ({"max_tokens": 2, "messages": USER, "thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"max_tokens": 2, "messages": USER, "thinking": {"type": "enabled"}}, "budget_tokens"),
+    ({"max_tokens": 2, "messages": USER, "output_config": {"format": {}}}, "output_config"),
+    ({"max_tokens": 2, "messages": USER, "output_config": {"effort": "huge"}}, "effort"),
+]
+
+
 async def test_bad_requests_are_anthropic_shaped_400s(server: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=server.url) as http:
         for body, needle in BAD:
@@ -282,6 +307,48 @@ async def test_bad_requests_are_anthropic_shaped_400s(server: LiveServer) -> Non
             assert payload["type"] == "error", payload
             assert payload["error"]["type"] == "invalid_request_error", payload
             assert needle in payload["error"]["message"], payload
+
+
+async def test_agent_fields_are_accepted_and_top_k_honoured(server: LiveServer) -> None:
+    user: Any = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}],
+        }
+    ]
+    system: Any = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    async with _client(server) as client:
+        plain = await client.messages.create(
+            model=server.engine.model_id, max_tokens=6, messages=user, system=system
+        )
+        marked = await client.messages.create(
+            model=server.engine.model_id,
+            max_tokens=6,
+            messages=user,
+            system=system,
+            metadata={"user_id": "user_1"},
+            service_tier="auto",
+            thinking={"type": "adaptive"},
+            output_config={"effort": "high"},
+            extra_headers={
+                "anthropic-beta": "claude-code-20250219",
+                "anthropic-version": "2023-06-01",
+            },
+        )
+        sampled = [
+            await client.messages.create(
+                model=server.engine.model_id,
+                max_tokens=6,
+                messages=user,
+                system=system,
+                extra_body={"temperature": 1.0, "top_k": 1},
+            )
+            for _ in range(2)
+        ]
+    # No thinking switch in this model's template: the answer is the same.
+    assert _text(marked) == _text(plain)
+    # top_k 1 is greedy, whatever the temperature.
+    assert _text(sampled[0]) == _text(sampled[1]) == _text(plain)
 
 
 async def test_client_raises_on_an_unknown_model_with_anthropics_error(server: LiveServer) -> None:

@@ -128,7 +128,12 @@ def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
         texts=TokenTexts(engine.tokenizer),
         model_id=settings.model_name or engine.model_id,
         model_names=frozenset(
-            {settings.model_name or engine.model_id, engine.model_id, *settings.model_aliases}
+            {
+                settings.model_name or engine.model_id,
+                engine.model_id,
+                *settings.model_aliases,
+                *(n for n in settings.served_model_names if not _is_pattern(n)),
+            }
         ),
         vocab_size=len(engine.tokenizer.get_vocab()),
         listed_names=tuple(
@@ -278,7 +283,11 @@ def _install_models(app: QuartTrio) -> None:
     @app.get("/v1/models/<path:model_id>")
     async def get_model(model_id: str) -> dict[str, Any]:
         state = _state()
-        if state.serves(model_id):
+        if model_id in state.listed_names:
+            return _model_card(state, model_id)
+        if model_id in state.model_names:
+            return _model_card(state, state.model_id)
+        if model_id not in state.engine.adapters and state.serves(model_id):  # a pattern's
             return _model_card(state, model_id)
         for card in _model_cards(state):
             if card["id"] == model_id:
