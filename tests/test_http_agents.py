@@ -79,7 +79,7 @@ async def _messages(server: LiveServer, fixture: dict[str, Any], stream: bool) -
         async with c.messages.stream(**body, **options) as events:
             kinds = [event.type async for event in events]
             message = await events.get_final_message()
-    assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+    assert (kinds[0], kinds[-1]) == ("message_start", "message_stop"), kinds
     return message.model_dump()
 
 
@@ -93,10 +93,8 @@ async def _responses(server: LiveServer, fixture: dict[str, Any], stream: bool) 
         async with c.responses.stream(**body, extra_headers=headers) as events:
             kinds = [event.type async for event in events]
             reply = await events.get_final_response()
-    assert kinds[0] == "response.created" and kinds[-1] in (
-        "response.completed",
-        "response.incomplete",
-    ), kinds
+    assert kinds[0] == "response.created", kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
     return reply.model_dump()
 
 
@@ -119,7 +117,8 @@ async def _chat(server: LiveServer, fixture: dict[str, Any], stream: bool) -> di
             usage = chunk.usage or usage
     assert len(finishes) == 1, finishes
     if fixture["body"].get("stream_options", {}).get("include_usage"):
-        assert usage is not None and usage.prompt_tokens_details is not None
+        assert usage is not None
+        assert usage.prompt_tokens_details is not None
     return {"finish_reason": finishes[0]}
 
 
@@ -182,7 +181,8 @@ async def test_a_doubled_v1_prefix_names_the_right_base_url(server: LiveServer) 
                 model="x", max_tokens=1, messages=[{"role": "user", "content": "Hi"}]
             )
     message = str(caught.value)
-    assert "/v1 twice" in message and f"give it {server.url}" in message, message
+    assert "/v1 twice" in message, message
+    assert f"give it {server.url}" in message, message
 
 
 @pytest.fixture

@@ -182,7 +182,8 @@ async def test_each_api_s_thinking_switch_reaches_the_chat_template(tmp_path: Pa
             chat = await oai.chat.completions.create(
                 model="switch", messages=messages, max_tokens=1, reasoning_effort=effort
             )
-            assert reply.usage is not None and chat.usage is not None
+            assert reply.usage is not None
+            assert chat.usage is not None
             assert reply.usage.input_tokens == chat.usage.prompt_tokens
             efforts[effort] = chat.usage.prompt_tokens
     off = len(server.engine.encode(messages, chat_template_kwargs={"enable_thinking": False}))

@@ -579,7 +579,9 @@ async def test_chat_template_kwargs_reach_the_template(tiny_model_path: Path) ->
             )
 
 
-async def test_the_model_answers_to_every_name_and_lists_the_served_ones(tiny_model_path: Path) -> None:
+async def test_the_model_answers_to_every_name_and_lists_the_served_ones(
+    tiny_model_path: Path,
+) -> None:
     from trio_mlx_http._cli import build_parser
     from trio_mlx_http._run import model_names, settings_from
 

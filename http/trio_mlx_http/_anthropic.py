@@ -8,9 +8,10 @@ content blocks and, when streaming, its event sequence (``message_start``,
 stop reason and usage, ``message_stop``). Errors on this route use Anthropic's
 shape (``_errors.anthropic_error_body``).
 
-Every request field is honoured, ignored because it cannot change the output
-(:data:`IGNORED`), or refused with 400 unless it holds its default
-(:data:`REFUSED`); design/http.md lists them.
+Every request field is honoured (:data:`HONOURED`), ignored because it cannot
+change the output (:data:`IGNORED`), or refused with 400: a known one unless it
+holds its default (:data:`REFUSED`), an unknown one always; design/http.md
+lists them.
 """
 
 from __future__ import annotations

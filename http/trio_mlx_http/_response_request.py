@@ -4,8 +4,8 @@ The body becomes chat messages (``instructions`` first, then the stored
 conversation of ``previous_response_id``, then ``input``) and a
 :class:`GenerationRequest`. Every field is honoured, ignored because it cannot
 change the output (:data:`IGNORED`), or refused with 400
-``unsupported_parameter`` unless it holds its default (:data:`REFUSED`);
-design/http.md lists them.
+``unsupported_parameter``: a known one unless it holds its default
+(:data:`REFUSED`), an unknown one always; design/http.md lists them.
 """
 
 from __future__ import annotations
