@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from trio_mlx._arbiter import (
+from trio_mlx._core.arbiter import (
     Admit,
     Arbiter,
     ArbiterError,

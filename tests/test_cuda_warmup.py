@@ -9,8 +9,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from trio_mlx import SamplingParams, _cuda_warmup
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._prompt_cache import PromptCache
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.records import RowSpec, StepPlan
 
 
 class CountingModel:

@@ -333,7 +333,7 @@ async def test_huge_schema_within_the_bound_compiles_and_generates(tiny_model_pa
 
 
 def test_a_schema_compiled_again_is_a_fresh_copy_from_the_cache(tiny_model: Any) -> None:
-    from trio_mlx._structured import GrammarCompiler
+    from trio_mlx._lanes.structured import GrammarCompiler
 
     _model, tokenizer = tiny_model
     compiler = GrammarCompiler(tokenizer)

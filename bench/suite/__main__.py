@@ -1,6 +1,6 @@
 """trio-mlx's benchmark suite: ``python -m bench.suite [--quick] [--profile gpu]``.
 
-Runs, side by side in one run, and writes ``bench/results/<machine>/``
+Runs, side by side in one run, and writes ``bench/results/latest/<machine>/``
 (``results.json``, ``results.md``, PNG plots):
 
 1. engine overhead: ``engine.generate`` vs a bare ``BatchGenerator`` loop;
@@ -145,8 +145,8 @@ def model_env() -> dict[str, str]:
     """The environment for processes that run MLX: an optimized BLAS preloaded where one exists,
     and the engine's MLX CUDA settings (unless set), so the bare loops and ``mlx_lm.server`` run
     under the same MLX settings as trio-mlx: like with like."""
-    from trio_mlx._blas import preload_env
-    from trio_mlx._cuda_settings import DEFAULTS
+    from trio_mlx._accel.settings import DEFAULTS
+    from trio_mlx._start.blas import preload_env
 
     env = preload_env(dict(os.environ))
     for name, value in DEFAULTS.items():
@@ -177,7 +177,7 @@ def environment(env: dict[str, str]) -> dict[str, Any]:
     info = json.loads(_probe(env, code) or "{}")
     info["cpus"] = os.cpu_count()
     if info.get("cuda"):
-        from trio_mlx._cuda_settings import DEFAULTS
+        from trio_mlx._accel.settings import DEFAULTS
 
         info["mlx_settings"] = {name: env.get(name) for name in DEFAULTS}
     return info
@@ -343,7 +343,9 @@ class Suite:
         self.traffic_parts = set(args.traffic.split(","))
         self.variants = [parse_variant(v) for v in args.variant]
         self.env = model_env()
-        self.out = Path(args.out) if args.out else ROOT / "bench" / "results" / args.machine
+        self.out = (
+            Path(args.out) if args.out else ROOT / "bench" / "results" / "latest" / args.machine
+        )
         self.results: dict[str, Any] = {
             "machine": args.machine,
             "profile": args.profile,
@@ -763,14 +765,16 @@ def main() -> None:
         "--quick", action="store_const", const="quick", dest="profile", help="--profile quick"
     )
     parser.add_argument("--profile", choices=sorted(PROFILES), help="default: full")
-    parser.add_argument("--machine", default=None, help="results go to bench/results/MACHINE/")
+    parser.add_argument(
+        "--machine", default=None, help="results go to bench/results/latest/MACHINE/"
+    )
     parser.add_argument(
         "--models", help="comma-separated: default, random-25m, llama-1b, tiny, tiny-128k"
     )
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory, structured, "
                         "multilora, traffic")  # fmt: skip
-    parser.add_argument("--out", help="write here instead of bench/results/MACHINE/")
+    parser.add_argument("--out", help="write here instead of bench/results/latest/MACHINE/")
     parser.add_argument("--batches", help="comma-separated B for the overhead part "
                         "(default: the profile's)")  # fmt: skip
     parser.add_argument("--concurrency", help="comma-separated C for the traffic part "

@@ -15,7 +15,7 @@ from reporting success. How it works: ``design/engine.md`` and
 ``design/distributed.md``.
 """
 
-from trio_mlx._distributed import exit_status, follower_rank, launched
-from trio_mlx._follower import follow
+from trio_mlx._dist.follower import follow
+from trio_mlx._dist.leader import exit_status, follower_rank, launched
 
 __all__ = ["exit_status", "follow", "follower_rank", "launched"]
