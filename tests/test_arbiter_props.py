@@ -39,7 +39,7 @@ from trio_mlx._core.arbiter import (
     Step,
     Wait,
 )
-from trio_mlx._core.memory import KVBudget, KVProfile
+from trio_mlx._memory import KVBudget, KVProfile
 
 pytestmark = pytest.mark.props
 

@@ -13,7 +13,7 @@ import trio_mlx
 from engine_helpers import NO_EOS, wait_until
 from trio_mlx import InvalidRequest, SamplingParams
 from trio_mlx._core.arbiter import Admit
-from trio_mlx._core.memory import KVProfile
+from trio_mlx._memory import KVProfile
 from trio_mlx._start import kv_measure
 
 pytestmark = pytest.mark.model

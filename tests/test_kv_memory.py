@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trio_mlx._core.memory import (
+from trio_mlx._memory import (
     KV_MEMORY_FRACTION,
     MIN_ROW_TOKENS,
     KVBudget,

@@ -29,7 +29,7 @@ The rules
    with a KV memory budget (``ArbiterPolicy.memory``), while the worst case of
    the running and parked rows with the next queued one fits it (each row
    counts its prompt plus ``max_tokens``, priced by
-   :class:`~trio_mlx._core.memory.KVBudget`). The first queued row that does not
+   :class:`~trio_mlx._memory.KVBudget`). The first queued row that does not
    fit stops admission: no later row jumps it, so it waits only for running
    rows to end, never for newer ones.
 3. **A drain begins** as soon as a job waits and the batch lane has had its
@@ -93,7 +93,7 @@ from typing import Any, TypeAlias, assert_never
 
 import attrs
 
-from trio_mlx._core.memory import KVBudget
+from trio_mlx._memory import KVBudget
 
 __all__ = [
     "EVENTS",

@@ -21,8 +21,6 @@ from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.gate import LaneName, choose_lane
-from trio_mlx._core.memory import KVBudget
-from trio_mlx._core.output import RowEvent
 from trio_mlx._core.request import EngineStatistics, Phase, Request, failure
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
@@ -32,9 +30,11 @@ from trio_mlx._errors import (
     InvalidRequest,
     NotFound,
 )
+from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import RowSpec
 from trio_mlx._lanes.serial import run_serial
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
+from trio_mlx._memory import KVBudget
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
 from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
 from trio_mlx._start.settings import EngineSettings
@@ -246,7 +246,8 @@ async def _serve(
         try:
             async with trio.open_nursery() as nursery:
                 if loaded.leader is not None:  # distributed rank 0: watchdog and heartbeat
-                    loaded.leader.attach(nursery, worker, actor)
+                    actor.ranks = loaded.leader.ranks
+                    loaded.leader.attach(nursery, worker, actor.close_nowait)
                 await actor.run(engine, task_status=task_status)
                 nursery.cancel_scope.cancel()
         finally:

@@ -6,7 +6,7 @@ few tokens through the model into it, and reads each layer's ``nbytes``: a
 layer with keys costs its bytes over the positions it allocated, per token
 (up to its window when it rotates); a layer without (recurrent state) costs
 its bytes per row. :func:`memory_limit` and :func:`weight_bytes` are what the
-default budget starts from (:func:`trio_mlx._core.memory.default_limit`).
+default budget starts from (:func:`trio_mlx._memory.default_limit`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from trio_mlx._core.memory import KVProfile
+from trio_mlx._memory import KVProfile
 
 __all__ = ["measure", "memory_limit", "weight_bytes"]
 
