@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import trio
@@ -23,6 +23,7 @@ from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.output import RowEvent
 from trio_mlx._core.request import EngineStatistics, Phase, Request, failure
+from trio_mlx._core.stable_prefix import StablePrefix
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
     AdapterConflict,
@@ -58,6 +59,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
+#: The prompt cache's disk tier's default cap (when ``prompt_cache_dir`` is given).
+DEFAULT_PROMPT_CACHE_DISK_BYTES = 10 * 1024**3
 
 
 def _too_long(what: str, limit: int) -> InvalidRequest:
@@ -107,6 +110,8 @@ async def open_engine(
     drain_timeout: float | None = 1.0,
     min_batch_steps: int = 8,
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+    prompt_cache_dir: str | os.PathLike[str] | None = None,
+    prompt_cache_disk_bytes: int = DEFAULT_PROMPT_CACHE_DISK_BYTES,
     grace_period: float = 5.0,
     prefill_step_size: int = 2048,
     prefill_batch_size: int = 16,
@@ -129,7 +134,10 @@ async def open_engine(
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
-    caps the prompt cache (0 disables it). ``prefill_step_size`` and
+    caps the prompt cache (0 disables it). ``prompt_cache_dir`` adds its disk
+    tier: checkpoints of long prompts kept in that folder across restarts, at
+    most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
+    disk tier; see ``design/engine.md``). ``prefill_step_size`` and
     ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
     prompts prefilled together. ``prefill_budget`` bounds the prompt tokens
     (padded) prefilled between two decode steps: a longer prompt is prefilled
@@ -203,6 +211,8 @@ async def open_engine(
         adapter_path=adapter_path,
         max_batch=max_batch,
         prompt_cache_bytes=prompt_cache_bytes,
+        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_disk_bytes=prompt_cache_disk_bytes,
         prefill_step_size=prefill_step_size,
         prefill_batch_size=prefill_batch_size,
         parallel=parallel,
@@ -356,6 +366,7 @@ class Engine:
     _grammar_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(2)
     )
+    _stable: StablePrefix | None = attrs.field(init=False, default=None)
 
     @property
     def tokenizer(self) -> Any:
@@ -397,6 +408,7 @@ class Engine:
             mlx_cache_memory=cached,
             mlx_peak_memory=peak,
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+            prompt_cache=cache.statistics() if cache is not None else None,
         )
 
     def encode(
@@ -415,7 +427,18 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
+        return self._encode(prompt, tools, chat_template_kwargs)[0]
+
+    def _encode(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        """:meth:`encode`'s tokens and, for a chat, its stable prefix's length
+        (the prompt cache's checkpoint: :mod:`trio_mlx._core.stable_prefix`)."""
         tokenizer = self._loaded.tokenizer
+        checkpoint = None
         if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
             self._refuse_oversized(prompt, tools)
         if isinstance(prompt, str):
@@ -438,6 +461,13 @@ class Engine:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             if all(isinstance(m, Mapping) for m in prompt):
                 tokens = self._chat(prompt, tools, chat_template_kwargs)
+                if self._loaded.prompt_cache is not None:
+                    checkpoint = self._stable_prefix.find(
+                        cast(Sequence[Mapping[str, Any]], prompt),
+                        tools,
+                        dict(chat_template_kwargs or {}),
+                        tokens,
+                    )
             else:
                 tokens = self._token_ids(prompt)
         else:
@@ -449,7 +479,13 @@ class Engine:
         limit = self.context_length
         if limit is not None and len(tokens) > limit:
             raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
-        return tokens
+        return tokens, checkpoint
+
+    @property
+    def _stable_prefix(self) -> StablePrefix:
+        if self._stable is None:
+            self._stable = StablePrefix(self._loaded.tokenizer)
+        return self._stable
 
     async def tokenize(
         self,
@@ -465,9 +501,15 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
-        encode = partial(
-            self.encode, prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
-        )
+        return (await self._tokenize(prompt, tools, chat_template_kwargs))[0]
+
+    async def _tokenize(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        encode = partial(self._encode, prompt, tools, chat_template_kwargs)
         if _small(prompt, tools):
             return encode()
         return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
@@ -672,7 +714,7 @@ class Engine:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
         # the prompt: off the event loop, a few prompts at a time.
-        tokens = await self.tokenize(prompt, tools=tools, chat_template_kwargs=template_kwargs)
+        tokens, checkpoint = await self._tokenize(prompt, tools, template_kwargs)
         params = self._fit_context(len(tokens), params)
         self._check_logit_bias(params)
         params = self._sampler_safe(params)
@@ -693,7 +735,7 @@ class Engine:
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tuple(tokens), params, constraint),
+            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint),
         )
         await self._actor.submit(request)
         return request

@@ -12,6 +12,7 @@ rank's shard instead (:mod:`trio_mlx._dist.leader`).
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,11 @@ from trio_mlx._dist import leader as _distributed
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._params import SamplingParams
+
+logger = logging.getLogger("trio_mlx")
 
 __all__ = [
     "LoadSettings",
@@ -180,6 +184,9 @@ class LoadSettings:
     prefill_budget: int | None = None
     #: The chunk a long prompt is cut into (``BatchLane.long_prompt_chunk``); None: none.
     long_prompt_chunk: int | None = None
+    #: The prompt cache's disk tier: its folder (None: off) and byte cap.
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int = 0
 
 
 def load_settings(
@@ -192,6 +199,8 @@ def load_settings(
     parallel: str,
     prefill_budget: int | None = None,
     long_prompt_chunk: int | None = None,
+    prompt_cache_dir: str | os.PathLike[str] | None = None,
+    prompt_cache_disk_bytes: int = 0,
 ) -> LoadSettings:
     """Check :func:`~trio_mlx.open_engine`'s loading arguments and bundle them."""
     check_adapter(adapter_path)
@@ -203,6 +212,16 @@ def load_settings(
     ):
         if value is not None and (type(value) is not int or value < 1):
             raise InvalidRequest(f"{name} must be an integer >= 1", param=name)
+    if type(prompt_cache_disk_bytes) is not int or prompt_cache_disk_bytes < 0:
+        raise InvalidRequest(
+            "prompt_cache_disk_bytes must be an integer >= 0", param="prompt_cache_disk_bytes"
+        )
+    folder = Path(prompt_cache_dir) if prompt_cache_dir is not None else None
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise InvalidRequest(
+            f"prompt_cache_dir {folder} is not a folder",
+            param="prompt_cache_dir",
+        )
     if parallel not in _distributed.PARALLEL:
         raise InvalidRequest(
             f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
@@ -216,7 +235,39 @@ def load_settings(
         parallel=parallel,
         prefill_budget=prefill_budget,
         long_prompt_chunk=long_prompt_chunk,
+        prompt_cache_dir=os.fspath(prompt_cache_dir) if prompt_cache_dir is not None else None,
+        prompt_cache_disk_bytes=prompt_cache_disk_bytes,
     )
+
+
+def _disk_tier(path: str, settings: LoadSettings, model: Any) -> DiskTier | None:
+    """The prompt cache's disk tier for the loaded model (None: off, or the model's
+    files cannot be found to tell it from another model)."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if settings.prompt_cache_dir is None or settings.prompt_cache_disk_bytes <= 0:
+        return None
+    folder = Path(path)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(path, local_files_only=True))
+        except Exception as exc:
+            logger.warning("prompt cache: no disk tier, the model's files are not found: %s", exc)
+            return None
+    extra = [f"mlx-lm {mlx_lm.__version__}"]
+    extra += [type(c).__name__ for c in make_prompt_cache(model)]
+    if settings.adapter_path is not None:
+        extra.append(model_identity(settings.adapter_path))
+    tier = DiskTier(
+        Path(settings.prompt_cache_dir),
+        model_identity(folder, *extra),
+        settings.prompt_cache_disk_bytes,
+    )
+    tier.open()
+    return tier
 
 
 def load(
@@ -307,6 +358,10 @@ def load(
     lane.long_prompt_chunk = settings.long_prompt_chunk
     if channel is None:  # ranks would have to agree on every pass: not worth it there
         _cuda_warmup.warm_up(model, settings.max_batch, lane.prefill_budget, lane=lane)
+        if prompt_cache is not None:
+            # After the warm-up's rows: they are no one's prompts. Not in
+            # distributed mode: every rank must find the same entries.
+            prompt_cache.disk = _disk_tier(path, settings, model)
     if not grouping:
         lane.removal_delay = 0  # every dead row leaves at the end of its step
         lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
