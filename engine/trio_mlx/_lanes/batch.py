@@ -164,7 +164,8 @@ class BatchLane:
     #: Keep prompt-cache checkpoints of each row's prefill (its stable prefix and its
     #: whole prompt, see :mod:`trio_mlx._lanes.prompt_cache`). None: where the
     #: model's caches may become untrimmable (any layer not a plain ``KVCache``);
-    #: a ``KVCache`` row's end-of-generation entry is cut back to them instead.
+    #: a ``KVCache`` row's end-of-generation entry is cut back to them instead
+    #: (the loader sets it when the prompt cache has a disk tier: what it keeps).
     prompt_checkpoints: bool | None = None
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None

@@ -199,8 +199,13 @@ class PromptCache:
     def _from_disk(
         self, key: Hashable, tokens: list[int], longer_than: int
     ) -> tuple[list[Any], int] | None:
-        """A checkpoint from the disk tier longer than ``longer_than`` tokens, kept in memory too."""
-        if self.disk is None or key != BASE or len(tokens) - 1 <= longer_than:
+        """A checkpoint from the disk tier that serves at least ``disk.min_tokens``
+        more than ``longer_than`` tokens (reading a file beats prefilling only
+        that far: design/engine.md), kept in memory too."""
+        if self.disk is None or key != BASE:
+            return None
+        longer_than += self.disk.min_tokens - 1
+        if len(tokens) - 1 <= longer_than:
             return None
         found = self.disk.lookup(tokens, longer_than)
         if found is None:

@@ -79,9 +79,17 @@ def _crc32(path: Path) -> int:
     return crc
 
 
+def _listed(folder: Path, suffix: str) -> list[Path]:
+    """The folder's entry files ending in ``suffix`` (not the dot-named ones being written)."""
+    return [p for p in folder.glob(f"*{suffix}") if not p.name.startswith(".")]
+
+
 def _replace_atomically(path: Path, write: Any) -> None:
     """``write(temporary path)``, then move it to ``path`` in one step."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # A dot name (never listed as an entry) with the same suffix (MLX appends
+    # ``.safetensors`` to a name without it).
+    unique = f"{os.getpid()}-{threading.get_ident()}"
+    temporary = path.with_name(f".{path.stem}.{unique}{path.suffix}")
     try:
         write(temporary)
         os.replace(temporary, path)
@@ -159,7 +167,7 @@ class DiskTier:
             return
         index: dict[int, dict[str, str]] = {}
         total = 0
-        for path in self.folder.glob(f"*{_INDEX}"):
+        for path in _listed(self.folder, _INDEX):
             try:
                 meta = json.loads(path.read_text())
                 total += int(meta["bytes"])
@@ -257,7 +265,7 @@ class DiskTier:
     def _evict(self) -> None:
         """Remove the least recently used entries (of any model) past ``max_bytes``."""
         entries = []
-        for data in self.folder.glob(f"*{_DATA}"):
+        for data in _listed(self.folder, _DATA):
             with contextlib.suppress(OSError):
                 stat = data.stat()
                 entries.append((stat.st_mtime_ns, stat.st_size, data))

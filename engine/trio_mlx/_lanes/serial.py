@@ -69,7 +69,7 @@ def run_serial(
     if on_cached is not None:
         on_cached(cached)
     progress = None
-    if prompt_cache is not None and _checkpoints(cache):
+    if prompt_cache is not None and (prompt_cache.disk is not None or _checkpoints(cache)):
         rest = _prefill_prefix(model, spec, rest, cache, prompt_cache, key)
         progress = _prompt_checkpoint(prompt, len(rest), cache, prompt_cache, key)
     output = RowOutput(spec.id, params, frozenset(tokenizer.eos_token_ids), tokenizer.detokenizer)

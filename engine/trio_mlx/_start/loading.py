@@ -362,6 +362,8 @@ def load(
             # After the warm-up's rows: they are no one's prompts. Not in
             # distributed mode: every rank must find the same entries.
             prompt_cache.disk = _disk_tier(path, settings, model)
+            if prompt_cache.disk is not None:
+                lane.prompt_checkpoints = True  # what the disk tier keeps
     if not grouping:
         lane.removal_delay = 0  # every dead row leaves at the end of its step
         lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
