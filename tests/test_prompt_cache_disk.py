@@ -36,6 +36,18 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+def entry_files(folder: Path) -> list[Path]:
+    return list(folder.glob("*.safetensors"))
+
+
+def truncate_entries(folder: Path) -> int:
+    """Cut every entry's data file in half; returns how many there were."""
+    files = entry_files(folder)
+    for data in files:
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    return len(files)
+
+
 async def answer(model: Path, folder: Path | None) -> Completion:
     kwargs = {"prompt_cache_dir": folder} if folder is not None else {"prompt_cache_bytes": 0}
     async with open_engine(model, **kwargs) as engine:
@@ -53,7 +65,7 @@ async def test_a_restarted_engine_serves_its_first_turn_from_disk(
     assert first.result.cached_tokens == 0
     assert second.result.cached_tokens == second.result.prompt_tokens - 1
     assert second.token_ids == first.token_ids == fresh.token_ids
-    assert list(tmp_path.glob("*.safetensors"))
+    assert entry_files(tmp_path)
 
 
 async def test_another_model_never_reuses_the_entries(
@@ -70,10 +82,7 @@ async def test_a_truncated_entry_is_skipped_with_a_warning(
 ) -> None:
     with trio.fail_after(120):
         first = await answer(models["qwen3_next"], tmp_path)
-        files = list(tmp_path.glob("*.safetensors"))
-        assert files
-        for data in files:
-            data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        assert truncate_entries(tmp_path)
         with caplog.at_level(logging.WARNING, logger="trio_mlx"):
             async with open_engine(models["qwen3_next"], prompt_cache_dir=tmp_path) as engine:
                 second = await engine.complete(chat(), GREEDY)

@@ -35,6 +35,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "drain_timeout",
         "parallel",
         "prompt_cache_bytes",
+        "prompt_cache_dir",
+        "prompt_cache_disk_bytes",
         "grammar_timeout",
         "max_loras",
         "prefill_budget",
