@@ -194,12 +194,12 @@ def test_a_prefill_stall_of_one_or_less_is_named() -> None:
 
 
 def test_prompt_cache_disk_flags_reach_the_engine(tmp_path: Path) -> None:
-    from trio_mlx_http._run import _engine_options
+    from trio_mlx_http._server.run import _engine_settings
 
     args = build_parser().parse_args(
         ["serve", "--prompt-cache-dir", str(tmp_path), "--prompt-cache-disk-bytes", "2G"]
     )
-    options = _engine_options(args)
-    assert options["prompt_cache_dir"] == str(tmp_path)
-    assert options["prompt_cache_disk_bytes"] == 2 * 1024**3
-    assert "prompt_cache_dir" not in _engine_options(build_parser().parse_args(["serve"]))
+    settings = _engine_settings(args)
+    assert settings.prompt_cache_dir == str(tmp_path)
+    assert settings.prompt_cache_disk_bytes == 2 * 1024**3
+    assert _engine_settings(build_parser().parse_args(["serve"])).prompt_cache_dir is None

@@ -20,8 +20,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from http_helpers import NO_EOS, LiveServer, live_server, sse_events
-from trio_mlx import SamplingParams
-from trio_mlx_http import _schema
+from trio_mlx import EngineSettings, SamplingParams
+from trio_mlx_http._openai import schema as _schema
 from trio_mlx_http._settings import Settings
 
 pytestmark = pytest.mark.model
@@ -578,7 +578,7 @@ async def test_chat_template_kwargs_reach_the_template(tiny_model_path: Path) ->
 
 async def test_the_model_answers_to_every_name_and_lists_the_first(tiny_model_path: Path) -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._run import model_names, settings_from
+    from trio_mlx_http._server.run import model_names, settings_from
 
     assert model_names("mlx-community/Some-Model", None) == (
         "mlx-community/Some-Model",
@@ -609,7 +609,7 @@ async def test_the_model_answers_to_every_name_and_lists_the_first(tiny_model_pa
 
 def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._run import _engine_options, settings_from
+    from trio_mlx_http._server.run import _engine_settings, settings_from
 
     args = build_parser().parse_args(
         [
@@ -630,12 +630,12 @@ def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
     assert (settings.kv_bits, settings.kv_group_size) == (4, 32)
     assert settings.chat_template_args == {"enable_thinking": False}
     assert settings.reasoning_markers == ("<think>", "</think>")
-    assert _engine_options(args)["prompt_cache_bytes"] == 512 * 1024 * 1024
+    assert _engine_settings(args).prompt_cache_bytes == 512 * 1024 * 1024
     # Requests that leave kv_bits out take the server's.
     request = _schema.parse_chat({"messages": USER}, settings)
     assert (request.params.kv_bits, request.params.kv_group_size) == (4, 32)
     defaults = build_parser().parse_args(["serve"])
-    assert "prompt_cache_bytes" not in _engine_options(defaults)
+    assert _engine_settings(defaults).prompt_cache_bytes == EngineSettings().prompt_cache_bytes
     assert settings_from(defaults).reasoning_markers is None
     off = build_parser().parse_args(["serve", "--reasoning-markers", "off"])
     assert settings_from(off).reasoning_markers is False

@@ -18,7 +18,7 @@ import trio
 
 import trio_mlx
 from http_helpers import NO_EOS, live_server, sse_events
-from trio_mlx_http._app import create_app
+from trio_mlx_http._server.app import create_app
 
 pytestmark = pytest.mark.model
 

@@ -14,7 +14,7 @@ import pytest
 
 from http_helpers import LiveServer, live_server
 from tool_model import CALL_ARGUMENTS, CALL_NAME, CALL_TEXT
-from trio_mlx_http._response_store import ResponseStore, StoredResponse
+from trio_mlx_http._responses.store import ResponseStore, StoredResponse
 
 pytestmark = pytest.mark.model
 

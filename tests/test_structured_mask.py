@@ -112,7 +112,7 @@ def test_batched_grammar_masks_give_each_rows_own_tokens(
     alone, reference = _run(tiny_model, grammar_batch=False)
     if gpu_path:
         # The GPU's choices on this CPU: MLX unpack, forward pass queued before the read-back.
-        from trio_mlx import _structured
+        from trio_mlx._lanes import structured as _structured
 
         monkeypatch.setattr(_structured, "_on_gpu", lambda: True)
     batched, lane = _run(tiny_model, grammar_batch=True)

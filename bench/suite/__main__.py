@@ -1,6 +1,6 @@
 """trio-mlx's benchmark suite: ``python -m bench.suite [--quick] [--profile gpu]``.
 
-Runs, side by side in one run, and writes ``bench/results/<machine>/``
+Runs, side by side in one run, and writes ``bench/results/latest/<machine>/``
 (``results.json``, ``results.md``, PNG plots):
 
 1. engine overhead: ``engine.generate`` vs a bare ``BatchGenerator`` loop;
@@ -343,7 +343,9 @@ class Suite:
         self.traffic_parts = set(args.traffic.split(","))
         self.variants = [parse_variant(v) for v in args.variant]
         self.env = model_env()
-        self.out = Path(args.out) if args.out else ROOT / "bench" / "results" / args.machine
+        self.out = (
+            Path(args.out) if args.out else ROOT / "bench" / "results" / "latest" / args.machine
+        )
         self.results: dict[str, Any] = {
             "machine": args.machine,
             "profile": args.profile,
@@ -763,14 +765,16 @@ def main() -> None:
         "--quick", action="store_const", const="quick", dest="profile", help="--profile quick"
     )
     parser.add_argument("--profile", choices=sorted(PROFILES), help="default: full")
-    parser.add_argument("--machine", default=None, help="results go to bench/results/MACHINE/")
+    parser.add_argument(
+        "--machine", default=None, help="results go to bench/results/latest/MACHINE/"
+    )
     parser.add_argument(
         "--models", help="comma-separated: default, random-25m, llama-1b, tiny, tiny-128k"
     )
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory, structured, "
                         "multilora, traffic")  # fmt: skip
-    parser.add_argument("--out", help="write here instead of bench/results/MACHINE/")
+    parser.add_argument("--out", help="write here instead of bench/results/latest/MACHINE/")
     parser.add_argument("--batches", help="comma-separated B for the overhead part "
                         "(default: the profile's)")  # fmt: skip
     parser.add_argument("--concurrency", help="comma-separated C for the traffic part "

@@ -1,4 +1,4 @@
-"""Part 9: rows under several LoRA adapters in one batch (issue 17).
+"""Part 9: rows under several LoRA adapters in one batch.
 
 Four random LoRA adapters (rank 8, ``q_proj`` and ``v_proj`` of every layer,
 float32 weights as ``mlx_lm.lora`` saves them) are written once per run. Then,
@@ -11,8 +11,7 @@ in a worker process (:func:`job`):
   rate (:mod:`bench.suite.timing`), rounds interleaved, best round counts.
 * **serial**: the same 8 requests over the 4 adapters through the batch lane and
   through the serial lane (an engine with ``max_batch=1``: each request alone,
-  its adapter put on and taken off, the path adapter requests took before), end
-  to end; and 8 base requests both ways, which bounds what batching can gain on
+  its adapter put on and taken off), end to end; and 8 base requests both ways, which bounds what batching can gain on
   the machine at all.
 * **engine by method**: the rows over 4 adapters (and half base) again, the
   stack rebuilt with each of ``trio_mlx._adapters.multilora.METHODS`` in turn.
@@ -34,6 +33,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.suite.jobs import emit, prompt_ids
 
 ADAPTERS = 4
 RANK = 8
@@ -126,7 +127,6 @@ def _best(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 def _engine_part(job: dict[str, Any], adapters: list[Path], tokenizer: Any) -> None:
     import trio
-    from bench.suite.inproc import emit, prompt_ids
 
     import trio_mlx
 
@@ -204,7 +204,6 @@ async def _by_method(
     adapter is mounted again after each change (reaching into the engine's
     registry: a measurement knob, not an API).
     """
-    from bench.suite.inproc import emit
 
     from trio_mlx._adapters.multilora import DEFAULT_METHOD
 
@@ -268,7 +267,6 @@ def _quartile(times: list[float]) -> float:
 
 def _methods_part(job: dict[str, Any], adapters: list[Path]) -> None:
     import mlx_lm
-    from bench.suite.inproc import emit
 
     from trio_mlx._adapters.registry import AdapterRegistry
 
@@ -308,7 +306,6 @@ def job(job: dict[str, Any]) -> None:
     A part that fails (say, a method an MLX backend lacks a kernel for) is
     reported as an ``multilora_error`` record; the other part still runs.
     """
-    from bench.suite.inproc import emit
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,6 +21,7 @@ from trio_mlx._errors import (
 from trio_mlx._lanes.prompt_cache import PromptCacheStatistics
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
 from trio_mlx._start.blas import BackendInfo, backend_info
+from trio_mlx._start.settings import EngineSettings
 from trio_mlx._version import __version__
 from trio_mlx.default_model import default_adapter_path, default_model_path
 
@@ -34,6 +35,7 @@ __all__ = [
     "Engine",
     "EngineClosed",
     "EngineOverloaded",
+    "EngineSettings",
     "EngineStatistics",
     "GenerationFailed",
     "GenerationResult",

@@ -2,7 +2,7 @@
 
 Only argparse is imported until the arguments are parsed: ``--help`` answers
 at once and never imports MLX, Trio or the web stack. A start-up failure is
-told in a line or two (:mod:`trio_mlx_http._startup`); ``--debug`` adds the
+told in a line or two (:mod:`trio_mlx_http._server.startup`); ``--debug`` adds the
 traceback.
 """
 
@@ -339,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import trio
 
     from trio_mlx import distributed
-    from trio_mlx_http import _run, _startup
+    from trio_mlx_http._server import run as _run
+    from trio_mlx_http._server import startup as _startup
 
     runner = _run.serve if args.command == "serve" else _run.generate
     # The MLX worker thread and the Trio thread (HTTP, streaming) share the GIL.

@@ -22,9 +22,9 @@ import attrs
 import trio
 
 import trio_mlx
-from trio_mlx_http._app import create_app
-from trio_mlx_http._run import hypercorn_config, serve_http
-from trio_mlx_http._serve import ConnectionGuard, ConnectionLimits
+from trio_mlx_http._server.app import create_app
+from trio_mlx_http._server.run import hypercorn_config, serve_http
+from trio_mlx_http._server.serve import ConnectionGuard, ConnectionLimits
 from trio_mlx_http._settings import Settings
 
 __all__ = ["NO_EOS", "LiveServer", "live_server", "sse_events"]

@@ -7,8 +7,7 @@ In a batch of rows that joined at different times, mlx-lm's ``BatchKVCache``
 left-pads the shorter rows and gives attention a boolean mask built from that
 padding, on every step and even when no row is padded. With an array mask,
 MLX 0.32's CUDA attention for a single query is 2-9x slower than without
-(``bench/experiments/sdpa_mask.py``: 287 against 62 us per call at 64 rows
-and 384 positions, 804 against 86 at 1,536; design/performance.md), for every
+(287 against 62 us per call at 64 rows and 384 positions, 804 against 86 at 1,536; design/performance.md), for every
 layer of every decode step; the cost grows with the batch's longest row, so
 one long prompt slows every stream.
 
@@ -37,7 +36,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["decode_attention", "install"]
@@ -277,17 +276,19 @@ def _takes(queries: Any, keys: Any, values: Any, cache: Any, sinks: Any) -> bool
     )
 
 
-def install(model: Any) -> bool:
+def install(model: Any, switches: Mapping[str, str] | None = None) -> bool:
     """Route the model's single-query batch attention through the kernel; True if it is.
 
-    Only on MLX's CUDA backend, not when ``TRIO_MLX_DECODE_KERNEL`` is ``0``, and
+    Only on MLX's CUDA backend, not when ``TRIO_MLX_DECODE_KERNEL`` is ``0`` in
+    ``switches`` (default: the process's environment), and
     only once the kernel has compiled and matched MLX's masked attention on a
     small padded batch (else a warning, and mlx-lm's path as before). The
     first real call of each head shape is checked again against mlx-lm's call.
     """
     import mlx.core as mx
 
-    if os.environ.get("TRIO_MLX_DECODE_KERNEL", "1") == "0" or not mx.cuda.is_available():
+    switches = os.environ if switches is None else switches
+    if switches.get("TRIO_MLX_DECODE_KERNEL", "1") == "0" or not mx.cuda.is_available():
         return False
     if not _works():
         return False

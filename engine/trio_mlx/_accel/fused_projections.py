@@ -49,6 +49,7 @@ import copy
 import itertools
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["GROUPS", "install"]
@@ -188,7 +189,7 @@ def _stackable(members: list[Any]) -> bool:
     return True
 
 
-def install(model: Any, environ: dict[str, str] | None = None) -> int:
+def install(model: Any, environ: Mapping[str, str] | None = None) -> int:
     """Stack every sibling group of ``model`` (see the module's notes); the number stacked.
 
     ``TRIO_MLX_FUSED_PROJECTIONS=0`` in ``environ`` (default: the process's)

@@ -9,7 +9,7 @@ size goes to ``cudaMallocAsync`` on the device's default memory pool, and that
 pool, with CUDA's default release threshold of 0, hands its unused memory back
 to the driver at every synchronisation, which MLX does at least once a step.
 So every buffer of a size not met before is new physical memory, mapped while
-the step waits. Measured on the H200 (design/performance.md, eighth round):
+the step waits. Measured on the H200 (design/performance.md):
 when a 4,000-token prompt joins 63 decoding rows, the batch's keys and values
 become 8 GiB of buffers of a new size; the join took 13-23 ms the first time
 and 4 ms when the same size came again, and fresh zeroed arrays of that size
@@ -28,7 +28,7 @@ allocator as it is) and does three things:
    do not come again go back to the pool (where any later size can use them)
    instead of waiting in MLX's cache for their exact size.
 
-What it changed on the H200 (design/performance.md, ninth round): with 24 GiB
+What it changed on the H200 (design/performance.md): with 24 GiB
 mapped up front, zeroed arrays of 6-9 GiB of new sizes took 2.3-3.4 ms (MLX's
 allocator: 11.9-41.9 ms) and the 4,000-token join 4.1 ms (11.4-18.9 ms); the
 served traffic's tok/s did not move beyond its spread. The bound on MLX's cache

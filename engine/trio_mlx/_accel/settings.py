@@ -10,7 +10,7 @@ on) sends prefill attention to cuDNN, which builds an execution plan for each
 new shape. In a server every prefill group has its own shape (the number of
 rows, their padded length, the cached prefix), so the plans are built again
 and again on the one MLX thread while the GPU idles. Measured side by side on
-the H200 (``bench/results/h200-variants``; design/performance.md): with cuDNN
+the H200 (design/performance.md): with cuDNN
 attention off, served throughput rose 24-35% at 8-64 streams, time to first
 token halved, and long prompts reached their first token 26-45% sooner.
 Without cuDNN, MLX's own attention serves prefill (matmuls and a softmax),
@@ -24,8 +24,7 @@ The second is ``MLX_ENABLE_CACHE_THRASHING_CHECK`` (default on): once one of
 MLX's CUDA caches has missed more than twice its capacity, the evaluation that
 missed raises "Cache thrashing". For a notebook that is a hint to raise the
 cache size; for a server it fails every row in the batch, and served prefill
-shapes never stop being new. Measured on the H200
-(``bench/experiments/cache_thrashing.py``): with ``MLX_CUDA_USE_CUDNN_SDPA=1``
+shapes never stop being new. Measured on the H200: with ``MLX_CUDA_USE_CUDNN_SDPA=1``
 a process raised it before its 700th distinct prompt length, and with the check
 off it ran all 700. The engine turns the check off (a cache that misses then
 costs time, not the batch); a user who sets either variable keeps their value.

@@ -14,10 +14,9 @@ graph.
 :class:`TracedDecode` runs the same model over the same ``BatchKVCache``
 buffers with the positions as arrays instead: each layer's cache is a
 :class:`TracedCache` whose write is ``mx.put_along_axis`` at an array index
-(``mx.slice_update`` at an array index copies the whole buffer on CUDA:
-``bench/experiments/dynamic_write.py``), and whose attention reads the whole
-buffer with the unwritten tail left out (the fused decode kernel's ``stop`` on
-CUDA, a boolean mask elsewhere). So consecutive steps are one graph until the
+(``mx.slice_update`` at an array index copies the whole buffer on CUDA), and
+whose attention reads the whole buffer with the unwritten tail left out (the
+fused decode kernel's ``stop`` on CUDA, a boolean mask elsewhere). So consecutive steps are one graph until the
 batch's row count or its buffer length changes; a step the traced graph cannot
 take (caches of another kind, a row mid-prefill) runs eagerly, as before.
 
@@ -27,7 +26,7 @@ traced at the new length. It used to run eagerly, and on the H200 that one
 eager step was the long-prompt stall: at 64 rows it met kernels the process
 had compiled for nothing else (the fused decode attention's unstopped variant
 at that row count, first of all), 1.5-2.9 s of NVRTC in one served step
-(design/performance.md, fifteenth round). A full buffer no longer makes a
+(design/performance.md). A full buffer no longer makes a
 step eager.
 
 Shapes that repeat
@@ -244,7 +243,7 @@ def wanted(environ: Mapping[str, str], *, cuda: bool) -> bool:
     On the H200, served with both servers up and rounds alternating, the traced
     step (its buffers padded to the cache's step) read 1.13-1.31x the eager one
     in each of five rounds at 32 streams and 0.98-1.45x at 64, its GPU busier
-    (design/performance.md, twelfth round). On the CPU it rarely pays: attention
+    (design/performance.md). On the CPU it rarely pays: attention
     over the whole buffer costs more there than the host work it saves.
     """
     setting = environ.get("TRIO_MLX_TRACED_DECODE", "")

@@ -5,7 +5,7 @@ Theory of operation
 
 On MLX's CUDA backend a matmul of a row count M not met before costs about
 4 ms on top of the matmul; the second call costs 0.2 ms. Measured on the H200
-(``bench/experiments/first_shape.py``; design/performance.md, eighth round):
+(design/performance.md):
 the cost is per band of M (in a sweep of every M from 96 to 160 the first
 calls over 1 ms fell at 96, 97, 105, 113, 121, 129, 136, 145 and 152), and
 neither CUDA graphs off nor eager module loading changed it, so it is most
@@ -31,7 +31,7 @@ Kernels compiled on first use
 MLX's CUDA backend compiles a kernel module with NVRTC the first time a
 process meets it (each fused graph, gather, scatter and custom kernel of a new
 kind), a second or more each on the H200; a fresh server's first requests
-stalled 2.3-12.6 s on them (design/performance.md, fourteenth round). MLX keeps
+stalled 2.3-12.6 s on them (design/performance.md). MLX keeps
 what it compiled on disk (``<temp>/mlx/<version>/ptx``), so later processes on
 the machine load them instead. With the same variable, :func:`lane_pass` then
 runs the loaded lane through a small schedule that meets its paths once before

@@ -36,7 +36,8 @@ from trio_mlx._lanes.records import RowSpec
 from trio_mlx._lanes.serial import run_serial
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
-from trio_mlx._start.loading import Loaded, load, load_error, load_settings, resolve_model
+from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
+from trio_mlx._start.settings import EngineSettings
 
 __all__ = ["Engine", "GenerationStream", "open_engine"]
 
@@ -56,11 +57,6 @@ _TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
 )
-
-#: The default byte cap of the prompt cache.
-DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
-#: The prompt cache's disk tier's default cap (when ``prompt_cache_dir`` is given).
-DEFAULT_PROMPT_CACHE_DISK_BYTES = 10 * 1024**3
 
 
 def _too_long(what: str, limit: int) -> InvalidRequest:
@@ -103,32 +99,21 @@ def _mlx_memory() -> tuple[int, int, int]:
 @asynccontextmanager
 async def open_engine(
     model: str | os.PathLike[str] | None = None,
+    settings: EngineSettings | None = None,
     *,
-    adapter_path: str | os.PathLike[str] | None = None,
-    max_batch: int = 8,
-    max_queue: int = 256,
-    drain_timeout: float | None = 1.0,
-    min_batch_steps: int = 8,
-    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
-    prompt_cache_dir: str | os.PathLike[str] | None = None,
-    prompt_cache_disk_bytes: int = DEFAULT_PROMPT_CACHE_DISK_BYTES,
-    grace_period: float = 5.0,
-    prefill_step_size: int = 2048,
-    prefill_batch_size: int = 16,
-    prefill_budget: int | None = None,
-    long_prompt_chunk: int | None = None,
-    prefill_stall: float | None = None,
-    parallel: str = "auto",
-    chat_template: str | None = None,
-    grammar_timeout: float = COMPILE_TIMEOUT,
-    max_unread_tokens: int | None = 1024,
-    max_loras: int | None = 8,
     _tune: Mapping[str, Any] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
 
     ``model`` is a model directory (or a Hugging Face repo id mlx-lm can load);
-    ``None`` means the bundled default model. ``adapter_path`` fuses a LoRA
+    ``None`` means the bundled default model. ``settings`` (an
+    :class:`~trio_mlx.EngineSettings`; default: every setting's default) says how
+    the engine runs; keyword arguments override single settings, so
+    ``open_engine(path, max_batch=16)`` is ``open_engine(path, EngineSettings(max_batch=16))``.
+    A bad value raises :class:`~trio_mlx.InvalidRequest` naming the setting.
+
+    The settings: ``adapter_path`` fuses a LoRA
     adapter into the base model. ``max_batch`` rows decode together;
     ``max_queue`` bounds the waiting requests (past it, submission raises
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
@@ -179,47 +164,20 @@ async def open_engine(
     ``grace_period`` seconds, ends the rest with
     :class:`~trio_mlx.EngineClosed` and joins the MLX thread.
     """
+    settings = _settings(settings, overrides)
     try:
         policy = ArbiterPolicy(
-            max_batch=max_batch,
-            max_queue=max_queue,
-            drain_timeout=drain_timeout,
-            min_batch_steps=min_batch_steps,
+            max_batch=settings.max_batch,
+            max_queue=settings.max_queue,
+            drain_timeout=settings.drain_timeout,
+            min_batch_steps=settings.min_batch_steps,
         )
     except (TypeError, ValueError) as invalid:  # attrs' validators: name the argument
         message = str(invalid.args[0]) if invalid.args else str(invalid)
         named = re.match(r"'(\w+)'", message)
         raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
-    if prompt_cache_bytes < 0:
-        raise InvalidRequest("prompt_cache_bytes must be >= 0", param="prompt_cache_bytes")
-    if max_loras is not None and (not isinstance(max_loras, int) or max_loras < 1):
-        raise InvalidRequest("max_loras must be >= 1", param="max_loras")
-    if max_unread_tokens is not None and max_unread_tokens < 1:
-        raise InvalidRequest("max_unread_tokens must be >= 1", param="max_unread_tokens")
-    if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
-        raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
-    if prefill_stall is not None and not (
-        isinstance(prefill_stall, int | float)
-        and not isinstance(prefill_stall, bool)
-        and prefill_stall > 1
-    ):
-        raise InvalidRequest("prefill_stall must be a number > 1", param="prefill_stall")
-    if not (isinstance(grammar_timeout, int | float) and grammar_timeout > 0):
-        raise InvalidRequest("grammar_timeout must be > 0", param="grammar_timeout")
     path = resolve_model(model)
-    settings = load_settings(
-        adapter_path=adapter_path,
-        max_batch=max_batch,
-        prompt_cache_bytes=prompt_cache_bytes,
-        prompt_cache_dir=prompt_cache_dir,
-        prompt_cache_disk_bytes=prompt_cache_disk_bytes,
-        prefill_step_size=prefill_step_size,
-        prefill_batch_size=prefill_batch_size,
-        parallel=parallel,
-        prefill_budget=prefill_budget,
-        long_prompt_chunk=long_prompt_chunk,
-    )
-    loader = partial(load, path, settings, chat_template=chat_template)
+    loader = partial(load, path, settings)
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
     error: BaseException | None = None
@@ -230,12 +188,9 @@ async def open_engine(
                 policy,
                 Path(path).name,
                 loader,
-                max_unread_tokens,
-                max_loras,
-                prefill_stall,
+                settings,
                 _tune,
             )
-            engine.grammar_timeout = float(grammar_timeout)
         except Exception as exc:
             error = load_error(path, exc) or exc
         else:
@@ -245,7 +200,7 @@ async def open_engine(
                 error = exc
             finally:
                 # Cancelled from outside: no grace, end the work now.
-                grace = 0.0 if isinstance(error, trio.Cancelled) else grace_period
+                grace = 0.0 if isinstance(error, trio.Cancelled) else settings.grace_period
                 with trio.CancelScope(shield=True):
                     await engine._shutdown(grace)
     if error is not None:
@@ -256,9 +211,7 @@ async def _serve(
     policy: ArbiterPolicy,
     model_id: str,
     load: Callable[[], Loaded],
-    max_unread: int | None,
-    max_loras: int | None,
-    prefill_stall: float | None,
+    settings: EngineSettings,
     tune: Mapping[str, Any] | None,
     *,
     task_status: trio.TaskStatus[Engine],
@@ -268,7 +221,7 @@ async def _serve(
     worker.start()
     try:
         loaded = await worker.run(load)
-        registry = AdapterRegistry(max_loras=max_loras)
+        registry = AdapterRegistry(max_loras=settings.max_loras)
         loaded.lane.adapter_stack = lambda: registry.stack
         actor = Actor(
             policy,
@@ -276,12 +229,13 @@ async def _serve(
             loaded.lane,
             serial_work=partial(_serial_work, loaded, registry),
             adapters=lambda: registry.names,
-            max_unread=max_unread,
+            max_unread=settings.max_unread_tokens,
         )
         engine = Engine(model_id, loaded, registry, actor)
+        engine.grammar_timeout = float(settings.grammar_timeout)
         if not loaded.grouping:
             actor.planner.admit_group = 1  # the CPU admits arrivals at once (Loaded.grouping)
-        actor.planner.prefill_stall = prefill_stall
+        actor.planner.prefill_stall = settings.prefill_stall
         _apply_tuning(tune or {}, actor, actor.planner, loaded.lane)
         worker.on_death = actor.on_worker_death
         try:
@@ -297,6 +251,16 @@ async def _serve(
     finally:
         with trio.CancelScope(shield=True):
             await worker.stop()
+
+
+def _settings(settings: EngineSettings | None, overrides: Mapping[str, Any]) -> EngineSettings:
+    """``settings`` (default: every default) with the keyword ``overrides`` applied."""
+    if settings is not None and not isinstance(settings, EngineSettings):
+        raise TypeError(f"settings must be an EngineSettings, not {type(settings).__name__}")
+    unknown = sorted(set(overrides) - set(attrs.fields_dict(EngineSettings)))
+    if unknown:
+        raise TypeError(f"open_engine() got unexpected keyword arguments: {', '.join(unknown)}")
+    return attrs.evolve(settings, **overrides) if settings else EngineSettings(**overrides)
 
 
 def _apply_tuning(tune: Mapping[str, Any], *targets: Any) -> None:

@@ -40,7 +40,7 @@ Two decisions live here:
   still share a pass within the budget (bounding the whole pass instead split
   them into passes of one row, at 0.53-0.71x the bare loop's tok/s against
   0.79-0.92x on the CPU). An idle lane (nobody to stall) prefills at the
-  lane's full budget. Measured on the CPU (bench/results/cpu-stall/): the
+  lane's full budget. Measured on the CPU: the
   streams' gap p99 while a long prompt arrives falls by half or more (X = 3:
   2.4-2.7x their ITL p50 in one run, 3.4-8.7x in another, against 8.3-9.8x),
   for 10-20% of the closed-loop tok/s.

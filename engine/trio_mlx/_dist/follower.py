@@ -31,7 +31,8 @@ from trio_mlx._dist.leader import (
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._lanes.serial import run_serial
-from trio_mlx._start.loading import Loaded, LoadSettings, load, resolve_model
+from trio_mlx._start.loading import Loaded, load, resolve_model
+from trio_mlx._start.settings import EngineSettings
 
 __all__ = ["Follower", "follow"]
 
@@ -123,7 +124,7 @@ def follow(
     the channel first), then executes rank 0's commands in order.
     """
     _ignore_stop_signals()
-    loaded = load(resolve_model(model), LoadSettings(), distributed=True)
+    loaded = load(resolve_model(model), EngineSettings(), distributed=True)
     assert loaded.channel is not None
     follower = Follower(loaded, loaded.channel)
     channel = follower.channel

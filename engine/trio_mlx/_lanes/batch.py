@@ -142,9 +142,9 @@ class BatchLane:
     #: Experimental, off (1): every prefill pass right-padded to a multiple of
     #: this width, so that passes repeat a few shapes instead of meeting new ones
     #: (on the H200 most of a long prompt's stall was the first time MLX met a
-    #: shape: design/performance.md, seventh round). Costs the padded tokens'
+    #: shape: design/performance.md). Costs the padded tokens'
     #: compute; at 256 it did not lower the long prompt's worst step on the
-    #: H200 (eighth round), so no default sets it.
+    #: H200, so no default sets it.
     prefill_width_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
@@ -711,8 +711,8 @@ class BatchLane:
         than ``long`` tokens is prefilling or waiting to, and the prompt tokens
         of every other prompt prefilling (``left``, tokens to go) or waiting
         stay within ``budget``. Past that the server is behind on prefill, and
-        passes of up to the budget serve the queue sooner (H200 open loop,
-        seventeenth round: design/performance.md)."""
+        passes of up to the budget serve the queue sooner (H200 open loop:
+        design/performance.md)."""
         rows = (self._rows.get(row_id) for row_id in self._waiting)
         waiting = [len(r.waiting[2]) - 1 for r in rows if r is not None and r.waiting is not None]
         backlog = left + waiting

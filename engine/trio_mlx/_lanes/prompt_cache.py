@@ -215,8 +215,10 @@ class PromptCache:
         return copy.deepcopy(cache), length
 
     def clear(self) -> None:
-        """Drop every entry held in memory (the disk tier keeps its own)."""
+        """Drop every entry held in memory (the disk tier keeps its own) and zero
+        the counts (the loader's warm-up rows are no one's)."""
         self._lru.trim_to(n_sequences=0)
+        self.hits = self.misses = self.tokens_reused = 0
 
     def close(self) -> None:
         """Drop every entry and finish the disk tier's queued writes."""

@@ -55,7 +55,7 @@ OPT_OUT_VAR = "TRIO_MLX_FAST_BLAS"
 OVERRIDE_VAR = "TRIO_MLX_BLAS"
 
 #: OpenBLAS threads: the core count (OpenBLAS's own default), unless set. Measured on
-#: 2 cores (bench/experiments/blas_decode.py): 1 thread decodes 0-15% faster at B=1 and 8 (the
+#: 2 cores: 1 thread decodes 0-15% faster at B=1 and 8 (the
 #: Python thread, which builds the next step while MLX computes, competes with the
 #: second BLAS thread), equal at B=32; but the core count makes a 1024^3 matmul 2x,
 #: prefill 2x and a training step 1.35x faster. MLX's CPU backend runs its ops on

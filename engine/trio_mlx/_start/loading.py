@@ -6,7 +6,7 @@ repo id (``None``: the bundled model), :func:`load` runs on the MLX thread and
 returns a :class:`Loaded` (the model, its tokenizer and config, the batch lane,
 the prompt cache), with a LoRA adapter fused and the chat template replaced
 when asked, and :func:`load_error` names what could not be found or fetched.
-Under ``mlx.launch`` :func:`load` takes rank 0's :class:`LoadSettings` and this
+Under ``mlx.launch`` :func:`load` takes rank 0's :class:`~trio_mlx.EngineSettings` and this
 rank's shard instead (:mod:`trio_mlx._dist.leader`).
 """
 
@@ -32,16 +32,14 @@ from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._params import SamplingParams
+from trio_mlx._start.settings import EngineSettings
 
 logger = logging.getLogger("trio_mlx")
 
 __all__ = [
-    "LoadSettings",
     "Loaded",
-    "check_adapter",
     "load",
     "load_error",
-    "load_settings",
     "resolve_model",
     "set_chat_template",
 ]
@@ -89,14 +87,6 @@ def resolve_model(model: str | os.PathLike[str] | None) -> str:
     if is_repo_id(text):
         return text
     raise NotFound(f"model {text!r} not found: no such folder", param="model")
-
-
-def check_adapter(adapter_path: str | os.PathLike[str] | None) -> None:
-    """A missing adapter folder is named as the adapter, before the model loads."""
-    if adapter_path is not None and not Path(adapter_path).is_dir():
-        raise NotFound(
-            f"adapter {os.fspath(adapter_path)!r} not found: no such folder", param="adapter_path"
-        )
 
 
 def is_repo_id(text: str) -> bool:
@@ -149,7 +139,7 @@ def fuse_lora(model: Any) -> None:
 
 #: Prompt tokens (padded) prefilled per decode step on a GPU (``BatchLane.prefill_budget``):
 #: a group of 16 chat arrivals of ~90 tokens fits in one pass. On the H200, 63 streams while
-#: 2,197-word prompts arrived (``bench/experiments/prefill_budget.py``): 256 and 512 did not
+#: 2,197-word prompts arrived: 256 and 512 did not
 #: lower the streams' gap p99 (106 and 96 ms against 75-125 at 1,536) and cost 42% of the
 #: throughput and 2-4x the long prompts' TTFT.
 GPU_PREFILL_BUDGET = 1536
@@ -160,8 +150,8 @@ GPU_PREFILL_BUDGET = 1536
 #: more forward passes at C=16), at 512 not (+0.7%).
 CPU_PREFILL_BUDGET = 512
 # No long-prompt chunk by default (``BatchLane.long_prompt_chunk``, ``serve
-# --long-prompt-chunk``), on any device. On the H200 (llama-1b; design/performance.md,
-# seventeenth round) a 768-token chunk lowered the streams' gap p99 while a 4,000-token
+# --long-prompt-chunk``), on any device. On the H200 (llama-1b; design/performance.md)
+# a 768-token chunk lowered the streams' gap p99 while a 4,000-token
 # prompt arrived among 63 chat streams (a median 2.9x their ITL median over five rounds
 # against 3.6x without), but with prompts of 20-2,000 words arriving (the open loop) it
 # cost a half-loaded server 10-66% on TTFT p50 and 12-25% on ITL p50 (four runs; ITL p99
@@ -170,77 +160,7 @@ CPU_PREFILL_BUDGET = 512
 # It is for chat servers with rare long prompts whose streams must stay smooth.
 
 
-@attrs.frozen
-class LoadSettings:
-    """What shapes the loaded model and its lane; distributed ranks all take rank 0's."""
-
-    adapter_path: str | None = None
-    max_batch: int = 1
-    prompt_cache_bytes: int = 0
-    prefill_step_size: int = 2048
-    prefill_batch_size: int = 16
-    parallel: str = "auto"
-    #: Prompt tokens prefilled per decode step (``BatchLane.prefill_budget``); None: the device's.
-    prefill_budget: int | None = None
-    #: The chunk a long prompt is cut into (``BatchLane.long_prompt_chunk``); None: none.
-    long_prompt_chunk: int | None = None
-    #: The prompt cache's disk tier: its folder (None: off) and byte cap.
-    prompt_cache_dir: str | None = None
-    prompt_cache_disk_bytes: int = 0
-
-
-def load_settings(
-    *,
-    adapter_path: str | os.PathLike[str] | None,
-    max_batch: int,
-    prompt_cache_bytes: int,
-    prefill_step_size: int,
-    prefill_batch_size: int,
-    parallel: str,
-    prefill_budget: int | None = None,
-    long_prompt_chunk: int | None = None,
-    prompt_cache_dir: str | os.PathLike[str] | None = None,
-    prompt_cache_disk_bytes: int = 0,
-) -> LoadSettings:
-    """Check :func:`~trio_mlx.open_engine`'s loading arguments and bundle them."""
-    check_adapter(adapter_path)
-    if prefill_step_size < 1 or prefill_batch_size < 1:
-        raise InvalidRequest("prefill_step_size and prefill_batch_size must be >= 1")
-    for name, value in (
-        ("prefill_budget", prefill_budget),
-        ("long_prompt_chunk", long_prompt_chunk),
-    ):
-        if value is not None and (type(value) is not int or value < 1):
-            raise InvalidRequest(f"{name} must be an integer >= 1", param=name)
-    if type(prompt_cache_disk_bytes) is not int or prompt_cache_disk_bytes < 0:
-        raise InvalidRequest(
-            "prompt_cache_disk_bytes must be an integer >= 0", param="prompt_cache_disk_bytes"
-        )
-    folder = Path(prompt_cache_dir) if prompt_cache_dir is not None else None
-    if folder is not None and folder.exists() and not folder.is_dir():
-        raise InvalidRequest(
-            f"prompt_cache_dir {folder} is not a folder",
-            param="prompt_cache_dir",
-        )
-    if parallel not in _distributed.PARALLEL:
-        raise InvalidRequest(
-            f"parallel must be one of {', '.join(_distributed.PARALLEL)}", param="parallel"
-        )
-    return LoadSettings(
-        adapter_path=os.fspath(adapter_path) if adapter_path is not None else None,
-        max_batch=max_batch,
-        prompt_cache_bytes=prompt_cache_bytes,
-        prefill_step_size=prefill_step_size,
-        prefill_batch_size=prefill_batch_size,
-        parallel=parallel,
-        prefill_budget=prefill_budget,
-        long_prompt_chunk=long_prompt_chunk,
-        prompt_cache_dir=os.fspath(prompt_cache_dir) if prompt_cache_dir is not None else None,
-        prompt_cache_disk_bytes=prompt_cache_disk_bytes,
-    )
-
-
-def _disk_tier(path: str, settings: LoadSettings, model: Any) -> DiskTier | None:
+def _disk_tier(path: str, settings: EngineSettings, model: Any) -> DiskTier | None:
     """The prompt cache's disk tier for the loaded model (None: off, or the model's
     files cannot be found to tell it from another model)."""
     import mlx_lm
@@ -272,14 +192,15 @@ def _disk_tier(path: str, settings: LoadSettings, model: Any) -> DiskTier | None
 
 def load(
     path: str,
-    settings: LoadSettings,
+    settings: EngineSettings,
     *,
     distributed: bool | None = None,
-    chat_template: str | None = None,
 ) -> Loaded:
     """Load, check and warm the model (on the worker thread).
 
-    ``distributed`` (default: whether ``mlx.launch`` started this process as one
+    The lane is built in one call from ``settings`` and what the device says;
+    only distributed rank 0 attaches its leader afterwards, once the warm-up
+    step (which each rank runs alone) is done. ``distributed`` (default: whether ``mlx.launch`` started this process as one
     of several ranks) loads this rank's shard with rank 0's ``settings``.
     """
     import mlx.core as mx
@@ -287,7 +208,7 @@ def load(
     from mlx_lm.models.cache import make_prompt_cache
 
     _cuda_settings.apply()  # before any attention call: MLX reads them once
-    _cuda_pool.keep_memory()  # before the model's buffers: memory stays mapped
+    _cuda_pool.keep_memory(settings.switches)  # before the model's buffers: memory stays mapped
     lane_type: type[BatchLane] = BatchLane
     channel = None
     result: Any  # (model, tokenizer, config)
@@ -317,24 +238,39 @@ def load(
         # Pipeline stages hold different layers, so byte-capped caches would
         # evict differently on each rank: the ranks' prompts would diverge.
         prompt_cache_bytes = 0
-    if chat_template is not None:
-        set_chat_template(tokenizer, chat_template)
+    if settings.chat_template is not None:
+        set_chat_template(tokenizer, settings.chat_template)
     if settings.adapter_path is not None:
         fuse_lora(model)
-    _fused_projections.install(model)  # sibling projections: one matmul per group
-    _decode_attention.install(model)  # CUDA only: the padded batch's decode attention fused
+    # sibling projections: one matmul per group; CUDA only: the padded batch's decode
+    # attention fused
+    _fused_projections.install(model, settings.switches)
+    _decode_attention.install(model, settings.switches)
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+    # On a GPU the host-side cost of each admission, removal and fetch dominates and
+    # grouping pays; on the CPU the compute does (see ``Loaded.grouping``).
+    grouping = mx.default_device() != mx.cpu
+    prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+    # A long prompt is prefilled a chunk per decode step: it never stalls the batch ...
+    budget = settings.prefill_budget or (GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET)
     lane = lane_type(
         model,
         tokenizer,
         settings.max_batch,
+        prompt_cache=prompt_cache,
         prefill_step_size=settings.prefill_step_size,
         prefill_batch_size=settings.prefill_batch_size,
-        solo_decode=os.environ.get("TRIO_MLX_SOLO_DECODE", "1") != "0",
-    )
-    # One process only: every rank would have to trace and check alike.
-    lane.traced_decode = channel is None and _traced_decode.wanted(
-        os.environ, cuda=_cuda_settings.on_cuda()
+        prefill_budget=budget,
+        # ... and alone, a shorter chunk a step, where asked (see the note by CPU_PREFILL_BUDGET).
+        long_prompt_chunk=settings.long_prompt_chunk,
+        # On the CPU every dead row leaves at the end of its step, and any cached
+        # prefix is reused: a prefilled token costs real compute there.
+        removal_delay=16 if grouping else 0,
+        cache_min_prefix=64 if grouping else 1,
+        solo_decode=settings.switches.get("TRIO_MLX_SOLO_DECODE", "1") != "0",
+        # One process only: every rank would have to trace and check alike.
+        traced_decode=channel is None
+        and _traced_decode.wanted(settings.switches, cuda=_cuda_settings.on_cuda()),
     )
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
@@ -343,30 +279,20 @@ def load(
             lane.step()
     else:
         mx.eval(model(mx.array([warm]), cache=make_prompt_cache(model)))
-    prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
-    lane.prompt_cache = prompt_cache
+    if prompt_cache is not None:
+        prompt_cache.clear()  # the warm-up row's
     leader = None
     if channel is not None and channel.rank == 0:  # distributed: the lane is a MirroredLane
         assert isinstance(lane, _distributed.MirroredLane)
         leader = lane.leader = _distributed.Leader(channel)
-    grouping = mx.default_device() != mx.cpu
-    # A long prompt is prefilled a chunk per decode step: it never stalls the batch.
-    lane.prefill_budget = settings.prefill_budget or (
-        GPU_PREFILL_BUDGET if grouping else CPU_PREFILL_BUDGET
-    )
-    # ... and alone, a shorter chunk a step, where asked (see the note by CPU_PREFILL_BUDGET).
-    lane.long_prompt_chunk = settings.long_prompt_chunk
     if channel is None:  # ranks would have to agree on every pass: not worth it there
-        _cuda_warmup.warm_up(model, settings.max_batch, lane.prefill_budget, lane=lane)
+        _cuda_warmup.warm_up(model, settings.max_batch, budget, settings.switches, lane=lane)
         if prompt_cache is not None:
             # After the warm-up's rows: they are no one's prompts. Not in
             # distributed mode: every rank must find the same entries.
             prompt_cache.disk = _disk_tier(path, settings, model)
             if prompt_cache.disk is not None:
                 lane.prompt_checkpoints = True  # what the disk tier keeps
-    if not grouping:
-        lane.removal_delay = 0  # every dead row leaves at the end of its step
-        lane.cache_min_prefix = 1  # a prefilled token costs real compute: reuse any prefix
     return Loaded(
         model, tokenizer, dict(config), caches_merge, lane, prompt_cache, channel, leader, grouping
     )
