@@ -150,7 +150,9 @@ async def test_failure_mid_stream_ends_with_the_apis_error_event(
         live_server(endless_model_path) as server,
         httpx.AsyncClient(base_url=server.url, timeout=30) as http,
     ):
-        response = await http.post(path, json={**LONG[path], "max_tokens": 50})
+        # Each API's own name for the length (Responses refuses chat's max_tokens).
+        length = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+        response = await http.post(path, json={**LONG[path], length: 50})
         assert response.status_code == 200
         events = _named_events(response.content)
         metrics = (await http.get("/metrics")).text

@@ -5,8 +5,9 @@ The engine never imports the web stack (quart, hypercorn, trio_mlx_http).
 """
 
 from trio_mlx._core.arbiter import ArbiterPolicy, ArbiterStatistics
-from trio_mlx._core.engine import Engine, GenerationStream, open_engine
+from trio_mlx._core.engine import Engine, open_engine
 from trio_mlx._core.request import EngineStatistics
+from trio_mlx._core.stream import GenerationStream
 from trio_mlx._errors import (
     AdapterConflict,
     EngineClosed,

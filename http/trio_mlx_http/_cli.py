@@ -180,8 +180,18 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="NAME",
-        help="a name the model answers to (repeatable; the first is listed in /v1/models). "
-        "The --model id and its last path component are always accepted",
+        help="a name the model answers to, listed in /v1/models (repeatable; the first is "
+        "the name answers carry). A name with *, ? or [ is a pattern, e.g. 'claude-*' for "
+        "every name Claude Code sends. The --model id and its last path component are "
+        "always accepted",
+    )
+    parser.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="a stream silent this long (queued, or in a long prefill) sends a keep-alive: "
+        "an SSE comment, or a ping event on /v1/messages (0: never)",
     )
     parser.add_argument(
         "--chat-template-args",

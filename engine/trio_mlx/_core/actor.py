@@ -70,7 +70,6 @@ from trio_mlx._core.arbiter import (
     Wait,
 )
 from trio_mlx._core.gate import LaneName
-from trio_mlx._core.output import RowEvent
 from trio_mlx._core.planner import StepPlanner
 from trio_mlx._core.request import Ending, EngineStatistics, Phase, Request
 from trio_mlx._core.worker import Worker
@@ -80,6 +79,7 @@ from trio_mlx._errors import (
     ReaderStalled,
 )
 from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import StepResult
 
 __all__ = ["Actor"]

@@ -22,8 +22,8 @@ import trio
 
 from trio_mlx._core.arbiter import ArbiterStatistics
 from trio_mlx._core.gate import LaneName
-from trio_mlx._core.output import RowEvent
 from trio_mlx._errors import GenerationFailed, TrioMLXError
+from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.prompt_cache import PromptCacheStatistics
 from trio_mlx._lanes.records import RowSpec
 

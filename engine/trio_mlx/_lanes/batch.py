@@ -6,7 +6,7 @@ Every row carries its own sampler (``make_sampler``) and logits processors
 call is one worker call: it removes cancelled rows, inserts admitted and
 resumed ones, runs one ``BatchGenerator.next()`` (or a short burst of them,
 see :meth:`BatchLane.step`) and returns every row's
-:class:`~trio_mlx._core.output.RowEvent` at once. Admitted rows reach mlx-lm's
+:class:`~trio_mlx._lanes.output.RowEvent` at once. Admitted rows reach mlx-lm's
 prompt batch within ``prefill_budget`` tokens per step (``_feed``); its prefill
 is queued, not waited for, and rows that finish it join the decode batch
 without a forward pass of their own (``prompt_class``, ``generation_class``).
@@ -50,9 +50,9 @@ from typing import Any
 import attrs
 
 from trio_mlx._adapters.multilora import AdapterStack
-from trio_mlx._core.output import RowEvent, RowOutput, merge_events
 from trio_mlx._errors import NotFound
 from trio_mlx._lanes.mlxlm_batch import generation_class, prompt_class, rounded_width
+from trio_mlx._lanes.output import RowEvent, RowOutput, merge_events
 from trio_mlx._lanes.processors import make_row_sampler, row_processors
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import DECODE, RowSpec, StepPlan, StepResult

@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._core.output import RowEvent
+from trio_mlx._lanes.output import RowEvent
 from trio_mlx._params import SamplingParams
 
 __all__ = ["DECODE", "RowSpec", "StepPlan", "StepResult"]

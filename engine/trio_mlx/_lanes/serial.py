@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from trio_mlx._core.output import RowEvent, RowOutput
+from trio_mlx._lanes.output import RowEvent, RowOutput
 from trio_mlx._lanes.processors import make_row_sampler, row_processors
 from trio_mlx._lanes.prompt_cache import PREFIX, PROMPT, PromptCache, held_tokens
 from trio_mlx._lanes.records import RowSpec

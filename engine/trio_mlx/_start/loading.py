@@ -24,7 +24,6 @@ from trio_mlx._accel import fused_projections as _fused_projections
 from trio_mlx._accel import pool as _cuda_pool
 from trio_mlx._accel import settings as _cuda_settings
 from trio_mlx._accel import traced_decode as _traced_decode
-from trio_mlx._accel import warmup as _cuda_warmup
 from trio_mlx._dist import leader as _distributed
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.batch import BatchLane
@@ -32,6 +31,7 @@ from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._params import SamplingParams
+from trio_mlx._start import warmup as _cuda_warmup
 from trio_mlx._start.settings import EngineSettings
 
 logger = logging.getLogger("trio_mlx")

@@ -19,6 +19,7 @@ from quart import Response
 
 from trio_mlx import GenerationResult, TrioMLXError
 from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.keepalive import next_delta
 from trio_mlx_http._common.reasoning import ReasoningSplitter
 from trio_mlx_http._common.tools import ToolCall, ToolCallExtractor
 from trio_mlx_http._errors import status_of
@@ -85,6 +86,10 @@ class Renderer(Protocol):
 
     def failed(self, error: TrioMLXError) -> list[Event]:
         """The events that end a stream which failed after admission."""
+        ...
+
+    def keepalive(self) -> bytes:
+        """What the stream sends after ``Settings.sse_keepalive`` seconds of silence."""
         ...
 
     def whole(self, pieces: Sequence[Piece], ending: Ending) -> dict[str, Any]:
@@ -227,7 +232,15 @@ async def _stream(
                     yield _frame(opening)
                 events: list[Event] = []
                 token_ids: list[int] = []
-                async for delta in stream:
+                interval = state.settings.sse_keepalive
+                while True:
+                    try:
+                        delta = await next_delta(stream, interval)
+                    except StopAsyncIteration:
+                        break
+                    if delta is None:
+                        yield renderer.keepalive()
+                        continue
                     token_ids.extend(delta.token_ids)
                     for piece in splitter.feed(delta.text):
                         events += renderer.piece(piece)

@@ -94,6 +94,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "chat_template_kwargs",
     "modalities",
     "reasoning_effort",
+    "verbosity",
 }
 #: What ``/v1/completions`` honours.
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
@@ -116,7 +117,6 @@ UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported",
     "functions": "the deprecated functions API is not supported; send tools",
     "function_call": "the deprecated functions API is not supported; send tool_choice",
-    "verbosity": "the server cannot set a model's verbosity",
     "web_search_options": "web search is not supported",
     "moderation": "moderation is not supported",
     "use_beam_search": "beam search is not supported",
@@ -411,6 +411,18 @@ def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
     return effort
 
 
+_VERBOSITIES = ("low", "medium", "high")
+
+
+def _verbosity(body: Mapping[str, Any]) -> None:
+    """``verbosity``: accepted (a hint no template reads; design/http.md), its value checked."""
+    verbosity = _get(body, "verbosity", str, "a string")
+    if verbosity is not None and verbosity not in _VERBOSITIES:
+        raise InvalidRequest(
+            f"verbosity must be one of {', '.join(_VERBOSITIES)}", param="verbosity"
+        )
+
+
 def _modalities(body: Mapping[str, Any]) -> None:
     modalities = _get(body, "modalities", list, "a list")
     if modalities is not None and any(m != "text" for m in modalities):
@@ -425,6 +437,7 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
     """Validate a ``/v1/chat/completions`` body."""
     _check_fields(body, CHAT_FIELDS)
     _modalities(body)
+    _verbosity(body)
     model, n, adapter = _common(body, settings)
     messages = _messages(body.get("messages"))
     stream, include_usage = _stream(body)

@@ -18,6 +18,8 @@ import attrs
 from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, NotFound, TrioMLXError
+from trio_mlx_http._common.cache_usage import cache_usage
+from trio_mlx_http._common.keepalive import COMMENT
 from trio_mlx_http._common.structured import grammar_param
 from trio_mlx_http._common.tools import ToolCall
 from trio_mlx_http._common.turn import Ending, Event, Piece, Thought, run_turn
@@ -32,7 +34,7 @@ def _usage(ending: Ending) -> dict[str, Any]:
     result = ending.result
     return {
         "input_tokens": result.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": result.cached_tokens},
+        "input_tokens_details": {"cached_tokens": cache_usage(result).read},
         "output_tokens": result.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": ending.reasoning_tokens},
         "total_tokens": result.prompt_tokens + result.completion_tokens,
@@ -119,14 +121,14 @@ class _Renderer:
             "output": list(self._output),
             "parallel_tool_calls": request.generation.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": request.reasoning,
             "store": request.store,
             "temperature": request.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": request.text,
             "tool_choice": request.tool_choice,
             "tools": request.tools,
             "top_p": request.top_p,
-            "truncation": "disabled",
+            "truncation": request.truncation,
             "usage": None if ending is None else _usage(ending),
             "metadata": request.metadata,
         }
@@ -280,6 +282,9 @@ class _Renderer:
 
     def failed(self, error: TrioMLXError) -> list[Event]:
         return [self._event("response.failed", response=self._response("failed", error=error))]
+
+    def keepalive(self) -> bytes:
+        return COMMENT
 
     # -- whole -----------------------------------------------------------
 

@@ -97,6 +97,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(
         model_name=name,
         model_aliases=aliases,
+        served_model_names=args.served_model_name or (),
+        sse_keepalive=args.sse_keepalive or None,
         chat_template_args=args.chat_template_args,
         reasoning_markers=_reasoning_markers(args.reasoning_markers),
         kv_bits=args.kv_bits,

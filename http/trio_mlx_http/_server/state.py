@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 
@@ -37,6 +38,10 @@ class ServerState:
     model_names: frozenset[str]
     #: Token ids at or above this are not in the vocabulary.
     vocab_size: int
+    #: Names listed in ``/v1/models`` after ``model_id`` (``--served-model-name``).
+    listed_names: tuple[str, ...] = ()
+    #: Shell-style patterns (``claude-*``): a name matching one answers to the model.
+    model_patterns: tuple[str, ...] = ()
     started: int = attrs.field(factory=lambda: int(time.time()))
     #: Adapters mounted over HTTP: name -> path relative to ``--adapter-dir``.
     adapter_paths: dict[str, str] = attrs.field(factory=dict)
@@ -45,6 +50,12 @@ class ServerState:
     draining: bool = False
     #: Stored Responses API responses, for ``previous_response_id`` (bounded, LRU).
     responses: ResponseStore = attrs.field(factory=ResponseStore)
+
+    def serves(self, name: str) -> bool:
+        """Whether ``name`` names the served model (exactly, or by a pattern)."""
+        return name in self.model_names or any(
+            fnmatch.fnmatchcase(name, pattern) for pattern in self.model_patterns
+        )
 
 
 @attrs.define(eq=False)
