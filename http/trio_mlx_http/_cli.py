@@ -243,6 +243,21 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "memory limit less the weights)",
     )
     parser.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep checkpoints of long prompts (1,024 tokens or more) in this folder, "
+        "across restarts (off by default; servers may share the folder)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="cap of --prompt-cache-dir's files, least recently used evicted first "
+        "(default: the engine's, 10G)",
+    )
+    parser.add_argument(
         "--graceful-timeout",
         type=float,
         default=10.0,

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import trio
@@ -21,6 +21,7 @@ from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.request import EngineStatistics, Request
+from trio_mlx._core.stable_prefix import StablePrefix
 from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
@@ -119,7 +120,10 @@ async def open_engine(
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
-    caps the prompt cache (0 disables it). ``prefill_step_size`` and
+    caps the prompt cache (0 disables it). ``prompt_cache_dir`` adds its disk
+    tier: checkpoints of long prompts kept in that folder across restarts, at
+    most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
+    disk tier; see ``design/engine.md``). ``prefill_step_size`` and
     ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
     prompts prefilled together. ``prefill_budget`` bounds the prompt tokens
     (padded) prefilled between two decode steps: a longer prompt is prefilled
@@ -336,6 +340,7 @@ class Engine:
     _grammar_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(2)
     )
+    _stable: StablePrefix | None = attrs.field(init=False, default=None)
 
     @property
     def tokenizer(self) -> Any:
@@ -377,6 +382,7 @@ class Engine:
             mlx_cache_memory=cached,
             mlx_peak_memory=peak,
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+            prompt_cache=cache.statistics() if cache is not None else None,
         )
 
     def encode(
@@ -395,7 +401,18 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
+        return self._encode(prompt, tools, chat_template_kwargs)[0]
+
+    def _encode(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        """:meth:`encode`'s tokens and, for a chat, its stable prefix's length
+        (the prompt cache's checkpoint: :mod:`trio_mlx._core.stable_prefix`)."""
         tokenizer = self._loaded.tokenizer
+        checkpoint = None
         if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
             self._refuse_oversized(prompt, tools)
         if isinstance(prompt, str):
@@ -418,6 +435,13 @@ class Engine:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             if all(isinstance(m, Mapping) for m in prompt):
                 tokens = self._chat(prompt, tools, chat_template_kwargs)
+                if self._loaded.prompt_cache is not None:
+                    checkpoint = self._stable_prefix.find(
+                        cast(Sequence[Mapping[str, Any]], prompt),
+                        tools,
+                        dict(chat_template_kwargs or {}),
+                        tokens,
+                    )
             else:
                 tokens = self._token_ids(prompt)
         else:
@@ -429,7 +453,13 @@ class Engine:
         limit = self.context_length
         if limit is not None and len(tokens) > limit:
             raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
-        return tokens
+        return tokens, checkpoint
+
+    @property
+    def _stable_prefix(self) -> StablePrefix:
+        if self._stable is None:
+            self._stable = StablePrefix(self._loaded.tokenizer)
+        return self._stable
 
     async def tokenize(
         self,
@@ -445,9 +475,15 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
-        encode = partial(
-            self.encode, prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
-        )
+        return (await self._tokenize(prompt, tools, chat_template_kwargs))[0]
+
+    async def _tokenize(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        encode = partial(self._encode, prompt, tools, chat_template_kwargs)
         if _small(prompt, tools):
             return encode()
         return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
@@ -655,7 +691,7 @@ class Engine:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
         # the prompt: off the event loop, a few prompts at a time.
-        tokens = await self.tokenize(prompt, tools=tools, chat_template_kwargs=template_kwargs)
+        tokens, checkpoint = await self._tokenize(prompt, tools, template_kwargs)
         params = self._fit_context(len(tokens), params)
         params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
@@ -677,7 +713,7 @@ class Engine:
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tuple(tokens), params, constraint),
+            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint),
         )
         await self._actor.submit(request)
         return request

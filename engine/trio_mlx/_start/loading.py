@@ -12,6 +12,7 @@ rank's shard instead (:mod:`trio_mlx._dist.leader`).
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,15 @@ from trio_mlx._dist import leader as _distributed
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._memory import KVProfile, default_limit
 from trio_mlx._params import SamplingParams
 from trio_mlx._start import kv_measure
 from trio_mlx._start import warmup as _cuda_warmup
 from trio_mlx._start.settings import EngineSettings
+
+logger = logging.getLogger("trio_mlx")
 
 __all__ = [
     "Loaded",
@@ -162,6 +166,36 @@ CPU_PREFILL_BUDGET = 512
 # It is for chat servers with rare long prompts whose streams must stay smooth.
 
 
+def _disk_tier(path: str, settings: EngineSettings, model: Any) -> DiskTier | None:
+    """The prompt cache's disk tier for the loaded model (None: off, or the model's
+    files cannot be found to tell it from another model)."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if settings.prompt_cache_dir is None or settings.prompt_cache_disk_bytes <= 0:
+        return None
+    folder = Path(path)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(path, local_files_only=True))
+        except Exception as exc:
+            logger.warning("prompt cache: no disk tier, the model's files are not found: %s", exc)
+            return None
+    extra = [f"mlx-lm {mlx_lm.__version__}"]
+    extra += [type(c).__name__ for c in make_prompt_cache(model)]
+    if settings.adapter_path is not None:
+        extra.append(model_identity(settings.adapter_path))
+    tier = DiskTier(
+        Path(settings.prompt_cache_dir),
+        model_identity(folder, *extra),
+        settings.prompt_cache_disk_bytes,
+    )
+    tier.open()
+    return tier
+
+
 def load(
     path: str,
     settings: EngineSettings,
@@ -263,6 +297,12 @@ def load(
         leader = lane.leader = _distributed.Leader(channel)
     if channel is None:  # ranks would have to agree on every pass: not worth it there
         _cuda_warmup.warm_up(model, settings.max_batch, budget, settings.switches, lane=lane)
+        if prompt_cache is not None:
+            # After the warm-up's rows: they are no one's prompts. Not in
+            # distributed mode: every rank must find the same entries.
+            prompt_cache.disk = _disk_tier(path, settings, model)
+            if prompt_cache.disk is not None:
+                lane.prompt_checkpoints = True  # what the disk tier keeps
     return Loaded(
         model,
         tokenizer,

@@ -19,10 +19,19 @@ import attrs
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT
 
-__all__ = ["DEFAULT_PROMPT_CACHE_BYTES", "PARALLEL", "SWITCHES", "EngineSettings", "switches"]
+__all__ = [
+    "DEFAULT_PROMPT_CACHE_BYTES",
+    "DEFAULT_PROMPT_CACHE_DISK_BYTES",
+    "PARALLEL",
+    "SWITCHES",
+    "EngineSettings",
+    "switches",
+]
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
+#: The default byte cap of the prompt cache's disk tier (when it has a folder).
+DEFAULT_PROMPT_CACHE_DISK_BYTES = 10 * 1024**3
 #: How a model is split over the ranks of a distributed group.
 PARALLEL = ("auto", "tensor", "pipeline")
 #: The environment switches of the engine's device paths (each module's docstring says
@@ -89,6 +98,11 @@ def _adapter_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) 
         raise NotFound(f"adapter {value!r} not found: no such folder", param="adapter_path")
 
 
+def _cache_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and os.path.exists(value) and not os.path.isdir(value):
+        raise InvalidRequest(f"prompt_cache_dir {value} is not a folder", param=_name(attribute))
+
+
 def _template(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not (isinstance(value, str) and value):
         raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
@@ -117,6 +131,13 @@ class EngineSettings:
     min_batch_steps: int = attrs.field(default=8, validator=_int_at_least(0))
     prompt_cache_bytes: int = attrs.field(
         default=DEFAULT_PROMPT_CACHE_BYTES, validator=_int_at_least(0)
+    )
+    #: The prompt cache's disk tier: its folder (None: off) and byte cap.
+    prompt_cache_dir: str | None = attrs.field(
+        default=None, converter=_path, validator=_cache_folder
+    )
+    prompt_cache_disk_bytes: int = attrs.field(
+        default=DEFAULT_PROMPT_CACHE_DISK_BYTES, validator=_int_at_least(0)
     )
     grace_period: float = attrs.field(default=5.0, validator=_number_at_least(0))
     prefill_step_size: int = attrs.field(default=2048, validator=_int_at_least(1))

@@ -88,6 +88,7 @@ class _EngineCollector:
         prompt.add_metric(["cached"], stats.cached_prompt_tokens)
         prompt.add_metric(["computed"], max(0, stats.prompt_tokens - stats.cached_prompt_tokens))
         yield prompt
+        yield from _prompt_cache(stats)
         yield _by_lane(
             "trio_mlx_engine_requests",
             "Engine requests ended, by lane and outcome.",
@@ -117,6 +118,48 @@ class _EngineCollector:
         for member in type(current):
             state.add_metric([member.value.lower()], float(member is current))
         yield state
+
+
+def _prompt_cache(stats: EngineStatistics) -> Iterable[Metric]:
+    """The prompt cache's entries, lookups and disk tier (nothing when it is off)."""
+    cache = stats.prompt_cache
+    if cache is None:
+        return
+    yield GaugeMetricFamily(
+        "trio_mlx_prompt_cache_entries", "Prompt cache entries held in memory.", value=cache.entries
+    )
+    lookups = CounterMetricFamily(
+        "trio_mlx_prompt_cache_lookups",
+        "Prompt cache lookups, by whether a cached prefix was served.",
+        labels=["result"],
+    )
+    lookups.add_metric(["hit"], cache.hits)
+    lookups.add_metric(["miss"], cache.misses)
+    yield lookups
+    yield CounterMetricFamily(
+        "trio_mlx_prompt_cache_reused_tokens",
+        "Prompt tokens served from the prompt cache.",
+        value=cache.tokens_reused,
+    )
+    yield GaugeMetricFamily(
+        "trio_mlx_prompt_cache_disk_entries",
+        "This model's entries in the prompt cache's disk folder.",
+        value=cache.disk_entries,
+    )
+    yield GaugeMetricFamily(
+        "trio_mlx_prompt_cache_disk_bytes",
+        "Bytes of entries in the prompt cache's disk folder.",
+        value=cache.disk_bytes,
+    )
+    disk = CounterMetricFamily(
+        "trio_mlx_prompt_cache_disk_operations",
+        "Prompt cache disk entries read back, written, and skipped as missing or corrupt.",
+        labels=["operation"],
+    )
+    disk.add_metric(["read"], cache.disk_hits)
+    disk.add_metric(["write"], cache.disk_writes)
+    disk.add_metric(["skip"], cache.disk_failures)
+    yield disk
 
 
 #: The prefill stall bound's readings (``serve --prefill-stall``), exported once measured.

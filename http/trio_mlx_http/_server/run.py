@@ -37,6 +37,8 @@ def _engine_settings(args: argparse.Namespace) -> trio_mlx.EngineSettings:
         "parallel",
         "prompt_cache_bytes",
         "kv_memory_bytes",
+        "prompt_cache_dir",
+        "prompt_cache_disk_bytes",
         "grammar_timeout",
         "max_loras",
         "prefill_budget",
