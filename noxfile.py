@@ -52,7 +52,7 @@ def _model_env() -> dict[str, str]:
     """Environment for processes that run MLX models: an optimized BLAS preloaded."""
     sys.path.insert(0, str(ROOT / "engine"))
     try:
-        from trio_mlx._blas import preload_env  # no mlx import: safe in nox's own Python
+        from trio_mlx._start.blas import preload_env  # no mlx import: safe in nox's own Python
     finally:
         sys.path.pop(0)
     return preload_env(dict(os.environ))

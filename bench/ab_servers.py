@@ -1,6 +1,6 @@
 """Interleaved A/B of ``trio-mlx serve`` from two source trees, closed-loop streaming clients.
 
-    python bench/ab_servers.py /work/main /path/to/branch [--model default] [--rounds 3]
+    python bench/ab_servers.py path/to/main path/to/branch [--model default] [--rounds 3]
     python bench/ab_servers.py . .:TRIO_MLX_SOLO_DECODE=0   # one tree, two environments
 
 A tree may carry ``:VAR=VALUE,...``: settings added to that server's environment.

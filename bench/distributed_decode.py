@@ -34,12 +34,11 @@ command; rank 0 writes OUT.json). Run ``--mode bare`` and ``--mode engine`` as
 separate launches (``both`` runs them one after the other in one launch), then
 ``report`` puts the 1-rank and 2-rank files side by side.
 
-On the lent 2x H200 machine (MLX CUDA, NCCL), from the repository root, after
-the staging of ``bench/README.md`` (``source .gpuB/unpack-b.sh`` exports
-``PYTHONPATH=/root/site:$PWD/engine:$PWD/http``; this script also puts
-``engine/`` on ``sys.path`` itself when ``trio_mlx`` is not importable)::
+On a machine with 2 NVIDIA GPUs (MLX CUDA, NCCL), from the repository root, with
+``engine/`` and ``http/`` on ``PYTHONPATH`` (this script also puts ``engine/`` on
+``sys.path`` itself when ``trio_mlx`` is not importable); ``M`` a folder for the
+model and ``R`` one for the results::
 
-    M=/root/llama-8b-random; R=$OUT/dist
     python3 bench/distributed_decode.py make-model $M --shape 8b          # ~15 GB bf16
     CUDA_VISIBLE_DEVICES=0 python3 bench/distributed_decode.py run $M $R/1-bare.json --mode bare
     CUDA_VISIBLE_DEVICES=0 python3 bench/distributed_decode.py run $M $R/1-engine.json --mode engine
@@ -54,8 +53,8 @@ Notes on ``mlx.launch`` (mlx 0.32, ``mlx/_distributed_utils/launch.py``):
 
 * ``python3 -m mlx._distributed_utils.launch`` does nothing (the module has no
   ``__main__`` block): use the ``-c`` form above, or the ``mlx.launch`` console
-  script where it is on PATH (``pip install --target`` puts it in
-  ``/root/site/bin``).
+  script where it is on PATH (``pip install --target DIR`` puts it in
+  ``DIR/bin``).
 * Local ranks are started with ``bash -c`` and inherit the launcher's whole
   environment: ``PYTHONPATH`` (and ``LD_PRELOAD``) carry over, no ``--env``
   needed. The working directory is the launcher's, so relative paths work.

@@ -184,7 +184,7 @@ def verdicts(report: dict[str, Any]) -> dict[str, bool]:
 
 
 def world_verdicts(w: dict[str, Any]) -> dict[str, bool]:
-    """The hostile-world scenarios' bars (issue 20)."""
+    """The hostile-world scenarios' bars."""
     flood, early, readers = w["idle_flood"], w["early_404"], w["stalled_readers"]
     stalls = {k: v for k, v in w["stalls"].items() if "health_p99_ms" in v}
     return {

@@ -65,7 +65,7 @@ class ServerProcess:
 
 def model_env() -> dict[str, str]:
     """This environment with an optimized BLAS preloaded (what ``nox`` sets)."""
-    from trio_mlx._blas import preload_env
+    from trio_mlx._start.blas import preload_env
 
     return preload_env(dict(os.environ))
 

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 import pytest
 
-from trio_mlx._arbiter import (
+from trio_mlx._core.arbiter import (
     EVENTS,
     TABLE,
     Admit,
@@ -519,7 +519,7 @@ def test_sustained_row_traffic_does_not_starve_waiting_serial_jobs() -> None:
 def test_design_doc_diagram_matches_the_table() -> None:
     text = DESIGN_DOC.read_text()
     assert replace_block(text) == text, (
-        "design/arbiter.md is out of date: run python -m trio_mlx._arbiter design/arbiter.md"
+        "design/arbiter.md is out of date: run python -m trio_mlx._core.arbiter design/arbiter.md"
     )
     for row in TABLE:
         assert f"    {row.state.name} --> {row.to.name}: " in text

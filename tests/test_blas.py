@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_mlx import backend_info
-from trio_mlx._blas import classify_blas, find_fast_blas, preload_env
+from trio_mlx._start.blas import classify_blas, find_fast_blas, preload_env
 from trio_mlx_http._fast_blas import GUARD_VAR, HINT, maybe_reexec_with_fast_blas, plan_reexec
 
 ROOT = Path(__file__).parent.parent

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 import pytest
 
-from trio_mlx import _cuda_pool
+from trio_mlx._accel import pool as _cuda_pool
 from trio_mlx._errors import InvalidRequest
 
 

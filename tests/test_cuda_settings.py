@@ -7,7 +7,7 @@ import os
 import mlx.core as mx
 import pytest
 
-from trio_mlx import _cuda_settings
+from trio_mlx._accel import settings as _cuda_settings
 
 SERVER = {"MLX_CUDA_USE_CUDNN_SDPA": "0", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_mlx import _decode_attention
+from trio_mlx._accel import decode_attention as _decode_attention
 
 
 def test_install_leaves_the_model_alone_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,7 +184,7 @@ def test_a_traced_steps_call_goes_to_the_kernel_with_its_stop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The traced decode step's cache: the kernel reads its keys up to ``stop`` only."""
-    from trio_mlx._traced_decode import TracedCache
+    from trio_mlx._accel.traced_decode import TracedCache
 
     attention, calls = _installed(monkeypatch, _masked)
     q, k, v, batch, _ = _decode_call()

@@ -320,7 +320,7 @@ def test_a_lost_group_exits_non_zero_even_when_the_program_ends_first() -> None:
     # The ring backend can raise on a lost peer instead of hanging: the engine
     # then closes cleanly and the program may end inside the exit grace.
     program = (
-        "from trio_mlx._distributed import _exit_soon\n"
+        "from trio_mlx._dist.leader import _exit_soon\n"
         "_exit_soon(1)\n"
         "print('program ended', flush=True)\n"
     )
@@ -333,7 +333,7 @@ def test_a_lost_group_makes_the_command_line_exit_non_zero() -> None:
     # ``trio-mlx serve`` ends its process with os._exit (no interpreter exit):
     # a serve that stopped inside the exit grace must not report success.
     program = (
-        "from trio_mlx._distributed import _exit_soon\n"
+        "from trio_mlx._dist.leader import _exit_soon\n"
         "from trio_mlx_http._cli import _exit_now\n"
         "_exit_soon(1)\n"
         "_exit_now(0)\n"
@@ -343,8 +343,8 @@ def test_a_lost_group_makes_the_command_line_exit_non_zero() -> None:
 
 
 def test_every_command_but_close_has_one_follower_handler() -> None:
-    from trio_mlx._distributed import Command
-    from trio_mlx._follower import HANDLERS
+    from trio_mlx._dist.follower import HANDLERS
+    from trio_mlx._dist.leader import Command
 
     # CLOSE ends the follower's loop itself; every other command has its handler.
     assert set(HANDLERS) == set(Command) - {Command.CLOSE}
@@ -352,8 +352,8 @@ def test_every_command_but_close_has_one_follower_handler() -> None:
 
 @pytest.mark.parametrize("message", [("nope", ()), "step", None, ("step",)])
 def test_a_follower_refuses_what_is_not_a_command(message: Any) -> None:
-    from trio_mlx._distributed import ProtocolError
-    from trio_mlx._follower import _decode
+    from trio_mlx._dist.follower import _decode
+    from trio_mlx._dist.leader import ProtocolError
 
     with pytest.raises(ProtocolError, match="not a command from rank 0"):
         _decode(message)

@@ -12,7 +12,7 @@ import pytest
 import trio_mlx
 from engine_helpers import NO_EOS, PROMPT
 from trio_mlx import InvalidRequest, SamplingParams
-from trio_mlx._adapters import AdapterRegistry, BaseModelChanged, checksum
+from trio_mlx._adapters.registry import AdapterRegistry, BaseModelChanged, checksum
 
 pytestmark = pytest.mark.model
 

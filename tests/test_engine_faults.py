@@ -35,9 +35,9 @@ async def _outcome(
 async def test_a_failing_logits_processor_fails_only_its_row(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import trio_mlx._batch as batch
+    import trio_mlx._lanes.processors as processors
 
-    real = batch.make_processors
+    real = processors.make_processors
 
     def poisoned(params: SamplingParams) -> list[Any]:
         processors = real(params)
@@ -49,7 +49,7 @@ async def test_a_failing_logits_processor_fails_only_its_row(
             processors.append(explode)
         return processors
 
-    monkeypatch.setattr(batch, "make_processors", poisoned)
+    monkeypatch.setattr(processors, "make_processors", poisoned)
     healthy = SamplingParams(max_tokens=12, logit_bias=NO_EOS)
     sick = SamplingParams(max_tokens=12, logit_bias={**NO_EOS, POISON: 0.0})
     async with trio_mlx.open_engine(tiny_model_path) as engine:

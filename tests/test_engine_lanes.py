@@ -11,7 +11,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import InvalidRequest, NotFound, SamplingParams
-from trio_mlx._gate import choose_lane
+from trio_mlx._core.gate import choose_lane
 
 # --- the gate: one test per reason -----------------------------------------------------
 

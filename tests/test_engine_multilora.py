@@ -13,7 +13,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, make_adapter, wait_until
 from trio_mlx import AdapterConflict, NotFound, SamplingParams, default_adapter_path
-from trio_mlx._multilora import METHODS
+from trio_mlx._adapters.multilora import METHODS
 
 pytestmark = pytest.mark.model
 

@@ -22,8 +22,9 @@ import trio_mlx
 import trio_mlx.testing
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import SamplingParams
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._loading import CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._start.loading import CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET
 
 pytestmark = [pytest.mark.model]
 
@@ -274,7 +275,7 @@ def test_dead_rows_leave_the_batch_together(tiny_model: tuple[Any, Any]) -> None
 def test_a_row_dead_for_some_steps_is_cached_without_the_tokens_decoded_after_it_died(
     tiny_model: tuple[Any, Any],
 ) -> None:
-    from trio_mlx._prompt_cache import PromptCache
+    from trio_mlx._lanes.prompt_cache import PromptCache
 
     model, tokenizer = tiny_model
     lane = _lane(model, tokenizer)
@@ -323,21 +324,21 @@ def test_the_lanes_one_read_filter_and_extract_equal_mlx_lms(
     step); the lane reads it once. The caches that result must be the same."""
     import mlx.core as mx
 
-    from trio_mlx._batch import _extract_row, _filter_caches
+    from trio_mlx._lanes.mlxlm_batch import extract_row, filter_caches
 
     model, _ = tiny_model
     padding = [0, 2, 5, 3]
     theirs, ours = _padded_batch(model, padding), _padded_batch(model, padding)
     for row in range(len(padding)):
         want = [c.extract(row) for c in theirs]
-        got = _extract_row(ours, row)
+        got = extract_row(ours, row)
         for a, b in zip(want, got, strict=True):
             assert a.offset == b.offset == 9 - padding[row]
             assert mx.array_equal(a.keys, b.keys)
             assert mx.array_equal(a.values, b.values)
     for c in theirs:
         c.filter(keep)
-    _filter_caches(ours, keep)
+    filter_caches(ours, keep)
     assert ours[0]._idx == theirs[0]._idx == 9 - min(padding[i] for i in keep)
     for a, b in zip(theirs, ours, strict=True):
         assert a._idx == b._idx
@@ -360,15 +361,15 @@ def test_compaction_takes_the_lanes_filter_and_extract(
 ) -> None:
     from mlx_lm.models.cache import BatchKVCache
 
-    from trio_mlx import _batch as batch
-    from trio_mlx._prompt_cache import PromptCache
+    from trio_mlx._lanes import mlxlm_batch as batch
+    from trio_mlx._lanes.prompt_cache import PromptCache
 
     theirs: list[str] = []
     ours: list[str] = []
     monkeypatch.setattr(BatchKVCache, "filter", _counted(theirs, "filter", BatchKVCache.filter))
     monkeypatch.setattr(BatchKVCache, "extract", _counted(theirs, "extract", BatchKVCache.extract))
-    monkeypatch.setattr(batch, "_filter_caches", _counted(ours, "filter", batch._filter_caches))
-    monkeypatch.setattr(batch, "_extract_row", _counted(ours, "extract", batch._extract_row))
+    monkeypatch.setattr(batch, "filter_caches", _counted(ours, "filter", batch.filter_caches))
+    monkeypatch.setattr(batch, "extract_row", _counted(ours, "extract", batch.extract_row))
     model, tokenizer = tiny_model
     lane = _lane(model, tokenizer)
     lane.prompt_cache = PromptCache(1 << 30)
@@ -409,14 +410,14 @@ def test_rows_whose_prompt_is_done_move_on_without_copying_the_others_caches(
     batch: the caches are filtered apart, not deep-copied first (mlx-lm's ``split``)."""
     from mlx_lm.generate import PromptProcessingBatch
 
-    from trio_mlx import _batch as batch
+    from trio_mlx._lanes import mlxlm_batch as batch
 
     model, tokenizer = tiny_model
     alone = {**_long_and_short(model, tokenizer, [0]), **_long_and_short(model, tokenizer, [1])}
     copies: list[str] = []
     ours: list[str] = []
     splits: list[int] = []
-    prompt_class = batch._prompt_class()
+    prompt_class = batch.prompt_class()
     real_split = prompt_class.split
 
     def split(self: Any, indices: list[int]) -> Any:
@@ -427,7 +428,7 @@ def test_rows_whose_prompt_is_done_move_on_without_copying_the_others_caches(
     monkeypatch.setattr(
         PromptProcessingBatch, "_copy", _counted(copies, "copy", PromptProcessingBatch._copy)
     )
-    monkeypatch.setattr(batch, "_filter_caches", _counted(ours, "filter", batch._filter_caches))
+    monkeypatch.setattr(batch, "filter_caches", _counted(ours, "filter", batch.filter_caches))
     assert _long_and_short(model, tokenizer, [0, 1]) == alone
     assert any(left > 0 for left in splits), "the short row left the long one behind"
     assert copies == [], "no deep copy of the prompt batch"
@@ -970,26 +971,26 @@ def test_the_slow_step_log_names_the_kernel_modules_mlx_compiled_during_the_step
     the ones written since the step began are named, the older ones are not."""
     import os
 
-    from trio_mlx._batch import _kernels_compiled
+    from trio_mlx._lanes.slow_steps import kernels_compiled
 
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    assert _kernels_compiled(0.0) == "no kernel compiled"
+    assert kernels_compiled(0.0) == "no kernel compiled"
     old = tmp_path / "gather_bfloat16_int32_1.ptx"
     old.write_bytes(b"")
     os.utime(old, (1000.0, 1000.0))
     for i in range(6):
         (tmp_path / f"scatter_axis_{i}.ptx").write_bytes(b"")
         (tmp_path / f"scatter_axis_{i}.cu").write_text("source")
-    assert _kernels_compiled(2000.0) == (
+    assert kernels_compiled(2000.0) == (
         "6 kernel modules compiled: scatter_axis_0, scatter_axis_1, scatter_axis_2, "
         "scatter_axis_3 and 2 more"
     )
-    assert _kernels_compiled(0.0).startswith("7 kernel modules compiled: gather_bfloat16_int32_1")
+    assert kernels_compiled(0.0).startswith("7 kernel modules compiled: gather_bfloat16_int32_1")
     # A module name past 245 characters is cut into folders: still one module.
     nested = tmp_path / "nested"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(nested))
     (nested / ("fused_" + "x" * 239)).mkdir(parents=True)
     (nested / ("fused_" + "x" * 239) / "_tail.ptx").write_bytes(b"")
-    assert _kernels_compiled(2000.0) == f"1 kernel modules compiled: fused_{'x' * 54}"
+    assert kernels_compiled(2000.0) == f"1 kernel modules compiled: fused_{'x' * 54}"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "absent"))
-    assert _kernels_compiled(0.0) == "no kernel compiled"
+    assert kernels_compiled(0.0) == "no kernel compiled"

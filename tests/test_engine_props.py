@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import trio_mlx
 from engine_helpers import NO_EOS, wait_until
 from trio_mlx import AdapterConflict, EngineOverloaded, InvalidRequest, NotFound, SamplingParams
-from trio_mlx._arbiter import Admit, Park, Resume, Start, Step
+from trio_mlx._core.arbiter import Admit, Park, Resume, Start, Step
 
 pytestmark = [pytest.mark.model, pytest.mark.props]
 

@@ -13,7 +13,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, wait_until
 from trio_mlx import EngineOverloaded, SamplingParams
-from trio_mlx._actor import Actor
+from trio_mlx._core.actor import Actor
 
 pytestmark = pytest.mark.model
 

@@ -17,7 +17,8 @@ import pytest
 import trio_mlx
 from engine_helpers import NO_EOS, PROMPT
 from trio_mlx import SamplingParams
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
 
 PROMPTS = ["Hello world", "The quick brown fox", " ".join([PROMPT] * 6)]
 
@@ -83,7 +84,7 @@ def test_a_row_alone_decodes_over_plain_caches_and_its_tokens_do_not_change(
 def test_a_row_alone_is_stored_in_the_prompt_cache_and_reused_exactly(
     tiny_model: tuple[Any, Any],
 ) -> None:
-    from trio_mlx._prompt_cache import PromptCache
+    from trio_mlx._lanes.prompt_cache import PromptCache
 
     model, tokenizer = tiny_model
     lane = BatchLane(model, tokenizer, max_batch=4, prompt_cache=PromptCache(1 << 30))
@@ -112,15 +113,15 @@ def test_a_padded_row_is_copied_out_and_back_unchanged() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from trio_mlx._batch import _one_row_cache, _plain_cache
+    from trio_mlx._lanes.mlxlm_batch import one_row_cache, plain_cache
 
     cache = BatchKVCache([2])
     keys = mx.arange(2 * 5 * 4, dtype=mx.float32).reshape(1, 2, 5, 4)
     cache.update_and_fetch(keys, -keys)
-    plain = _plain_cache(cache, 2)
+    plain = plain_cache(cache, 2)
     assert plain.offset == 3
     assert mx.array_equal(plain.keys[..., :3, :], keys[..., 2:, :]).item()
-    back = _one_row_cache(plain)
+    back = one_row_cache(plain)
     assert back.left_padding.tolist() == [0]
     assert back.offset.tolist() == [3]
     k, v = back.keys_and_values()
@@ -129,7 +130,7 @@ def test_a_padded_row_is_copied_out_and_back_unchanged() -> None:
     # Unpadded, the plain cache takes the batch cache's buffers as they are.
     unpadded = BatchKVCache([0])
     unpadded.update_and_fetch(keys, keys)
-    assert _plain_cache(unpadded, 0).keys is unpadded.keys
+    assert plain_cache(unpadded, 0).keys is unpadded.keys
 
 
 async def test_the_switch_reaches_the_lane(
@@ -146,7 +147,7 @@ def test_rows_joining_the_batch_get_the_caches_mlx_lm_would_build(ours: int, the
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from trio_mlx._batch import _join_caches
+    from trio_mlx._lanes.mlxlm_batch import join_caches
 
     def cache(rows: int, length: int, padding: list[int], seed: int) -> BatchKVCache:
         c = BatchKVCache(padding)
@@ -163,7 +164,7 @@ def test_rows_joining_the_batch_get_the_caches_mlx_lm_would_build(ours: int, the
     expected, other = pair()
     expected.extend(other)  # mlx-lm's
     layers = [pair(), pair()]
-    assert _join_caches([a for a, _ in layers], [b for _, b in layers])
+    assert join_caches([a for a, _ in layers], [b for _, b in layers])
     for joined, _ in layers:
         assert joined._idx == expected._idx
         assert joined.left_padding.tolist() == expected.left_padding.tolist()
@@ -172,7 +173,7 @@ def test_rows_joining_the_batch_get_the_caches_mlx_lm_would_build(ours: int, the
             assert got.shape == want.shape
             assert mx.array_equal(got, want).item()
     # Anything but plain batch caches is left to mlx-lm.
-    assert not _join_caches([BatchKVCache([0])], [cache(1, 3, [0], 3)])
+    assert not join_caches([BatchKVCache([0])], [cache(1, 3, [0], 3)])
 
 
 def test_a_model_whose_caches_are_not_plain_batch_caches_never_goes_solo(
@@ -180,10 +181,10 @@ def test_a_model_whose_caches_are_not_plain_batch_caches_never_goes_solo(
 ) -> None:
     from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
-    from trio_mlx._batch import _generation_class
+    from trio_mlx._lanes.mlxlm_batch import generation_class
 
     model, _ = tiny_model
-    generation = _generation_class().empty(model, None)
+    generation = generation_class().empty(model, None)
     generation.prompt_cache = [BatchKVCache([0]), BatchRotatingKVCache(16, [0])]
     generation._enter_solo()
     assert not generation.solo

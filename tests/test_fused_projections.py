@@ -11,8 +11,8 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from trio_mlx import _fused_projections
-from trio_mlx._adapters import checksum
+from trio_mlx._accel import fused_projections as _fused_projections
+from trio_mlx._adapters.registry import checksum
 
 OFF = {"TRIO_MLX_FUSED_PROJECTIONS": "0"}
 PROMPT = mx.array([[5, 17, 42, 99, 7, 3, 250, 11]])

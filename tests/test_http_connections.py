@@ -10,7 +10,7 @@ import trio
 from trio.testing import MockClock, wait_all_tasks_blocked
 
 from http_helpers import live_server
-from trio_mlx_http._serve import ConnectionGuard, ConnectionLimits, raise_fd_limit
+from trio_mlx_http._server.serve import ConnectionGuard, ConnectionLimits, raise_fd_limit
 
 pytestmark = pytest.mark.model
 
@@ -195,7 +195,7 @@ async def test_accept_waits_out_fd_exhaustion_with_one_warning(
     """Fault injection: ``accept`` fails with EMFILE three times, then succeeds."""
     import errno
 
-    from trio_mlx_http._serve import _Listener
+    from trio_mlx_http._server.serve import _Listener
 
     class Exhausted:
         failures = 3

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_mlx import InvalidRequest
-from trio_mlx_http import _anthropic, _response_request
-from trio_mlx_http._response_store import ResponseStore, StoredResponse
+from trio_mlx_http._anthropic import messages as _anthropic
+from trio_mlx_http._responses import request as _response_request
+from trio_mlx_http._responses.store import ResponseStore, StoredResponse
 from trio_mlx_http._settings import Settings
 
 _SCALARS = st.none() | st.booleans() | st.integers(-5, 5) | st.floats(-3, 3) | st.text(max_size=8)

@@ -129,9 +129,9 @@ def _named_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
 async def test_failure_mid_stream_ends_with_the_apis_error_event(
     endless_model_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    import trio_mlx._batch as batch  # fault injection only
+    import trio_mlx._lanes.processors as processors  # fault injection only
 
-    real = batch.make_processors
+    real = processors.make_processors
 
     def failing_later(params: trio_mlx.SamplingParams) -> list[Any]:
         calls = 0
@@ -145,12 +145,14 @@ async def test_failure_mid_stream_ends_with_the_apis_error_event(
 
         return [*real(params), explode]
 
-    monkeypatch.setattr(batch, "make_processors", failing_later)
+    monkeypatch.setattr(processors, "make_processors", failing_later)
     async with (
         live_server(endless_model_path) as server,
         httpx.AsyncClient(base_url=server.url, timeout=30) as http,
     ):
-        response = await http.post(path, json={**LONG[path], "max_tokens": 50})
+        # Each API's own name for the length (Responses refuses chat's max_tokens).
+        length = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+        response = await http.post(path, json={**LONG[path], length: 50})
         assert response.status_code == 200
         events = _named_events(response.content)
         metrics = (await http.get("/metrics")).text

@@ -18,7 +18,7 @@ import trio
 
 import trio_mlx
 from http_helpers import NO_EOS, live_server, sse_events
-from trio_mlx_http._app import create_app
+from trio_mlx_http._server.app import create_app
 
 pytestmark = pytest.mark.model
 
@@ -181,9 +181,9 @@ async def test_graceful_shutdown_cancels_what_outlives_the_deadline(
 async def test_failure_mid_stream_sends_an_error_event_and_ends_the_stream(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import trio_mlx._batch as batch  # fault injection only
+    import trio_mlx._lanes.processors as processors  # fault injection only
 
-    real = batch.make_processors
+    real = processors.make_processors
 
     def failing_later(params: trio_mlx.SamplingParams) -> list[Any]:
         processors = real(params)
@@ -200,7 +200,7 @@ async def test_failure_mid_stream_sends_an_error_event_and_ends_the_stream(
             processors.append(explode)
         return processors
 
-    monkeypatch.setattr(batch, "make_processors", failing_later)
+    monkeypatch.setattr(processors, "make_processors", failing_later)
     async with (
         live_server(tiny_model_path) as server,
         httpx.AsyncClient(base_url=server.url, timeout=HANG) as http,

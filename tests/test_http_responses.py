@@ -14,7 +14,7 @@ import pytest
 
 from http_helpers import LiveServer, live_server
 from tool_model import CALL_ARGUMENTS, CALL_NAME, CALL_TEXT
-from trio_mlx_http._response_store import ResponseStore, StoredResponse
+from trio_mlx_http._responses.store import ResponseStore, StoredResponse
 
 pytestmark = pytest.mark.model
 
@@ -345,12 +345,21 @@ async def test_text_format_with_a_schema_that_cannot_compile_is_a_400(server: Li
 #: (field, value, the param the 400 names): known fields this server does not support.
 UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("background", True, "background"),
-    ("reasoning", {"effort": "high"}, "reasoning.effort"),
-    ("reasoning", {"summary": "auto"}, "reasoning.summary"),
-    ("truncation", "auto", "truncation"),
+    ("reasoning", {"effort": "high", "mode": "x"}, "reasoning.mode"),
     ("include", ["message.output_text.logprobs"], "include"),
     ("top_logprobs", 3, "top_logprobs"),
     ("conversation", "conv_1", "conversation"),
+    # Chat completions' fields and typos are unknown here: refused, never ignored.
+    ("max_tokens", 5, "max_tokens"),
+    ("stop", ["."], "stop"),
+    ("seed", 1, "seed"),
+    ("n", 2, "n"),
+    ("logit_bias", {"5": 10}, "logit_bias"),
+    ("top_k", 5, "top_k"),
+    ("presence_penalty", 1.0, "presence_penalty"),
+    ("frequency_penalty", 1.0, "frequency_penalty"),
+    ("response_format", {"type": "json_object"}, "response_format"),
+    ("temprature", 0.5, "temprature"),
 ]
 
 #: (body, the param the 400 names): malformed or out-of-range input.
@@ -370,7 +379,10 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": "Hi", "metadata": {"k": 3}}, "metadata"),
     ({"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
-    ({"input": "Hi", "text": {"verbosity": "high"}}, "text.verbosity"),
+    ({"input": "Hi", "text": {"verbosity": "loud"}}, "text.verbosity"),
+    ({"input": "Hi", "truncation": "sometimes"}, "truncation"),
+    ({"input": "Hi", "include": ["reasoning.everything"]}, "include"),
+    ({"input": "Hi", "reasoning": {"summary": "long"}}, "reasoning.summary"),
 ]
 
 
@@ -405,9 +417,21 @@ async def test_harmless_fields_are_accepted_and_metadata_echoed(server: LiveServ
             text={"format": {"type": "text"}},
             tool_choice="auto",
             parallel_tool_calls=True,
-            truncation="disabled",
+            truncation="auto",
+            store=False,
+            service_tier="auto",
+            include=["reasoning.encrypted_content"],
+            reasoning={"effort": "high", "summary": "auto"},
+        )
+        plain = await client.responses.create(
+            model=server.engine.model_id, input="Hi", max_output_tokens=2
         )
     assert reply.metadata == {"run": "7"}
+    assert reply.truncation == "auto"
+    assert reply.reasoning is not None
+    assert (reply.reasoning.effort, reply.reasoning.summary) == ("high", "auto")
+    # The bundled model has no reasoning switch: the effort changes nothing.
+    assert reply.output_text == plain.output_text
     assert reply.usage is not None
     assert reply.usage.output_tokens >= 1
 

@@ -12,7 +12,7 @@ import trio
 from soak._server import serve
 
 from http_helpers import NO_EOS, live_server
-from trio_mlx_http._serve import ConnectionLimits
+from trio_mlx_http._server.serve import ConnectionLimits
 
 pytestmark = pytest.mark.model
 

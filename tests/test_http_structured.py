@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from http_helpers import live_server
 from trio_mlx import InvalidGrammar, InvalidRequest
-from trio_mlx_http import _structured
+from trio_mlx_http._common import structured as _structured
 
 pytestmark = pytest.mark.model
 

@@ -21,7 +21,7 @@ import pytest
 
 from http_helpers import live_server
 from scripted_model import FORMATS, WEATHER_TOOLS, call_text, make_scripted_model
-from trio_mlx_http._tools import ToolCallExtractor
+from trio_mlx_http._common.tools import ToolCallExtractor
 
 PARSERS = sorted(FORMATS)
 BEFORE = "Let me look."

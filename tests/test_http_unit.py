@@ -17,12 +17,20 @@ from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools
 from werkzeug.exceptions import NotFound as RouteNotFound
 
-from trio_mlx import EngineOverloaded, GenerationResult, InvalidRequest, TokenLogprob
-from trio_mlx_http import _openai, _schema, _sse
-from trio_mlx_http._app import _adapter_path
+from trio_mlx import (
+    EngineOverloaded,
+    EngineSettings,
+    GenerationResult,
+    InvalidRequest,
+    TokenLogprob,
+)
+from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.tools import ToolCallExtractor
 from trio_mlx_http._errors import Forbidden, error_body, error_response
+from trio_mlx_http._openai import schema as _schema
+from trio_mlx_http._openai import shapes as _openai
+from trio_mlx_http._server.app import _adapter_path
 from trio_mlx_http._settings import Settings
-from trio_mlx_http._tools import ToolCallExtractor
 
 SETTINGS = Settings()
 USER = [{"role": "user", "content": "hi"}]
@@ -304,7 +312,7 @@ def test_adapter_paths_must_stay_inside_the_folder(tmp_path: Path) -> None:
 
 def test_streamed_tool_calls_become_indexed_deltas_and_finish_with_tool_calls() -> None:
     from trio_mlx import Delta
-    from trio_mlx_http._generation import _ChatFormat
+    from trio_mlx_http._openai.chat import _ChatFormat
 
     fmt = _ChatFormat(
         _openai.Envelope.chat("m", chunk=True),
@@ -376,7 +384,7 @@ def test_any_json_body_parses_or_raises_invalid_request(
 
 
 def test_max_tokens_beyond_the_context_is_cut_to_it() -> None:
-    from trio_mlx_http._generation import _clamp_max_tokens
+    from trio_mlx_http._openai.chat import _clamp_max_tokens
 
     state: Any = SimpleNamespace(engine=SimpleNamespace(context_length=100))
     assert _clamp_max_tokens(state, _chat(max_tokens=10**9)).params.max_tokens == 100
@@ -386,7 +394,7 @@ def test_max_tokens_beyond_the_context_is_cut_to_it() -> None:
 def test_sse_event_stays_one_line_for_unicode_line_separators() -> None:
     import json as _json
 
-    from trio_mlx_http._sse import event
+    from trio_mlx_http._common.sse import event
 
     text = "a\u2028b\u2029c\x85d\ne"
     raw = event({"content": text})
@@ -398,18 +406,18 @@ def test_sse_event_stays_one_line_for_unicode_line_separators() -> None:
 
 def test_prompt_concurrency_flag_sets_the_engines_prefill_batch_size() -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._run import _engine_options
+    from trio_mlx_http._server.run import _engine_settings
 
     args = build_parser().parse_args(["serve", "--prompt-concurrency", "3", "--max-batch", "16"])
-    options = _engine_options(args)
-    assert options["prefill_batch_size"] == 3
-    assert options["max_batch"] == 16
-    assert "prefill_batch_size" not in _engine_options(build_parser().parse_args(["serve"]))
+    settings = _engine_settings(args)
+    assert (settings.prefill_batch_size, settings.max_batch) == (3, 16)
+    default = EngineSettings().prefill_batch_size
+    assert _engine_settings(build_parser().parse_args(["serve"])).prefill_batch_size == default
 
 
 def test_chat_template_flag_takes_text_or_a_file(tmp_path: Path) -> None:
     from trio_mlx_http._cli import build_parser
-    from trio_mlx_http._run import _engine_options
+    from trio_mlx_http._server.run import _engine_settings
 
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     file = tmp_path / "template.jinja"
@@ -417,8 +425,8 @@ def test_chat_template_flag_takes_text_or_a_file(tmp_path: Path) -> None:
     for value in (template, str(file)):
         for command in (["serve"], ["generate", "Hello"]):
             args = build_parser().parse_args([*command, "--chat-template", value])
-            assert _engine_options(args)["chat_template"] == template
-    assert "chat_template" not in _engine_options(build_parser().parse_args(["serve"]))
+            assert _engine_settings(args).chat_template == template
+    assert _engine_settings(build_parser().parse_args(["serve"])).chat_template is None
 
 
 def test_engine_errors_carry_a_machine_readable_code() -> None:
@@ -433,7 +441,7 @@ def test_engine_errors_carry_a_machine_readable_code() -> None:
 
 
 def test_reasoning_is_split_even_when_markers_arrive_in_pieces() -> None:
-    from trio_mlx_http._reasoning import ReasoningSplitter
+    from trio_mlx_http._common.reasoning import ReasoningSplitter
 
     text = "<think>\nPlan it.</think>\n\nThe answer. <thi"
     splitter = ReasoningSplitter("<think>", "</think>")
@@ -453,7 +461,7 @@ def test_reasoning_is_split_even_when_markers_arrive_in_pieces() -> None:
 
 def test_best_of_returns_the_most_likely_candidates() -> None:
     from trio_mlx import Completion
-    from trio_mlx_http._generation import _best
+    from trio_mlx_http._openai.chat import _best
 
     def candidate(*logprobs: float) -> Completion:
         result = GenerationResult("length", 3, len(logprobs), 0, "batch", 0.0, 0.0)
@@ -488,3 +496,17 @@ def test_a_text_event_is_the_whole_event_encoded_at_once(text: str, model: str, 
 
     template = _sse.TextEvent(chunk("before"), ("choices", 0, "delta", "content"))
     assert template.fill(text) == _sse.event(chunk(text))
+
+
+def test_the_sse_parser_skips_keep_alive_comments_and_rejects_other_blocks() -> None:
+    from trio_mlx_http.testing import sse_events
+
+    body = b': keep-alive\n\ndata: {"a": 1}\n\n: keep-alive\n\ndata: [DONE]\n\n'
+    assert sse_events(body) == [{"a": 1}, "[DONE]"]
+    for bad, why in (
+        (b": one\n: two\n\n", "not one data line"),
+        (b'event: x\ndata: {"a": 1}\n\n', "not one data line"),
+        (b'data: {"a": 1}\n', "truncated stream"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            sse_events(bad)

@@ -80,7 +80,9 @@ def test_the_engine_package_has_no_import_cycle() -> None:
 
 def test_only_the_package_init_imports_the_engine_module() -> None:
     graph = engine_graph()
-    importers = sorted(name for name, imported in graph.items() if "trio_mlx._engine" in imported)
+    importers = sorted(
+        name for name, imported in graph.items() if "trio_mlx._core.engine" in imported
+    )
     assert importers == ["trio_mlx"]
 
 
@@ -88,14 +90,14 @@ def _named_private_modules() -> set[str]:
     """The private engine modules ``design/http.md`` says the HTTP package imports."""
     note = (ROOT / "design" / "http.md").read_text()
     paragraph = note.split("private engine modules it imports:", 1)[1].split("\n\n", 1)[0]
-    return set(re.findall(r"`(trio_mlx\._\w+)`", paragraph))
+    return set(re.findall(r"`(trio_mlx\._[\w.]+)`", paragraph))
 
 
 def test_the_http_package_imports_only_the_private_engine_modules_the_design_names() -> None:
     allowed = _named_private_modules()
     assert allowed  # the note names them; an empty list means the paragraph moved
     engine = frozenset(engine_graph())
-    private = re.compile(r"^trio_mlx\._\w+$")
+    private = re.compile(r"^trio_mlx\._[\w.]+$")
     found = {
         (path.name, module)
         for path in HTTP.rglob("*.py")
@@ -103,3 +105,18 @@ def test_the_http_package_imports_only_the_private_engine_modules_the_design_nam
         if private.match(module)
     }
     assert {module for _, module in found} <= allowed, sorted(found)
+
+
+def _room(module: str) -> str:
+    """The room of an engine module: its sub-package (``trio_mlx._lanes``), else itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_engines_rooms_import_each_other_without_a_cycle() -> None:
+    rooms: dict[str, set[str]] = {}
+    for module, imported in engine_graph().items():
+        here = _room(module)
+        rooms.setdefault(here, set()).update(_room(m) for m in imported if _room(m) != here)
+    assert {"trio_mlx._core", "trio_mlx._lanes", "trio_mlx._start"} <= set(rooms)
+    assert find_cycle(rooms) is None, " -> ".join(find_cycle(rooms) or ())

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from trio_mlx._multilora import METHODS, AdapterLayers, AdapterStack, RowPlan
+from trio_mlx._adapters.multilora import METHODS, AdapterLayers, AdapterStack, RowPlan
 
 
 def test_a_row_plan_sorts_adapted_rows_by_slot_and_puts_them_back() -> None:

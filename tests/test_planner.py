@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from trio_mlx import SamplingParams
-from trio_mlx._arbiter import State
-from trio_mlx._batch import RowSpec, StepPlan
-from trio_mlx._planner import StepPlanner
+from trio_mlx._core.arbiter import State
+from trio_mlx._core.planner import StepPlanner
+from trio_mlx._lanes.records import RowSpec, StepPlan
 
 ADMITTING = State.ADMITTING
 

@@ -334,7 +334,7 @@ async def test_huge_schema_within_the_bound_compiles_and_generates(tiny_model_pa
 
 
 def test_a_schema_compiled_again_is_a_fresh_copy_from_the_cache(tiny_model: Any) -> None:
-    from trio_mlx._structured import GrammarCompiler
+    from trio_mlx._lanes.structured import GrammarCompiler
 
     _model, tokenizer = tiny_model
     compiler = GrammarCompiler(tokenizer)
@@ -362,7 +362,7 @@ def _wide_schema(key: str, properties: int) -> dict[str, Any]:
 
 
 def test_the_grammar_cache_is_bounded_by_its_estimated_bytes(tiny_model: Any) -> None:
-    from trio_mlx._structured import GrammarCompiler, estimated_bytes, grammar_source
+    from trio_mlx._lanes.structured import GrammarCompiler, estimated_bytes, grammar_source
 
     _model, tokenizer = tiny_model
     schemas = [_wide_schema(key, 200) for key in "abcdef"]
@@ -390,7 +390,7 @@ async def test_an_abandoned_compile_gives_its_slot_back_and_abandoned_ones_are_b
     import threading
 
     from trio_mlx import EngineOverloaded
-    from trio_mlx._compile_gate import CompileGate
+    from trio_mlx._core.compile_gate import CompileGate
 
     gate = CompileGate(slots=1, max_abandoned=2)
     release = threading.Event()

@@ -144,7 +144,7 @@ ADVERSARIAL: list[Any] = [
 
 @pytest.fixture(scope="module")
 def compiler(tiny_model: Any) -> Any:
-    from trio_mlx._structured import GrammarCompiler
+    from trio_mlx._lanes.structured import GrammarCompiler
 
     _model, tokenizer = tiny_model
     return GrammarCompiler(tokenizer)

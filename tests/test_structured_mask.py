@@ -1,7 +1,7 @@
 """Grammar masks at batch level: the bitmask unpack and the lane's one-fill-per-step path.
 
 The batch lane computes every constrained row's mask of a decode step together
-(``trio_mlx._structured.GrammarBatch``); these tests check that it yields token
+(``trio_mlx._lanes.structured.GrammarBatch``); these tests check that it yields token
 for token what each row's processor alone yields, with rows of different
 schemas and rows without one in the same batch, and that the MLX unpack of
 llguidance's bitmask equals numpy's bit for bit.
@@ -17,8 +17,9 @@ import pytest
 
 from engine_helpers import NO_EOS
 from trio_mlx import SamplingParams
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
-from trio_mlx._structured import GrammarCompiler, unpack_bitmask
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._lanes.structured import GrammarCompiler, unpack_bitmask
 
 _S = {"type": "string", "maxLength": 8}
 SCHEMAS: list[dict[str, Any]] = [
@@ -111,7 +112,7 @@ def test_batched_grammar_masks_give_each_rows_own_tokens(
     alone, reference = _run(tiny_model, grammar_batch=False)
     if gpu_path:
         # The GPU's choices on this CPU: MLX unpack, forward pass queued before the read-back.
-        from trio_mlx import _structured
+        from trio_mlx._lanes import structured as _structured
 
         monkeypatch.setattr(_structured, "_on_gpu", lambda: True)
     batched, lane = _run(tiny_model, grammar_batch=True)

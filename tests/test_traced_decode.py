@@ -1,4 +1,4 @@
-"""The decode step traced once per batch shape (``trio_mlx._traced_decode``).
+"""The decode step traced once per batch shape (``trio_mlx._accel.traced_decode``).
 
 The traced step writes and reads the same ``BatchKVCache`` buffers as the
 model's own step, with positions as arrays; whatever the batch does around it
@@ -19,8 +19,9 @@ import pytest
 import trio_mlx
 from engine_helpers import NO_EOS, PROMPT
 from trio_mlx import SamplingParams
-from trio_mlx import _traced_decode as traced_decode
-from trio_mlx._batch import BatchLane, RowSpec, StepPlan
+from trio_mlx._accel import traced_decode as traced_decode
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.records import RowSpec, StepPlan
 
 pytestmark = [pytest.mark.model]
 

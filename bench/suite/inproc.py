@@ -18,8 +18,7 @@ Bare and engine runs alternate per B for ``rounds`` rounds and the best round of
 each counts: load on a shared machine only ever slows a round down. The overhead
 part also reports medians over the rounds of each engine run against the bare run
 just before it: the throughput ratio, the CPU-per-token ratio, the engine's
-Trio-thread CPU per token and its MLX thread's busy share (what
-``bench/engine_vs_bare.py`` measured before it was folded in here).
+Trio-thread CPU per token and its MLX thread's busy share.
 """
 
 from __future__ import annotations
@@ -32,23 +31,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.suite.loadgen import WORDS
+from bench.suite import multilora
+from bench.suite.jobs import emit, prompt_ids, prompt_text
 from bench.suite.timing import rates
-
-
-def prompt_text(rng: random.Random, words: int) -> str:
-    """A prompt of ``words`` random words (about one token each)."""
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def prompt_ids(tokenizer: Any, count: int, length: int, seed: int) -> list[list[int]]:
-    """``count`` distinct prompts of exactly ``length`` tokens."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        ids = tokenizer.encode(prompt_text(rng, length * 2))
-        out.append(ids[:length])
-    return out
 
 
 def _logits_processors(logit_bias: dict[int, float] | None) -> Any:
@@ -209,7 +194,7 @@ def overhead(job: dict[str, Any]) -> None:
         emit({"job": "overhead", "batch": b, "bare": _best(runs), "engine": None})
 
 
-def _memory_now() -> dict[str, int]:
+def memory_now() -> dict[str, int]:
     import mlx.core as mx
 
     out = {
@@ -255,12 +240,12 @@ def memory(job: dict[str, Any]) -> None:
                     pass
             done += 1
             if done in marks:
-                snapshots[str(done)] = _memory_now()
+                snapshots[str(done)] = memory_now()
 
     async def main() -> None:
         send, receive = trio.open_memory_channel[int](0)
         async with trio_mlx.open_engine(job["model"], max_batch=job["concurrency"]) as engine:
-            snapshots["0"] = _memory_now()
+            snapshots["0"] = memory_now()
             async with trio.open_nursery() as nursery:
                 for _ in range(job["concurrency"]):
                     nursery.start_soon(worker, engine, receive.clone())
@@ -282,8 +267,8 @@ def closed_loop(job: dict[str, Any]) -> None:
     from mlx_lm.generate import BatchGenerator
 
     model, tokenizer = mlx_lm.load(job["model"])
-    if job.get("kernel"):  # the experiments' knob: the bare loop with trio-mlx's attention
-        from trio_mlx._decode_attention import install
+    if job.get("kernel"):  # optional: the bare loop with trio-mlx's decode attention
+        from trio_mlx._accel.decode_attention import install
 
         install(model)
     length, max_tokens = job["prompt_len"], job["max_tokens"]
@@ -399,7 +384,7 @@ def structured(job: dict[str, Any]) -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     import trio_mlx
-    from trio_mlx._structured import GrammarCompiler
+    from trio_mlx._lanes.structured import GrammarCompiler
 
     tokenizer = load_tokenizer(Path(job["model"]))
     bias = {int(k): v for k, v in job["logit_bias"].items()} if job["logit_bias"] else None
@@ -438,16 +423,9 @@ def structured(job: dict[str, Any]) -> None:
           "vocab": config.get("vocab_size")})  # fmt: skip
 
 
-def emit(record: dict[str, Any]) -> None:
-    """Print one result line for the parent process."""
-    print("RESULT " + json.dumps(record), flush=True)
-
-
 def main(argv: Sequence[str]) -> None:
     """Run the job given as a JSON argument."""
     job = json.loads(argv[0])
-    from bench.suite import multilora
-
     kinds = {"overhead": overhead, "memory": memory, "structured": structured,
              "closed": closed_loop, "engine_closed": engine_closed,
              "multilora": multilora.job}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Part 9: rows under several LoRA adapters in one batch (issue 17).
+"""Part 9: rows under several LoRA adapters in one batch.
 
 Four random LoRA adapters (rank 8, ``q_proj`` and ``v_proj`` of every layer,
 float32 weights as ``mlx_lm.lora`` saves them) are written once per run. Then,
@@ -11,14 +11,13 @@ in a worker process (:func:`job`):
   rate (:mod:`bench.suite.timing`), rounds interleaved, best round counts.
 * **serial**: the same 8 requests over the 4 adapters through the batch lane and
   through the serial lane (an engine with ``max_batch=1``: each request alone,
-  its adapter put on and taken off, the path adapter requests took before), end
-  to end; and 8 base requests both ways, which bounds what batching can gain on
+  its adapter put on and taken off), end to end; and 8 base requests both ways, which bounds what batching can gain on
   the machine at all.
 * **engine by method**: the rows over 4 adapters (and half base) again, the
-  stack rebuilt with each of ``trio_mlx._multilora.METHODS`` in turn.
+  stack rebuilt with each of ``trio_mlx._adapters.multilora.METHODS`` in turn.
 * **methods**: the model's decode step (a bare forward over a KV cache, one
   ``mx.eval`` per step) with the stacked layers of each
-  ``trio_mlx._multilora.METHODS``, for the same row mixes, against the base
+  ``trio_mlx._adapters.multilora.METHODS``, for the same row mixes, against the base
   model; milliseconds per step, the lower quartile of all rounds' steps. This
   is the per-step cost of the adapted layers alone, without the engine.
 
@@ -34,6 +33,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.suite.jobs import emit, prompt_ids
 
 ADAPTERS = 4
 RANK = 8
@@ -126,7 +127,6 @@ def _best(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 def _engine_part(job: dict[str, Any], adapters: list[Path], tokenizer: Any) -> None:
     import trio
-    from bench.suite.inproc import emit, prompt_ids
 
     import trio_mlx
 
@@ -204,9 +204,8 @@ async def _by_method(
     adapter is mounted again after each change (reaching into the engine's
     registry: a measurement knob, not an API).
     """
-    from bench.suite.inproc import emit
 
-    from trio_mlx._multilora import DEFAULT_METHOD
+    from trio_mlx._adapters.multilora import DEFAULT_METHOD
 
     name, path = f"a{len(adapters) - 1}", adapters[-1]
 
@@ -268,9 +267,8 @@ def _quartile(times: list[float]) -> float:
 
 def _methods_part(job: dict[str, Any], adapters: list[Path]) -> None:
     import mlx_lm
-    from bench.suite.inproc import emit
 
-    from trio_mlx._adapters import AdapterRegistry
+    from trio_mlx._adapters.registry import AdapterRegistry
 
     model, _ = mlx_lm.load(job["model"])
     stacks = {}
@@ -308,7 +306,6 @@ def job(job: dict[str, Any]) -> None:
     A part that fails (say, a method an MLX backend lacks a kernel for) is
     reported as an ``multilora_error`` record; the other part still runs.
     """
-    from bench.suite.inproc import emit
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -330,7 +327,7 @@ def job(job: dict[str, Any]) -> None:
 
 def collect(records: list[dict[str, Any]], model: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The part's results from the worker's records."""
-    from trio_mlx._multilora import DEFAULT_METHOD
+    from trio_mlx._adapters.multilora import DEFAULT_METHOD
 
     rows = [r for r in records if r["job"] == "multilora_rows"]
     serial = [r for r in records if r["job"] == "multilora_serial"]

@@ -272,7 +272,7 @@ def _during(records: Sequence[dict[str, Any]], long: Sequence[dict[str, Any]]) -
 def long_arrival(server: Server, p: dict[str, Any], c: int) -> dict[str, Any]:
     """C - 1 closed-loop streams, and ``long_prompts`` long prompts arriving one at a time.
 
-    The issue's latency goal: the running streams' inter-token latency p99
+    The latency goal: the running streams' inter-token latency p99
     while a long prompt is prefilled (from its arrival to its first token)
     at most 3x their median over the whole window.
     """

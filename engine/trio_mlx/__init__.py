@@ -4,9 +4,10 @@ Public names live here; the implementation sits in private ``_modules``.
 The engine never imports the web stack (quart, hypercorn, trio_mlx_http).
 """
 
-from trio_mlx._arbiter import ArbiterPolicy, ArbiterStatistics
-from trio_mlx._blas import BackendInfo, backend_info
-from trio_mlx._engine import Engine, GenerationStream, open_engine
+from trio_mlx._core.arbiter import ArbiterPolicy, ArbiterStatistics
+from trio_mlx._core.engine import Engine, open_engine
+from trio_mlx._core.request import EngineStatistics
+from trio_mlx._core.stream import GenerationStream
 from trio_mlx._errors import (
     AdapterConflict,
     EngineClosed,
@@ -19,8 +20,10 @@ from trio_mlx._errors import (
     ReaderStalled,
     TrioMLXError,
 )
+from trio_mlx._lanes.prompt_cache import PromptCacheStatistics
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
-from trio_mlx._request import EngineStatistics
+from trio_mlx._start.blas import BackendInfo, backend_info
+from trio_mlx._start.settings import EngineSettings
 from trio_mlx._version import __version__
 from trio_mlx.default_model import default_adapter_path, default_model_path
 
@@ -34,6 +37,7 @@ __all__ = [
     "Engine",
     "EngineClosed",
     "EngineOverloaded",
+    "EngineSettings",
     "EngineStatistics",
     "GenerationFailed",
     "GenerationResult",
@@ -42,6 +46,7 @@ __all__ = [
     "InvalidGrammar",
     "InvalidRequest",
     "NotFound",
+    "PromptCacheStatistics",
     "ReaderStalled",
     "SamplingParams",
     "TokenLogprob",

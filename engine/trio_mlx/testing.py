@@ -19,10 +19,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "FAMILIES",
     "SPECIAL_TOKENS",
     "corpus_text",
     "dead_rows",
     "make_random_llama",
+    "make_random_model",
     "train_tokenizer",
     "with_context",
     "write_tokenizer",
@@ -187,20 +189,11 @@ def make_random_llama(
     only by tensor). The weights come with a ``model.safetensors.index.json``,
     which mlx-lm's pipeline loading needs.
     """
-    import importlib
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
-
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    text = tokenizer_text if tokenizer_text is not None else corpus_text()[:200_000]
-    tokenizer = train_tokenizer(text, vocab_size)
+    tokenizer = _tokenizer(vocab_size, tokenizer_text)
     write_tokenizer(tokenizer, directory)
-    real_vocab = tokenizer.get_vocab_size()
-
     config = llama_config(
-        vocab_size=real_vocab,
+        vocab_size=tokenizer.get_vocab_size(),
         hidden_size=hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
@@ -212,19 +205,205 @@ def make_random_llama(
     if model_type != "llama":
         config["model_type"] = model_type
         config["architectures"] = [f"{model_type.capitalize()}ForCausalLM"]
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    _write_weights(directory, config, seed=seed, weight_scale=weight_scale, dtype=dtype)
+    return directory
+
+
+def _tokenizer(vocab_size: int, text: str | None) -> Any:
+    """The trained tokenizer; the default corpus's is trained once per process."""
+    if text is not None:
+        return train_tokenizer(text, vocab_size)
+    if vocab_size not in _TRAINED:
+        _TRAINED[vocab_size] = train_tokenizer(corpus_text()[:200_000], vocab_size)
+    return _TRAINED[vocab_size]
+
+
+_TRAINED: dict[int, Any] = {}
+
+
+def _write_weights(
+    directory: Path,
+    config: dict[str, Any],
+    *,
+    seed: int,
+    weight_scale: float,
+    dtype: str,
+    embed_scale: float | None = None,
+) -> None:
+    """Build ``config``'s mlx-lm model with seeded random weights and save it with its config.
+
+    Matrices are scaled by ``weight_scale``, the token embedding by
+    ``embed_scale`` when given.
+    """
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map_with_path
+
+    def scaled(path: str, p: Any) -> Any:
+        if p.ndim < 2:
+            return p.astype(target)
+        scale = embed_scale if embed_scale is not None and "embed_tokens" in path else weight_scale
+        return (p * scale).astype(target)
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     target = getattr(mx, dtype)
-    model.update(
-        tree_map(
-            lambda p: (p * weight_scale if p.ndim > 1 else p).astype(target),
-            model.parameters(),
-        )
-    )
+    model.update(tree_map_with_path(scaled, model.parameters()))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(weights), "model.safetensors")}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+#: The mlx-lm architectures :func:`make_random_model` builds: dense, mixture of
+#: experts, sliding window or logit softcap, and hybrid (linear attention or
+#: convolution layers beside full attention).
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "granite",
+    "olmo2",
+    "smollm3",
+    "glm4",
+    "cohere",
+    "starcoder2",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "gemma2",
+    "gemma3_text",
+    "qwen3_next",
+    "lfm2",
+)
+
+# Tiny shapes: hidden 64, four query heads of 16 over two KV heads, two layers.
+_HEAD = 16
+_MOE = {"num_experts_per_tok": 2, "norm_topk_prob": True}
+# Gemma scales its (tied) embedding by sqrt(hidden): at the matrices' scale,
+# every token predicts itself.
+_EMBED_SCALE = {"gemma2": 1.0}
+# What each family adds to the shared config (FAMILIES' order). The sliding
+# windows are 32 tokens, so a longer prompt wraps a RotatingKVCache; each
+# mixed family has both kinds of layer in its two.
+_FAMILY_CONFIG: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {"tie_word_embeddings": False},
+    "granite": {
+        "logits_scaling": 1.0,
+        "attention_multiplier": _HEAD**-0.5,
+        "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    # Post-norm layers leave the residual close to the token's own embedding:
+    # tied, every token would predict itself.
+    "olmo2": {"tie_word_embeddings": False},
+    "smollm3": {"no_rope_layer_interval": 2},
+    "glm4": {"attention_bias": False, "partial_rotary_factor": 0.5},
+    "cohere": {"layer_norm_eps": 1e-5, "logit_scale": 0.25},
+    "starcoder2": {"norm_epsilon": 1e-5},
+    "qwen3_moe": {
+        **_MOE,
+        "num_experts": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 64,
+    },
+    "mixtral": {**_MOE, "num_local_experts": 4},
+    "gpt_oss": {
+        **_MOE,
+        "num_local_experts": 4,
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "gemma2": {"query_pre_attn_scalar": _HEAD},
+    "gemma3_text": {
+        "query_pre_attn_scalar": _HEAD,
+        "sliding_window": 32,
+        "sliding_window_pattern": 2,
+        "rope_local_base_freq": 10000.0,
+    },
+    "qwen3_next": {
+        **_MOE,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": _HEAD,
+        "linear_value_head_dim": _HEAD,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 64,
+        "partial_rotary_factor": 0.5,
+        "full_attention_interval": 2,
+    },
+    "lfm2": {
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention"],
+    },
+}
+
+
+def make_random_model(
+    directory: Path,
+    model_type: str,
+    *,
+    seed: int = 0,
+    weight_scale: float = 4.0,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random-weight model of mlx-lm's ``model_type`` that ``mlx_lm.load`` loads.
+
+    ``model_type`` is one of :data:`FAMILIES`. The model is float32, hidden size
+    64, two layers, with :func:`make_random_llama`'s tokenizer and chat template;
+    ``config_overrides`` replace or add ``config.json`` fields (say
+    ``num_hidden_layers=4``). ``weight_scale`` as in :func:`make_random_llama`.
+    """
+    if model_type not in _FAMILY_CONFIG:
+        raise ValueError(f"unknown model family {model_type!r}; known: {', '.join(FAMILIES)}")
+    directory = Path(directory)
+    tokenizer = _tokenizer(512, None)
+    write_tokenizer(tokenizer, directory)
+    config = llama_config(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+    )
+    config.update(
+        model_type=model_type,
+        architectures=[f"{model_type}ForCausalLM"],
+        head_dim=_HEAD,
+        max_position_embeddings=4096,
+        # Each family's transformers default names an id past this vocabulary.
+        pad_token_id=0,
+    )
+    config.update(_FAMILY_CONFIG[model_type])
+    config.update(config_overrides)
+    _write_weights(
+        directory,
+        config,
+        seed=seed,
+        weight_scale=weight_scale,
+        dtype="float32",
+        embed_scale=_EMBED_SCALE.get(model_type),
+    )
     return directory

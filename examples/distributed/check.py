@@ -238,7 +238,7 @@ if __name__ == "__main__":
             sys.exit(4)
         if args.follower_leaves_after:
             # Test only: the follower vanishes after N lane commands, mid-generation.
-            from trio_mlx._distributed import Channel
+            from trio_mlx._dist.leader import Channel
 
             receive, count = Channel.receive, [0]
 
@@ -252,7 +252,7 @@ if __name__ == "__main__":
         sys.exit(follow(args.model))
     if args.leader_leaves_after:
         # Test only: rank 0 vanishes after N messages; the followers must not wait forever.
-        from trio_mlx._distributed import Channel
+        from trio_mlx._dist.leader import Channel
 
         send, sent = Channel.send, [0]
 

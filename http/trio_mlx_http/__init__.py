@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trio_mlx import __version__
-    from trio_mlx_http._app import create_app, shutdown_trigger
     from trio_mlx_http._fast_blas import maybe_reexec_with_fast_blas
+    from trio_mlx_http._server.app import create_app, shutdown_trigger
     from trio_mlx_http._settings import Settings
 
 __all__ = [
@@ -40,9 +40,9 @@ __all__ = [
 _HOMES = {
     "Settings": "trio_mlx_http._settings",
     "__version__": "trio_mlx._version",
-    "create_app": "trio_mlx_http._app",
+    "create_app": "trio_mlx_http._server.app",
     "maybe_reexec_with_fast_blas": "trio_mlx_http._fast_blas",
-    "shutdown_trigger": "trio_mlx_http._app",
+    "shutdown_trigger": "trio_mlx_http._server.app",
 }
 
 

@@ -2,7 +2,7 @@
 
 Only argparse is imported until the arguments are parsed: ``--help`` answers
 at once and never imports MLX, Trio or the web stack. A start-up failure is
-told in a line or two (:mod:`trio_mlx_http._startup`); ``--debug`` adds the
+told in a line or two (:mod:`trio_mlx_http._server.startup`); ``--debug`` adds the
 traceback.
 """
 
@@ -188,8 +188,18 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="NAME",
-        help="a name the model answers to (repeatable; the first is listed in /v1/models). "
-        "The --model id and its last path component are always accepted",
+        help="a name the model answers to, listed in /v1/models (repeatable; the first is "
+        "the name answers carry). A name with *, ? or [ is a pattern, e.g. 'claude-*' for "
+        "every name Claude Code sends. The --model id and its last path component are "
+        "always accepted",
+    )
+    parser.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="a stream silent this long (queued, or in a long prefill) sends a keep-alive: "
+        "an SSE comment, or a ping event on /v1/messages (0: never)",
     )
     parser.add_argument(
         "--chat-template-args",
@@ -229,6 +239,31 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="cap of the prompt (KV) cache, e.g. 512M or 2G; 0 disables it "
         "(default: the engine's, 256M)",
+    )
+    parser.add_argument(
+        "--kv-memory",
+        dest="kv_memory_bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="what the running requests' KV caches may hold at worst, e.g. 8GiB; a request "
+        "waits until it fits, one that never could is refused (default: half of MLX's "
+        "memory limit less the weights)",
+    )
+    parser.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep checkpoints of long prompts (1,024 tokens or more) in this folder, "
+        "across restarts (off by default; servers may share the folder)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="cap of --prompt-cache-dir's files, least recently used evicted first "
+        "(default: the engine's, 10G)",
     )
     parser.add_argument(
         "--graceful-timeout",
@@ -339,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import trio
 
     from trio_mlx import distributed
-    from trio_mlx_http import _run, _startup
+    from trio_mlx_http._server import run as _run
+    from trio_mlx_http._server import startup as _startup
 
     runner = _run.serve if args.command == "serve" else _run.generate
     # The MLX worker thread and the Trio thread (HTTP, streaming) share the GIL.

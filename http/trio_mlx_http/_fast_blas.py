@@ -2,7 +2,7 @@
 
 ``LD_PRELOAD`` is read by the dynamic loader only when a process starts, so the
 ``trio-mlx`` command, before it imports MLX, re-runs itself with the BLAS that
-``trio_mlx._blas`` finds preloaded (``design/blas.md``). That is start-up policy
+``trio_mlx._start.blas`` finds preloaded (``design/blas.md``). That is start-up policy
 for a program, not engine: it lives here, beside the CLI. A Trio program that
 embeds the engine calls :func:`maybe_reexec_with_fast_blas` (public as
 ``trio_mlx_http.maybe_reexec_with_fast_blas``) first thing, or sets
@@ -21,7 +21,7 @@ from typing import Literal
 
 import attrs
 
-from trio_mlx._blas import (
+from trio_mlx._start.blas import (
     OPT_OUT_VAR,
     add_preload,
     bundled_reference_blas,

@@ -1,0 +1,1 @@
+"""LoRA adapters: the mounted set and the stacked multi-adapter layers."""

@@ -1,0 +1,846 @@
+"""The public Trio API: :func:`open_engine` and :class:`Engine`."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import attrs
+import trio
+
+from trio_mlx._adapters.registry import AdapterRegistry
+from trio_mlx._core.actor import Actor
+from trio_mlx._core.arbiter import ArbiterPolicy
+from trio_mlx._core.compile_gate import CompileGate
+from trio_mlx._core.gate import LaneName, choose_lane
+from trio_mlx._core.prompt_size import rendered_bytes, utf8_size
+from trio_mlx._core.request import EngineStatistics, Request
+from trio_mlx._core.stable_prefix import StablePrefix
+from trio_mlx._core.stream import GenerationStream
+from trio_mlx._core.worker import Worker
+from trio_mlx._errors import (
+    AdapterConflict,
+    EngineClosed,
+    InvalidRequest,
+    NotFound,
+)
+from trio_mlx._lanes.output import RowEvent
+from trio_mlx._lanes.records import RowSpec
+from trio_mlx._lanes.serial import run_serial
+from trio_mlx._lanes.structured import (
+    COMPILE_TIMEOUT,
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    Constraint,
+    GrammarCompiler,
+)
+from trio_mlx._memory import KVBudget
+from trio_mlx._params import Completion, SamplingParams, TokenLogprob
+from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
+from trio_mlx._start.settings import EngineSettings
+
+__all__ = ["Engine", "open_engine"]
+
+T = TypeVar("T")
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+#: Greedy decoding of up to 256 tokens.
+DEFAULT_PARAMS = SamplingParams()
+#: Prompts (characters, or token ids) up to this size are tokenized on the event loop.
+_INLINE_PROMPT = 1024
+#: Temperatures below this are greedy decoding (1 / 1e-30 still fits float32).
+_TEMPERATURE_FLOOR = 1e-30
+#: Prompts tokenized at once in threads (fast tokenizers release the GIL).
+_TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: Chat template arguments the engine sets itself; ``chat_template_kwargs`` may not.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
+)
+
+
+def _too_long(what: str, limit: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what}, more than the model's context of {limit}",
+        param="prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
+    """Whether tokenizing ``prompt`` costs less than a thread hop."""
+    if not isinstance(prompt, str | list | tuple) or len(prompt) > _INLINE_PROMPT:
+        return False
+    if not prompt or not isinstance(prompt[0], Mapping):
+        return True
+    if tools or len(prompt) > 32:
+        return False
+    # Only flat messages (strings for values: no tool calls, no content parts)
+    # of a few characters in all; anything else renders in a thread.
+    chars = 0
+    for message in prompt:
+        if not isinstance(message, Mapping):
+            return False
+        for value in message.values():
+            if not isinstance(value, str | None):
+                return False
+            chars += len(value or "")
+    return chars <= _INLINE_PROMPT
+
+
+def _mlx_memory() -> tuple[int, int, int]:
+    """MLX's allocator counters (active, cache, peak bytes): plain reads, no MLX work,
+    so safe off the MLX thread."""
+    import mlx.core as mx
+
+    return int(mx.get_active_memory()), int(mx.get_cache_memory()), int(mx.get_peak_memory())
+
+
+@asynccontextmanager
+async def open_engine(
+    model: str | os.PathLike[str] | None = None,
+    settings: EngineSettings | None = None,
+    *,
+    _tune: Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> AsyncIterator[Engine]:
+    """Load a model on a dedicated MLX thread and serve it for the block's duration.
+
+    ``model`` is a model directory (or a Hugging Face repo id mlx-lm can load);
+    ``None`` means the bundled default model. ``settings`` (an
+    :class:`~trio_mlx.EngineSettings`; default: every setting's default) says how
+    the engine runs; keyword arguments override single settings, so
+    ``open_engine(path, max_batch=16)`` is ``open_engine(path, EngineSettings(max_batch=16))``.
+    A bad value raises :class:`~trio_mlx.InvalidRequest` naming the setting.
+
+    The settings: ``adapter_path`` fuses a LoRA
+    adapter into the base model. ``max_batch`` rows decode together;
+    ``max_queue`` bounds the waiting requests (past it, submission raises
+    :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
+    most ``drain_timeout`` seconds for the batch to drain before the running
+    rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
+    caps the prompt cache (0 disables it). ``prompt_cache_dir`` adds its disk
+    tier: checkpoints of long prompts kept in that folder across restarts, at
+    most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
+    disk tier; see ``design/engine.md``). ``prefill_step_size`` and
+    ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
+    prompts prefilled together. ``prefill_budget`` bounds the prompt tokens
+    (padded) prefilled between two decode steps: a longer prompt is prefilled
+    a chunk per step, so running streams keep their pace while it arrives
+    (``None``: 1,536 on a GPU, 512 on the CPU; see ``design/performance.md``).
+    ``long_prompt_chunk`` is the chunk a longer prompt is cut into when it is
+    smaller than the budget: such a prompt is prefilled alone, that many
+    tokens a step, and while it waits or prefills no pass holds more; with
+    none about, or while the other prompts waiting hold more than the budget,
+    prompts share passes of up to the budget (``None``, the default: no such
+    chunk; it smooths the streams around a rare long prompt and costs TTFT
+    when many prompts are long: ``design/performance.md``).
+    ``prefill_stall`` bounds a long prompt's stall in time: while rows decode,
+    each step's chunk is sized from the measured step times so that a step
+    that prefills one prompt's chunk takes about ``prefill_stall`` times a
+    decode-only step (> 1; at most ``prefill_budget`` tokens; ``None``: chunks
+    of the fixed budget).
+    ``parallel`` only matters when the process was started by ``mlx.launch``
+    as one of several ranks (see ``design/distributed.md``): ``"tensor"`` or
+    ``"pipeline"`` forces how the model is split, ``"auto"`` lets mlx-lm
+    choose (tensor where the architecture supports it). ``chat_template``
+    (Jinja text) replaces the model's chat template, as
+    ``mlx_lm.server --chat-template`` does.
+    ``grammar_timeout`` bounds how many seconds a request's JSON schema, regex
+    or grammar may take to compile (in a worker thread) before the request is
+    refused with :class:`~trio_mlx.InvalidGrammar`; two compile at once, and
+    a compile past its deadline gives up its slot at once (llguidance cannot
+    stop it: at most four such abandoned compiles may run, then new ones are
+    refused with :class:`~trio_mlx.EngineOverloaded` until one ends).
+    ``grammar_cache_bytes`` bounds the compiled grammars kept for reuse, by
+    their estimated size (0 keeps none).
+    ``max_unread_tokens`` bounds what one request buffers for a reader that
+    does not read: past that many unread tokens (each top log-probability
+    alternative counting as one more) the request is cancelled and its stream
+    raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
+    ``max_loras`` bounds the adapters mounted at once (a mount past it raises
+    :class:`~trio_mlx.AdapterConflict`; ``None``: no bound).
+    ``kv_memory_bytes`` is what the rows' KV caches may hold at worst (each
+    counting its prompt plus ``max_tokens``): a row waits in the queue until it
+    fits beside the running ones, a request too large to fit alone is refused
+    with :class:`~trio_mlx.InvalidRequest`, and ``max_tokens`` is cut to the
+    room one request has (``None``: half of MLX's memory limit less the weights,
+    less ``prompt_cache_bytes``; see ``design/engine.md``).
+    ``_tune`` is for tests and benchmarks, not a stable API: it sets public
+    fields of the actor (``decision_hook``), of its step planner (burst and
+    grouped-admission bounds) or of the batch lane (removal bounds) by name
+    before the engine starts.
+
+    Leaving the block stops admission, lets in-flight work finish within
+    ``grace_period`` seconds, ends the rest with
+    :class:`~trio_mlx.EngineClosed` and joins the MLX thread.
+    """
+    settings = _settings(settings, overrides)
+    try:
+        policy = ArbiterPolicy(
+            max_batch=settings.max_batch,
+            max_queue=settings.max_queue,
+            drain_timeout=settings.drain_timeout,
+            min_batch_steps=settings.min_batch_steps,
+        )
+    except (TypeError, ValueError) as invalid:  # attrs' validators: name the argument
+        message = str(invalid.args[0]) if invalid.args else str(invalid)
+        named = re.match(r"'(\w+)'", message)
+        raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
+    path = resolve_model(model)
+    loader = partial(load, path, settings)
+    # Errors of the start and of the body are re-raised as themselves, not
+    # wrapped in the nursery's ExceptionGroup.
+    error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        try:
+            engine: Engine = await nursery.start(
+                _serve,
+                policy,
+                Path(path).name,
+                loader,
+                settings,
+                _tune,
+            )
+        except Exception as exc:
+            error = load_error(path, exc) or exc
+        else:
+            try:
+                yield engine
+            except BaseException as exc:
+                error = exc
+            finally:
+                # Cancelled from outside: no grace, end the work now.
+                grace = 0.0 if isinstance(error, trio.Cancelled) else settings.grace_period
+                with trio.CancelScope(shield=True):
+                    await engine._shutdown(grace)
+    if error is not None:
+        raise error
+
+
+async def _serve(
+    policy: ArbiterPolicy,
+    model_id: str,
+    load: Callable[[], Loaded],
+    settings: EngineSettings,
+    tune: Mapping[str, Any] | None,
+    *,
+    task_status: trio.TaskStatus[Engine],
+) -> None:
+    """The engine's one long-lived task: start the thread, load, then run the actor."""
+    worker = Worker()
+    worker.start()
+    try:
+        loaded = await worker.run(load)
+        registry = AdapterRegistry(max_loras=settings.max_loras)
+        loaded.lane.adapter_stack = lambda: registry.stack
+        limit = settings.kv_memory_bytes
+        budget = KVBudget(loaded.kv_profile, loaded.kv_default if limit is None else limit)
+        actor = Actor(
+            attrs.evolve(policy, memory=budget),
+            worker,
+            loaded.lane,
+            serial_work=partial(_serial_work, loaded, registry),
+            adapters=lambda: registry.names,
+            max_unread=settings.max_unread_tokens,
+        )
+        engine = Engine(model_id, loaded, registry, actor)
+        engine.grammar_timeout = float(settings.grammar_timeout)
+        engine.grammar_cache_bytes = settings.grammar_cache_bytes
+        if not loaded.grouping:
+            actor.planner.admit_group = 1  # the CPU admits arrivals at once (Loaded.grouping)
+        actor.planner.prefill_stall = settings.prefill_stall
+        _apply_tuning(tune or {}, actor, actor.planner, loaded.lane)
+        worker.on_death = actor.on_worker_death
+        try:
+            async with trio.open_nursery() as nursery:
+                if loaded.leader is not None:  # distributed rank 0: watchdog and heartbeat
+                    actor.ranks = loaded.leader.ranks
+                    loaded.leader.attach(nursery, worker, actor.close_nowait)
+                await actor.run(engine, task_status=task_status)
+                nursery.cancel_scope.cancel()
+        finally:
+            # KV caches are MLX arrays: free them on the thread that made them.
+            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await worker.run(loaded.lane.close)
+    finally:
+        with trio.CancelScope(shield=True):
+            await worker.stop()
+
+
+def _settings(settings: EngineSettings | None, overrides: Mapping[str, Any]) -> EngineSettings:
+    """``settings`` (default: every default) with the keyword ``overrides`` applied."""
+    if settings is not None and not isinstance(settings, EngineSettings):
+        raise TypeError(f"settings must be an EngineSettings, not {type(settings).__name__}")
+    unknown = sorted(set(overrides) - set(attrs.fields_dict(EngineSettings)))
+    if unknown:
+        raise TypeError(f"open_engine() got unexpected keyword arguments: {', '.join(unknown)}")
+    return attrs.evolve(settings, **overrides) if settings else EngineSettings(**overrides)
+
+
+def _apply_tuning(tune: Mapping[str, Any], *targets: Any) -> None:
+    """Set each public field named in ``tune`` on the first of ``targets`` that has it."""
+    for name, value in tune.items():
+        owner = next(
+            (t for t in targets if not name.startswith("_") and name in attrs.fields_dict(type(t))),
+            None,
+        )
+        if owner is None:
+            raise TypeError(f"open_engine(_tune=...): no tunable field {name!r}")
+        setattr(owner, name, value)
+
+
+def _serial_work(
+    loaded: Loaded,
+    registry: AdapterRegistry,
+    request: Request,
+    emit: Callable[[list[RowEvent]], None],
+    on_cached: Callable[[int], None],
+) -> Callable[[], Any]:
+    """The worker-side callable of a serial generation (the actor runs it as a job)."""
+    spec = request.spec
+    assert spec is not None
+
+    run = partial(
+        run_serial,
+        loaded.model,
+        loaded.tokenizer,
+        spec,
+        cancelled=request.cancel_flag,
+        emit=emit,
+        on_cached=on_cached,
+    )
+
+    def work() -> Any:
+        adapter = spec.params.adapter
+        if adapter is None:
+            return run(prompt_cache=loaded.prompt_cache)
+        with registry.use(loaded.model, adapter):
+            return run()
+
+    leader = loaded.leader
+    if leader is None:
+        return work
+    # Distributed: the followers run the same generation (no adapters there).
+    return partial(leader.run_serial, spec, partial(run, prompt_cache=loaded.prompt_cache))
+
+
+@attrs.define(eq=False)
+class Engine:
+    """A loaded model served by one actor; use it through :func:`open_engine`."""
+
+    #: A name for the model (its directory name), e.g. for ``/v1/models``.
+    model_id: str
+    _loaded: Loaded
+    _registry: AdapterRegistry
+    _actor: Actor
+    _encode_limiter: trio.CapacityLimiter = attrs.field(
+        init=False, factory=lambda: trio.CapacityLimiter(_TOKENIZE_THREADS)
+    )
+    #: The longest vocabulary entry, in UTF-8 bytes: no token covers more input.
+    _max_token_bytes: int = attrs.field(init=False, default=0)
+    #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
+    grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
+    _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
+    #: The byte bound of the compiled grammars kept (see :func:`open_engine`).
+    grammar_cache_bytes: int = attrs.field(init=False, default=DEFAULT_GRAMMAR_CACHE_BYTES)
+    _compile_gate: CompileGate = attrs.field(init=False, factory=CompileGate)
+    _stable: StablePrefix | None = attrs.field(init=False, default=None)
+
+    @property
+    def tokenizer(self) -> Any:
+        """mlx-lm's ``TokenizerWrapper``; use it read-only (encode, decode, chat template)."""
+        return self._loaded.tokenizer
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context length (``max_position_embeddings``), when known."""
+        value = self._loaded.config.get("max_position_embeddings")
+        return int(value) if isinstance(value, int) else None
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """Names of the mounted LoRA adapters."""
+        return self._registry.names
+
+    @property
+    def closed(self) -> bool:
+        """Whether the engine refuses new work (shutting down, or its worker died)."""
+        return self._actor.closed
+
+    def close(self) -> None:
+        """Refuse new work and end every pending request now with :class:`EngineClosed`.
+
+        For a server's shutdown deadline: what still runs gets a clean error
+        instead of a dropped connection. Leaving :func:`open_engine` closes the
+        engine as well, after its grace period.
+        """
+        self._actor.close_nowait()
+
+    def statistics(self) -> EngineStatistics:
+        """A frozen snapshot of the engine: arbiter state, queues, counters, memory."""
+        cache = self._loaded.prompt_cache
+        active, cached, peak = _mlx_memory()
+        return attrs.evolve(
+            self._actor.statistics(),
+            mlx_active_memory=active,
+            mlx_cache_memory=cached,
+            mlx_peak_memory=peak,
+            prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+            prompt_cache=cache.statistics() if cache is not None else None,
+        )
+
+    def encode(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Tokenize a prompt exactly as :meth:`generate` does.
+
+        A string is raw text (no chat template); a sequence of ints is taken as
+        token ids; a sequence of mappings is a chat, rendered with the model's
+        chat template (``add_generation_prompt=True``, ``tools`` and
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``, passed on).
+        Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
+        tokenizes to nothing, or one longer than the model's context.
+        """
+        return self._encode(prompt, tools, chat_template_kwargs)[0]
+
+    def _encode(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        """:meth:`encode`'s tokens and, for a chat, its stable prefix's length
+        (the prompt cache's checkpoint: :mod:`trio_mlx._core.stable_prefix`)."""
+        tokenizer = self._loaded.tokenizer
+        checkpoint = None
+        if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
+            self.refuse_oversized(prompt, tools=tools)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", param="prompt")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(
+                    "the prompt is not valid Unicode (a lone surrogate?)", param="prompt"
+                ) from None
+            bos = tokenizer.bos_token
+            tokens = list(
+                tokenizer.encode(
+                    prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
+                )
+            )
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", param="prompt")
+            if all(isinstance(m, Mapping) for m in prompt):
+                tokens = self._chat(prompt, tools, chat_template_kwargs)
+                if self._loaded.prompt_cache is not None:
+                    checkpoint = self._stable_prefix.find(
+                        cast(Sequence[Mapping[str, Any]], prompt),
+                        tools,
+                        dict(chat_template_kwargs or {}),
+                        tokens,
+                    )
+            else:
+                tokens = self._token_ids(prompt)
+        else:
+            raise InvalidRequest(
+                "the prompt must be a string, token ids or chat messages", param="prompt"
+            )
+        if not tokens:
+            raise InvalidRequest("the prompt tokenizes to nothing", param="prompt")
+        limit = self.context_length
+        if limit is not None and len(tokens) > limit:
+            raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
+        return tokens, checkpoint
+
+    @property
+    def _stable_prefix(self) -> StablePrefix:
+        if self._stable is None:
+            self._stable = StablePrefix(self._loaded.tokenizer)
+        return self._stable
+
+    async def tokenize(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """:meth:`encode`, off the event loop unless the prompt is small.
+
+        At most a few prompts are tokenized at once, each in a thread; a small
+        prompt (a short string or id list, a short chat without tools) costs
+        less than the thread hop and is tokenized inline, so it never queues
+        behind large ones.
+        """
+        return (await self._tokenize(prompt, tools, chat_template_kwargs))[0]
+
+    async def _tokenize(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        encode = partial(self._encode, prompt, tools, chat_template_kwargs)
+        if _small(prompt, tools):
+            return encode()
+        return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
+
+    def refuse_oversized(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> None:
+        """Refuse, before rendering or tokenizing, a prompt that cannot fit the context.
+
+        Raises :class:`~trio_mlx.InvalidRequest` (``context_length_exceeded``);
+        :meth:`encode` calls it first, and so should anything else that renders
+        a chat template (it walks the whole chat: call it off the event loop).
+
+        No token covers more UTF-8 bytes than its vocabulary entry has, so a
+        text of more bytes than the longest entry times the context has too
+        many tokens; and chat templates mark every message with at least one
+        token, so a chat has at least as many tokens as messages. For a chat
+        the text counted is every string value the template renders: message
+        contents and content parts, tool calls, tool results, and the tool
+        definitions (:func:`~trio_mlx._core.prompt_size.rendered_bytes`). What is
+        really rendered and tokenized is thus at most about ``context x
+        longest entry`` bytes, whatever the body size.
+        """
+        limit = self.context_length
+        if limit is None:
+            return
+        if not self._max_token_bytes:
+            vocab = self._loaded.tokenizer.get_vocab()
+            longest = max(
+                (len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=1
+            )
+            self._max_token_bytes = max(1, longest)
+        cap = limit * self._max_token_bytes
+        if isinstance(prompt, str):
+            size = utf8_size(prompt)
+        elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
+            if len(prompt) > limit:
+                raise _too_long(f"the chat has {len(prompt)} messages", limit)
+            size = rendered_bytes(tools or (), cap, keys=True)
+            size += rendered_bytes(prompt, cap - size)
+        else:
+            if len(prompt) > limit:
+                raise _too_long(f"the prompt has {len(prompt)} tokens", limit)
+            return
+        if size > cap:
+            raise _too_long(f"the prompt's {size} bytes are more tokens", limit)
+
+    def _chat(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
+            )
+        kwargs.update(add_generation_prompt=True, tokenize=True)
+        if tools:
+            kwargs["tools"] = list(tools)
+        try:
+            tokens = self._loaded.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], **kwargs
+            )
+        except Exception as exc:
+            raise InvalidRequest(
+                f"cannot apply the chat template: {exc}", param="messages"
+            ) from None
+        return list(tokens)
+
+    def _token_ids(self, ids: Sequence[Any]) -> list[int]:
+        vocab = self._loaded.config.get("vocab_size")
+        tokens = []
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest(f"{token!r} is not a token id", param="prompt")
+            if isinstance(vocab, int) and token >= vocab:
+                raise InvalidRequest(
+                    f"token id {token} is outside the vocabulary ({vocab})", param="prompt"
+                )
+            tokens.append(token)
+        return tokens
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams = DEFAULT_PARAMS,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> GenerationStream:
+        """Stream one completion: ``async with engine.generate(...) as stream: async for delta in stream``.
+
+        Submission errors raise on entering the block (InvalidRequest,
+        NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
+        Leaving the block early cancels the request.
+        """
+        return GenerationStream(
+            partial(self._submit, prompt, params, tools, chat_template_kwargs),
+            self._actor.cancel_nowait,
+        )
+
+    async def complete(
+        self,
+        prompt: Prompt,
+        params: SamplingParams = DEFAULT_PARAMS,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Completion:
+        """Generate a whole completion and return it."""
+        texts: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        async with self.generate(
+            prompt, params, tools=tools, chat_template_kwargs=chat_template_kwargs
+        ) as stream:
+            async for delta in stream:
+                texts.append(delta.text)
+                ids.extend(delta.token_ids)
+                if delta.logprobs:
+                    logprobs.extend(delta.logprobs)
+        return Completion(
+            "".join(texts),
+            tuple(ids),
+            tuple(logprobs) if params.logprobs else None,
+            stream.result,
+        )
+
+    async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
+        """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""
+        self._refuse_distributed("run_exclusive")
+        model, tokenizer, lane = self._loaded.model, self._loaded.tokenizer, self._loaded.lane
+
+        def job() -> T:
+            try:
+                return fn(model, tokenizer)
+            finally:
+                lane.after_job()  # fn may have changed the model's weights
+
+        value: T = await self._job(job)
+        return value
+
+    async def mount_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Mount the LoRA adapter at ``path`` as ``name``; requests name it in ``params.adapter``."""
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("an adapter name must be a non-empty string", param="name")
+        self._refuse_distributed("LoRA adapters")
+        folder = Path(path)
+        if not await trio.Path(folder).exists():
+            raise NotFound(f"no adapter at {folder}", param="path")
+        folder = AdapterRegistry.check_path(folder)
+        if name in self._registry:
+            raise InvalidRequest(f"an adapter named {name!r} is already mounted", param="name")
+        self._registry.check_room()
+        model = self._loaded.model
+        await self._job(lambda: self._registry.mount(model, name, folder))
+
+    async def unmount_adapter(self, name: str) -> None:
+        """Unmount the adapter ``name``.
+
+        A serial request using it has finished by then (the unmount is an
+        exclusive job). If rows of the batch (running or parked) run under it,
+        the unmount is refused with :class:`AdapterConflict` (409): nothing is
+        unmounted, try again once they end. Requests naming it that still wait
+        for a place in the batch fail with NotFound.
+        """
+        if name not in self._registry:
+            raise NotFound(f"no adapter named {name!r} is mounted", param="adapter")
+        model, lane = self._loaded.model, self._loaded.lane
+
+        def unmount() -> None:
+            if lane.uses_adapter(name):
+                raise AdapterConflict(
+                    f"the adapter {name!r} is in use by rows of the batch; "
+                    "unmount it once they end",
+                    param="name",
+                    code="adapter_in_use",
+                )
+            self._registry.unmount(model, name)
+
+        await self._job(unmount)
+
+    async def _job(self, work: Callable[[], T]) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        request = Request(self._actor.new_id(), LaneName.JOB, work=work)
+        await self._actor.submit(request)
+        try:
+            await request.done.wait()
+        except BaseException:
+            self._actor.cancel_nowait(request)
+            raise
+        if request.result is None:
+            raise EngineClosed("the engine closed before the job ran")
+        value: T = request.result.unwrap()
+        return value
+
+    async def _submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        tools: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params must be a SamplingParams")
+        if self._actor.closed:
+            raise EngineClosed("the engine is closed")
+        # Tokenizing (and rendering a chat template) is CPU work that grows with
+        # the prompt: off the event loop, a few prompts at a time.
+        tokens, checkpoint = await self._tokenize(prompt, tools, template_kwargs)
+        params = self._fit_context(len(tokens), params)
+        params = self._fit_memory(len(tokens), params)
+        self._check_logit_bias(params)
+        params = self._sampler_safe(params)
+        constraint = await self._constraint(params) if params.constrained else None
+        adapter_reason = None
+        if params.adapter is not None:
+            self._refuse_distributed("LoRA adapters", "adapter")
+            adapter_reason = self._registry.serial_reason(params.adapter)
+        if params.kv_bits is not None:
+            self._check_kv_group(params.kv_group_size)
+        lane = choose_lane(
+            params,
+            max_batch=self._loaded.lane.max_batch,
+            caches_merge=self._loaded.caches_merge,
+            adapter_reason=adapter_reason,
+        )
+        request_id = self._actor.new_id()
+        request = Request(
+            request_id,
+            lane.name,
+            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint),
+        )
+        await self._actor.submit(request)
+        return request
+
+    def _fit_context(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with max_tokens cut to the room the prompt leaves in the context.
+
+        No row runs past the model's context: a request asking for more ends
+        with finish_reason "length" there, and its result's ``max_tokens`` says
+        what it ran with (as OpenAI clamps, and mlx-lm does not).
+        """
+        limit = self.context_length
+        if limit is None or prompt_tokens + params.max_tokens <= limit:
+            return params
+        room = limit - prompt_tokens
+        if room < 1:
+            raise _too_long(
+                f"the prompt has {prompt_tokens} tokens, leaving no room to generate", limit
+            )
+        return attrs.evolve(params, max_tokens=room)
+
+    def _fit_memory(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with max_tokens cut to the tokens one request's KV cache may hold.
+
+        Like the context's cut (:meth:`_fit_context`): the row ends with
+        finish_reason "length" there. A prompt with no room left at all is
+        refused by the arbiter when it is submitted (``Rejection.TOO_LARGE``).
+        """
+        memory = self._actor.policy.memory
+        capacity = None if memory is None else memory.row_capacity()
+        if capacity is None or prompt_tokens + params.max_tokens <= capacity:
+            return params
+        room = capacity - prompt_tokens
+        if room < max(1, params.min_tokens):
+            return params
+        return attrs.evolve(params, max_tokens=room)
+
+    async def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """Compile the request's schema, regex or grammar in a worker thread, bounded in time."""
+        param = next(
+            n for n in ("json_schema", "regex", "grammar") if getattr(params, n) is not None
+        )
+        # Followers would need the same matcher next to each step: not mirrored yet.
+        self._refuse_distributed("structured output (json_schema, regex, grammar)", param)
+        if self._grammar is None:
+            vocab = self._loaded.config.get("vocab_size")
+            self._grammar = GrammarCompiler(
+                self._loaded.tokenizer,
+                vocab if isinstance(vocab, int) else None,
+                cache_bytes=self.grammar_cache_bytes,
+            )
+        compiler = self._grammar
+        if importlib.util.find_spec("llguidance") is None:
+            raise InvalidRequest(
+                "structured output needs the llguidance package, which is not installed",
+                param=param,
+                code="structured_output_unavailable",
+            )
+        return await self._compile_gate.run(
+            partial(compiler.compile, params), seconds=self.grammar_timeout, param=param
+        )
+
+    def _refuse_distributed(self, what: str, param: str | None = None) -> None:
+        if self._loaded.channel is not None:
+            raise InvalidRequest(
+                f"distributed mode does not support {what}",
+                param=param,
+                code="unsupported_in_distributed_mode",
+            )
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self._loaded.config.get("vocab_size")
+        if params.logit_bias and isinstance(vocab, int):
+            outside = [token for token in params.logit_bias if token >= vocab]
+            if outside:
+                raise InvalidRequest(
+                    f"logit_bias names token {outside[0]}, outside the vocabulary ({vocab})",
+                    param="logit_bias",
+                )
+
+    def _sampler_safe(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with two values mlx-lm's sampler cannot take replaced by their meaning.
+
+        A ``top_k`` of the whole vocabulary or more keeps every token: the same as
+        0 (off); mlx-lm's top-k raises for a k outside (0, vocabulary). A
+        temperature whose inverse overflows float32 is greedy decoding in the
+        limit; mlx-lm would scale the logits by inf, sample garbage and (measured
+        with 5e-324) leave later sampled rows of the process drawing garbage too.
+        """
+        vocab = self._loaded.config.get("vocab_size")
+        if isinstance(vocab, int) and params.top_k >= vocab:
+            params = attrs.evolve(params, top_k=0)
+        if 0 < params.temperature < _TEMPERATURE_FLOOR:
+            params = attrs.evolve(params, temperature=0.0)
+        return params
+
+    def _check_kv_group(self, group: int) -> None:
+        config = self._loaded.config
+        head_dim = config.get("head_dim")
+        if not isinstance(head_dim, int):
+            hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+            if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+                return
+            head_dim = hidden // heads
+        if head_dim % group:
+            raise InvalidRequest(
+                f"kv_group_size {group} does not divide the model's head size {head_dim}",
+                param="kv_group_size",
+            )
+
+    async def _shutdown(self, grace_period: float) -> None:
+        self._actor.begin_close()
+        with trio.move_on_after(grace_period):
+            await self._actor.wait_idle()
+        self._actor.close_nowait()

@@ -1,0 +1,1 @@
+"""Starting an engine: the backend's BLAS and loading a model with its settings."""

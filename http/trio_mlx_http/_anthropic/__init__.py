@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: the route and its shapes."""

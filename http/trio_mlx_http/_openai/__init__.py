@@ -1,0 +1,1 @@
+"""OpenAI chat and text completions: request schema, handlers, response shapes."""

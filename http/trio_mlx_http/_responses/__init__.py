@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: the request parser, the route, the response store."""

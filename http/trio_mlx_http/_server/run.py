@@ -1,0 +1,311 @@
+"""What ``trio-mlx serve`` and ``trio-mlx generate`` run, inside ``trio.run``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+from hypercorn.config import Config
+from quart_trio import QuartTrio
+
+import trio_mlx
+from trio_mlx_http._server import serve as _serve
+from trio_mlx_http._server.app import create_app, shutdown_trigger
+from trio_mlx_http._server.serve import ConnectionGuard, ConnectionLimits
+from trio_mlx_http._server.startup import bound_socket
+from trio_mlx_http._server.state import ServerState
+from trio_mlx_http._settings import Settings
+
+__all__ = ["generate", "serve", "serve_http"]
+
+logger = logging.getLogger("trio_mlx_http")
+
+
+def _engine_settings(args: argparse.Namespace) -> trio_mlx.EngineSettings:
+    """The engine's settings from the command line's flags (each unset flag: its default)."""
+    options: dict[str, Any] = {"adapter_path": args.adapter_path}
+    for name in (
+        "max_batch",
+        "max_queue",
+        "drain_timeout",
+        "parallel",
+        "prompt_cache_bytes",
+        "kv_memory_bytes",
+        "prompt_cache_dir",
+        "prompt_cache_disk_bytes",
+        "grammar_timeout",
+        "grammar_cache_bytes",
+        "max_loras",
+        "prefill_budget",
+        "long_prompt_chunk",
+        "prefill_stall",
+    ):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    template = _chat_template(getattr(args, "chat_template", None))
+    if template is not None:
+        options["chat_template"] = template
+    if getattr(args, "prompt_concurrency", None) is not None:
+        # mlx_lm.server's name for how many prompts are prefilled together.
+        options["prefill_batch_size"] = args.prompt_concurrency
+    return trio_mlx.EngineSettings(**options)
+
+
+def _chat_template(template: str | None) -> str | None:
+    """``--chat-template``: Jinja text, or the path of a file holding it."""
+    if template is None:
+        return None
+    path = Path(template)
+    return path.read_text() if len(template) < 4096 and path.is_file() else template
+
+
+def model_names(model: str | None, served: list[str] | None) -> tuple[str | None, tuple[str, ...]]:
+    """The listed model name and the other names it answers to.
+
+    A Hugging Face repo id (``mlx-community/X``) is listed as given, a local
+    folder by its name; both forms are accepted, and so is every
+    ``--served-model-name`` (the first of them is then the listed one).
+    """
+    names: list[str] = list(served or [])
+    if model is not None:
+        local = Path(model).exists()
+        last = Path(model).name
+        names += [last, model] if local else [model, last]
+    if not names:
+        return None, ()
+    return names[0], tuple(dict.fromkeys(names[1:]))
+
+
+def _reasoning_markers(text: str | None) -> tuple[str, str] | bool | None:
+    """``--reasoning-markers``: None (the tokenizer's), False (off), or (start, end)."""
+    if text is None:
+        return None
+    if text.strip().lower() == "off":
+        return False
+    start, _, end = text.partition(",")  # checked by the argument parser
+    return start, end
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The server settings the flags ask for."""
+    name, aliases = model_names(args.model, args.served_model_name)
+    return Settings(
+        model_name=name,
+        model_aliases=aliases,
+        served_model_names=args.served_model_name or (),
+        sse_keepalive=args.sse_keepalive or None,
+        chat_template_args=args.chat_template_args,
+        reasoning_markers=_reasoning_markers(args.reasoning_markers),
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        api_key=args.api_key,
+        adapter_dir=args.adapter_dir,
+        max_body_bytes=args.max_body_bytes,
+        cors_origin=args.cors_origin,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+    )
+
+
+def hypercorn_config(host: str, port: int, graceful_timeout: float) -> Config:
+    """Hypercorn's config: one bind, our own access log, a graceful deadline."""
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.graceful_timeout = graceful_timeout
+    config.accesslog = None  # the app logs one line per request, with token counts
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, once
+    return config
+
+
+#: After a second signal: seconds the ends of cut streams (an error event and
+#: ``[DONE]``, a few hundred bytes) get to leave before every write is aborted.
+_SECOND_SIGNAL_FLUSH = 1.0
+
+
+@attrs.define(eq=False)
+class _Stopping:
+    """What the signal task needs to stop the server, filled in as it starts."""
+
+    #: The scope of everything but the signal receiver (start-up included).
+    body: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    shutdown: trio.Event = attrs.field(factory=trio.Event)
+    engine: trio_mlx.Engine | None = None
+    guard: ConnectionGuard | None = None
+    #: Set when a signal came before the server was serving.
+    interrupted: bool = False
+
+
+async def _on_signals(signals: Any, stopping: _Stopping) -> None:
+    """First SIGINT/SIGTERM: stop accepting and drain; the second: end streams now.
+
+    The receiver stays open until the process ends, so no signal ever raises
+    ``KeyboardInterrupt`` in the middle of the shutdown (a third is only logged).
+    """
+    count = 0
+    async for signum in signals:
+        count += 1
+        name = signal.Signals(signum).name
+        engine = stopping.engine
+        if engine is None:
+            logger.info("%s during start-up: stopping", name)
+            stopping.interrupted = True
+            stopping.body.cancel()
+        elif count == 1:
+            logger.info("%s: no new requests; in-flight ones may finish", name)
+            stopping.shutdown.set()
+        elif count == 2:
+            logger.warning("second %s: ending in-flight requests now", name)
+            stopping.shutdown.set()
+            # Every stream ends with an error event and [DONE]; non-streaming
+            # requests answer 503. Then whatever still hangs is cut.
+            engine.close()
+            await trio.sleep(_SECOND_SIGNAL_FLUSH)
+            if stopping.guard is not None:
+                stopping.guard.abort_writes()
+            stopping.body.cancel()
+        else:
+            logger.info("%s: already stopping", name)
+
+
+async def _close_at_deadline(
+    engine: trio_mlx.Engine, shutdown: trio.Event, graceful_timeout: float
+) -> None:
+    """Just before Hypercorn's graceful deadline, end what still runs with a clean error.
+
+    Hypercorn cancels the handlers at its deadline, which drops their
+    connections mid-answer; closing the engine a little earlier lets each one
+    answer 503 or end its stream with an error event first.
+    """
+    await shutdown.wait()
+    await trio.sleep(max(0.0, graceful_timeout - min(0.5, graceful_timeout / 4)))
+    pending = engine.statistics()
+    left = pending.running_rows + pending.queued_rows + pending.parked_rows
+    left += pending.waiting_jobs + pending.running_jobs
+    if left:
+        logger.warning("graceful deadline: ending %d unfinished requests with an error", left)
+    engine.close()
+
+
+def limits_from(args: argparse.Namespace) -> ConnectionLimits:
+    """The connection limits the flags ask for."""
+    return ConnectionLimits(max_connections=args.max_connections, write_timeout=args.write_timeout)
+
+
+async def serve_http(
+    app: QuartTrio,
+    config: Config,
+    guard: ConnectionGuard,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` until ``shutdown`` is set and in-flight requests are drained."""
+    state: ServerState = app.extensions["trio_mlx"]
+    state.metrics.watch_connections(guard.statistics)
+    await _serve.serve(
+        app,
+        config,
+        guard,
+        shutdown_trigger=shutdown_trigger(app, shutdown),
+        task_status=task_status,
+    )
+
+
+async def _http(
+    app: QuartTrio,
+    config: Config,
+    guard: ConnectionGuard,
+    shutdown: trio.Event,
+    done: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until the shutdown trigger, in-flight requests drained; then end ``done``."""
+    await serve_http(app, config, guard, shutdown, task_status=task_status)
+    done.cancel()
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Open the engine, serve HTTP until a signal, shut down gracefully.
+
+    Exit status 0 after a shutdown by signal; 130 when a signal came before
+    the server was serving.
+    """
+    stopping = _Stopping()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_on_signals, signals, stopping)
+            with stopping.body:
+                await _serve_until_stopped(args, stopping)
+            nursery.cancel_scope.cancel()
+    if stopping.interrupted:
+        return 130
+    logger.info("stopped")
+    return 0
+
+
+async def _serve_until_stopped(args: argparse.Namespace, stopping: _Stopping) -> None:
+    settings = settings_from(args)
+    config = hypercorn_config(args.host, args.port, args.graceful_timeout)
+    backend = trio_mlx.backend_info()
+    level = logging.WARNING if backend.blas == "reference" else logging.INFO
+    logger.log(level, "%s", backend.describe())
+    # The port first: a busy one fails in a moment, not after minutes of model loading.
+    async with (
+        bound_socket(args.host, args.port) as listener,
+        trio_mlx.open_engine(args.model, _engine_settings(args)) as engine,
+    ):
+        config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns the socket from here
+        # After the engine: loading mlx-lm lowers the fd limit (to 2,048 of 4,096).
+        guard = ConnectionGuard(limits_from(args).fitted(_serve.raise_fd_limit()))
+        app = create_app(engine, settings)
+        shutdown = stopping.shutdown
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_close_at_deadline, engine, shutdown, args.graceful_timeout)
+            binds = await nursery.start(_http, app, config, guard, shutdown, nursery.cancel_scope)
+            stopping.engine, stopping.guard = engine, guard
+            logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
+
+
+async def generate(args: argparse.Namespace) -> int:
+    """Generate one completion, streaming its text to stdout."""
+    async with trio_mlx.open_engine(args.model, _engine_settings(args)) as engine:
+        prompt: Any = args.prompt
+        if not args.raw and engine.tokenizer.has_chat_template:
+            prompt = [{"role": "user", "content": args.prompt}]
+            if args.system:
+                prompt.insert(0, {"role": "system", "content": args.system})
+        params = trio_mlx.SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+        )
+        try:
+            async with engine.generate(prompt, params) as stream:
+                async for delta in stream:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                result = stream.result
+        except trio_mlx.TrioMLXError as error:
+            print(f"\nerror: {error.message}", file=sys.stderr)
+            return 1
+        sys.stdout.write("\n")
+        tps = result.completion_tokens / result.duration if result.duration else 0.0
+        print(
+            f"[{result.prompt_tokens} prompt tokens, {result.completion_tokens} generated, "
+            f"{tps:.1f} tokens/s, finish: {result.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0

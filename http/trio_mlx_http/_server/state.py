@@ -1,0 +1,83 @@
+"""What every handler shares: the engine, the settings, metrics, and a request's access record."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+
+import attrs
+
+from trio_mlx import Engine
+from trio_mlx_http._openai.shapes import TokenTexts
+from trio_mlx_http._responses.store import ResponseStore
+from trio_mlx_http._server.metrics import Metrics
+from trio_mlx_http._settings import Settings
+
+__all__ = ["Access", "ServerState"]
+
+access_logger = logging.getLogger("trio_mlx_http.access")
+
+#: The routes whose duration ``trio_mlx_request_duration_seconds`` observes.
+GENERATION_ENDPOINTS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
+)
+
+
+@attrs.define(eq=False)
+class ServerState:
+    """The app's view of the engine (an identity object: one per app)."""
+
+    engine: Engine
+    settings: Settings
+    metrics: Metrics
+    texts: TokenTexts
+    #: The id clients see in ``/v1/models`` and send as ``model``.
+    model_id: str
+    #: Every name the model answers to as ``model`` (``model_id`` and its aliases).
+    model_names: frozenset[str]
+    #: Token ids at or above this are not in the vocabulary.
+    vocab_size: int
+    #: Names listed in ``/v1/models`` after ``model_id`` (``--served-model-name``).
+    listed_names: tuple[str, ...] = ()
+    #: Shell-style patterns (``claude-*``): a name matching one answers to the model.
+    model_patterns: tuple[str, ...] = ()
+    started: int = attrs.field(factory=lambda: int(time.time()))
+    #: Adapters mounted over HTTP: name -> path relative to ``--adapter-dir``.
+    adapter_paths: dict[str, str] = attrs.field(factory=dict)
+    #: Set at shutdown: responses then close their connection, so that no idle
+    #: keep-alive connection holds the server open until the graceful deadline.
+    draining: bool = False
+    #: Stored Responses API responses, for ``previous_response_id`` (bounded, LRU).
+    responses: ResponseStore = attrs.field(factory=ResponseStore)
+
+    def serves(self, name: str) -> bool:
+        """Whether ``name`` names the served model (exactly, or by a pattern)."""
+        return name in self.model_names or any(
+            fnmatch.fnmatchcase(name, pattern) for pattern in self.model_patterns
+        )
+
+
+@attrs.define(eq=False)
+class Access:
+    """One request's access-log line and HTTP metrics, written once when it is over."""
+
+    state: ServerState
+    endpoint: str
+    method: str
+    path: str
+    started: float = attrs.field(factory=time.perf_counter)
+    #: Tokens generated for this request.
+    tokens: int = 0
+    #: Set when a streaming body will write the line itself, at its end.
+    by_body: bool = False
+
+    def done(self, status: int) -> None:
+        """Log the request and count it."""
+        elapsed = time.perf_counter() - self.started
+        self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
+        if self.endpoint in GENERATION_ENDPOINTS:
+            self.state.metrics.duration.labels(self.endpoint).observe(elapsed)
+        access_logger.info(
+            "%s %s %d tokens=%d %.3fs", self.method, self.path, status, self.tokens, elapsed
+        )
