@@ -242,6 +242,7 @@ async def _stream(
                         yield renderer.keepalive()
                         continue
                     token_ids.extend(delta.token_ids)
+                    access.tokens = len(token_ids)
                     for piece in splitter.feed(delta.text):
                         events += renderer.piece(piece)
                     if events:
@@ -260,6 +261,7 @@ async def _stream(
                 logger.warning("stream failed: %s", error.message)
                 state.metrics.failed(access.endpoint, "error")
                 status = status_of(error)
+                access.cut_by(error)
                 events = renderer.failed(error)
             if events:
                 yield _frame(events)
