@@ -226,3 +226,15 @@ def test_a_long_prompt_chunk_below_one_is_named() -> None:
 def test_a_prefill_stall_of_one_or_less_is_named() -> None:
     result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--prefill-stall", "1")
     _assert_short_error(result, "prefill_stall", "check --prefill-stall")
+
+
+def test_prompt_cache_disk_flags_reach_the_engine(tmp_path: Path) -> None:
+    from trio_mlx_http._server.run import _engine_settings
+
+    args = build_parser().parse_args(
+        ["serve", "--prompt-cache-dir", str(tmp_path), "--prompt-cache-disk-bytes", "2G"]
+    )
+    settings = _engine_settings(args)
+    assert settings.prompt_cache_dir == str(tmp_path)
+    assert settings.prompt_cache_disk_bytes == 2 * 1024**3
+    assert _engine_settings(build_parser().parse_args(["serve"])).prompt_cache_dir is None

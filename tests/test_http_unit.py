@@ -503,6 +503,10 @@ def test_the_sse_parser_skips_keep_alive_comments_and_rejects_other_blocks() -> 
 
     body = b': keep-alive\n\ndata: {"a": 1}\n\n: keep-alive\n\ndata: [DONE]\n\n'
     assert sse_events(body) == [{"a": 1}, "[DONE]"]
-    for bad in (b": one\n: two\n\n", b'event: x\ndata: {"a": 1}\n\n', b'data: {"a": 1}\n'):
-        with pytest.raises(ValueError):
+    for bad, why in (
+        (b": one\n: two\n\n", "not one data line"),
+        (b'event: x\ndata: {"a": 1}\n\n', "not one data line"),
+        (b'data: {"a": 1}\n', "truncated stream"),
+    ):
+        with pytest.raises(ValueError, match=why):
             sse_events(bad)

@@ -19,6 +19,7 @@ from trio_mlx._errors import (
     ReaderStalled,
     TrioMLXError,
 )
+from trio_mlx._lanes.prompt_cache import PromptCacheStatistics
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
 from trio_mlx._start.blas import BackendInfo, backend_info
 from trio_mlx._start.settings import EngineSettings
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidGrammar",
     "InvalidRequest",
     "NotFound",
+    "PromptCacheStatistics",
     "ReaderStalled",
     "SamplingParams",
     "TokenLogprob",

@@ -242,6 +242,31 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "(default: the engine's, 256M)",
     )
     parser.add_argument(
+        "--kv-memory",
+        dest="kv_memory_bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="what the running requests' KV caches may hold at worst, e.g. 8GiB; a request "
+        "waits until it fits, one that never could is refused (default: half of MLX's "
+        "memory limit less the weights)",
+    )
+    parser.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep checkpoints of long prompts (1,024 tokens or more) in this folder, "
+        "across restarts (off by default; servers may share the folder)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="cap of --prompt-cache-dir's files, least recently used evicted first "
+        "(default: the engine's, 10G)",
+    )
+    parser.add_argument(
         "--graceful-timeout",
         type=float,
         default=10.0,

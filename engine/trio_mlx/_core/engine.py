@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import trio
@@ -21,6 +21,7 @@ from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.request import EngineStatistics, Request
+from trio_mlx._core.stable_prefix import StablePrefix
 from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
@@ -34,6 +35,7 @@ from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import RowSpec
 from trio_mlx._lanes.serial import run_serial
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
+from trio_mlx._memory import KVBudget
 from trio_mlx._params import Completion, SamplingParams, TokenLogprob
 from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
 from trio_mlx._start.settings import EngineSettings
@@ -118,7 +120,10 @@ async def open_engine(
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
-    caps the prompt cache (0 disables it). ``prefill_step_size`` and
+    caps the prompt cache (0 disables it). ``prompt_cache_dir`` adds its disk
+    tier: checkpoints of long prompts kept in that folder across restarts, at
+    most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
+    disk tier; see ``design/engine.md``). ``prefill_step_size`` and
     ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
     prompts prefilled together. ``prefill_budget`` bounds the prompt tokens
     (padded) prefilled between two decode steps: a longer prompt is prefilled
@@ -151,6 +156,12 @@ async def open_engine(
     raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
     ``max_loras`` bounds the adapters mounted at once (a mount past it raises
     :class:`~trio_mlx.AdapterConflict`; ``None``: no bound).
+    ``kv_memory_bytes`` is what the rows' KV caches may hold at worst (each
+    counting its prompt plus ``max_tokens``): a row waits in the queue until it
+    fits beside the running ones, a request too large to fit alone is refused
+    with :class:`~trio_mlx.InvalidRequest`, and ``max_tokens`` is cut to the
+    room one request has (``None``: half of MLX's memory limit less the weights,
+    less ``prompt_cache_bytes``; see ``design/engine.md``).
     ``_tune`` is for tests and benchmarks, not a stable API: it sets public
     fields of the actor (``decision_hook``), of its step planner (burst and
     grouped-admission bounds) or of the batch lane (removal bounds) by name
@@ -219,8 +230,10 @@ async def _serve(
         loaded = await worker.run(load)
         registry = AdapterRegistry(max_loras=settings.max_loras)
         loaded.lane.adapter_stack = lambda: registry.stack
+        limit = settings.kv_memory_bytes
+        budget = KVBudget(loaded.kv_profile, loaded.kv_default if limit is None else limit)
         actor = Actor(
-            policy,
+            attrs.evolve(policy, memory=budget),
             worker,
             loaded.lane,
             serial_work=partial(_serial_work, loaded, registry),
@@ -327,6 +340,7 @@ class Engine:
     _grammar_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(2)
     )
+    _stable: StablePrefix | None = attrs.field(init=False, default=None)
 
     @property
     def tokenizer(self) -> Any:
@@ -368,6 +382,7 @@ class Engine:
             mlx_cache_memory=cached,
             mlx_peak_memory=peak,
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+            prompt_cache=cache.statistics() if cache is not None else None,
         )
 
     def encode(
@@ -386,7 +401,18 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
+        return self._encode(prompt, tools, chat_template_kwargs)[0]
+
+    def _encode(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        """:meth:`encode`'s tokens and, for a chat, its stable prefix's length
+        (the prompt cache's checkpoint: :mod:`trio_mlx._core.stable_prefix`)."""
         tokenizer = self._loaded.tokenizer
+        checkpoint = None
         if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
             self._refuse_oversized(prompt, tools)
         if isinstance(prompt, str):
@@ -409,6 +435,13 @@ class Engine:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             if all(isinstance(m, Mapping) for m in prompt):
                 tokens = self._chat(prompt, tools, chat_template_kwargs)
+                if self._loaded.prompt_cache is not None:
+                    checkpoint = self._stable_prefix.find(
+                        cast(Sequence[Mapping[str, Any]], prompt),
+                        tools,
+                        dict(chat_template_kwargs or {}),
+                        tokens,
+                    )
             else:
                 tokens = self._token_ids(prompt)
         else:
@@ -420,7 +453,13 @@ class Engine:
         limit = self.context_length
         if limit is not None and len(tokens) > limit:
             raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
-        return tokens
+        return tokens, checkpoint
+
+    @property
+    def _stable_prefix(self) -> StablePrefix:
+        if self._stable is None:
+            self._stable = StablePrefix(self._loaded.tokenizer)
+        return self._stable
 
     async def tokenize(
         self,
@@ -436,9 +475,15 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
-        encode = partial(
-            self.encode, prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
-        )
+        return (await self._tokenize(prompt, tools, chat_template_kwargs))[0]
+
+    async def _tokenize(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        encode = partial(self._encode, prompt, tools, chat_template_kwargs)
         if _small(prompt, tools):
             return encode()
         return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
@@ -646,8 +691,9 @@ class Engine:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
         # the prompt: off the event loop, a few prompts at a time.
-        tokens = await self.tokenize(prompt, tools=tools, chat_template_kwargs=template_kwargs)
+        tokens, checkpoint = await self._tokenize(prompt, tools, template_kwargs)
         params = self._fit_context(len(tokens), params)
+        params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
         params = self._sampler_safe(params)
         constraint = await self._constraint(params) if params.constrained else None
@@ -667,7 +713,7 @@ class Engine:
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tuple(tokens), params, constraint),
+            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint),
         )
         await self._actor.submit(request)
         return request
@@ -687,6 +733,22 @@ class Engine:
             raise _too_long(
                 f"the prompt has {prompt_tokens} tokens, leaving no room to generate", limit
             )
+        return attrs.evolve(params, max_tokens=room)
+
+    def _fit_memory(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with max_tokens cut to the tokens one request's KV cache may hold.
+
+        Like the context's cut (:meth:`_fit_context`): the row ends with
+        finish_reason "length" there. A prompt with no room left at all is
+        refused by the arbiter when it is submitted (``Rejection.TOO_LARGE``).
+        """
+        memory = self._actor.policy.memory
+        capacity = None if memory is None else memory.row_capacity()
+        if capacity is None or prompt_tokens + params.max_tokens <= capacity:
+            return params
+        room = capacity - prompt_tokens
+        if room < max(1, params.min_tokens):
+            return params
         return attrs.evolve(params, max_tokens=room)
 
     async def _constraint(self, params: SamplingParams) -> Constraint | None:
