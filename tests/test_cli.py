@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_mlx_http._cli import build_parser
+from trio_mlx_http._cli import build_parser, main
 
 ROOT = Path(__file__).parent.parent
 
@@ -102,6 +102,41 @@ def _assert_short_error(result: subprocess.CompletedProcess[str], *phrases: str)
     assert len(errors) == 1, result.stderr
     for phrase in phrases:
         assert phrase in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "told"),
+    [
+        (
+            ["serve", "--port", "abc"],
+            "trio-mlx serve: error: argument --port: invalid int value: 'abc'",
+        ),
+        (["serve", "--bogus"], "trio-mlx serve: error: unrecognized arguments: --bogus"),
+        (["generate"], "trio-mlx generate: error: the following arguments are required: prompt"),
+        (["generate", "Hi", "--port", "1"], "trio-mlx generate: error: unrecognized arguments"),
+        (["bogus"], "trio-mlx: error: argument COMMAND: invalid choice: 'bogus'"),
+    ],
+)
+def test_an_argument_mistake_is_told_in_two_lines_with_where_help_is(
+    args: list[str], told: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    command = told.split(": error:", 1)[0]
+    assert out == ""
+    assert err.splitlines()[0].startswith(told), err
+    assert err.splitlines()[1:] == [f"Run '{command} --help' for the options."]
+
+
+def test_the_real_command_tells_a_bad_port_in_two_lines() -> None:
+    result = _trio_mlx("serve", "--port", "abc")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "trio-mlx serve: error: argument --port: invalid int value: 'abc'",
+        "Run 'trio-mlx serve --help' for the options.",
+    ]
 
 
 def test_a_missing_model_folder_is_told_in_two_lines() -> None:

@@ -285,13 +285,15 @@ class Thinking:
     enable: bool | None = None
     #: ``display: "omitted"``: thinking blocks are sent with empty text.
     omitted: bool = False
+    #: ``budget_tokens``: the reasoning ends once it has spent this many tokens.
+    budget: int | None = None
 
 
 def _thinking(body: Mapping[str, Any]) -> Thinking:
     """``thinking``: ``enabled`` (a token budget), ``adaptive`` or ``disabled``.
 
-    The budget is accepted and bounded by ``max_tokens`` (below which it must
-    lie, as Anthropic requires); the reasoning is not cut at the budget itself.
+    The budget must lie below ``max_tokens``, as Anthropic requires; where the
+    model has reasoning markers, the reasoning block is ended once it is spent.
     """
     value = _get(body, "thinking", dict, "an object")
     if value is None:
@@ -327,7 +329,7 @@ def _thinking(body: Mapping[str, Any]) -> Thinking:
         raise InvalidRequest(
             "thinking.display must be 'summarized' or 'omitted'", param="thinking.display"
         )
-    return Thinking(_THINKING[kind], omitted=display == "omitted")
+    return Thinking(_THINKING[kind], omitted=display == "omitted", budget=budget)
 
 
 def _output_config(body: Mapping[str, Any]) -> None:
@@ -411,6 +413,7 @@ def parse_messages(
         chat_template_kwargs=_template_kwargs(thinking, settings),
         parallel_tool_calls=not _one_call(body),
         tool_choice=_tool_choice(body),
+        reasoning_budget=thinking.budget,
     )
     return MessagesRequest(generation, _is_prefill(body, conversation), thinking)
 

@@ -657,6 +657,7 @@ async def _stream(
             ran_with.extend(stream.max_tokens for stream in streams)
             yield b""  # primed: all admitted
             results: list[GenerationResult | None] = [None] * len(streams)
+            sent = [0] * len(streams)  # tokens per choice, for the access log
             # Events ready together leave as one write (one ASGI send, one chunk
             # frame): a round's choices, the last chunks with usage and [DONE].
             # None waits for another: what is pending leaves before any wait.
@@ -677,11 +678,13 @@ async def _stream(
                         except StopAsyncIteration:
                             active.remove(index)
                             result = results[index] = streams[index].result
-                            access.tokens += result.completion_tokens
+                            sent[index] = result.completion_tokens
                             state.metrics.finished(access.endpoint, result)
                             pending += fmt.end(index, result)
                         else:
+                            sent[index] += len(delta.token_ids)
                             pending += fmt.delta(index, delta)
+                        access.tokens = sum(sent)
                     if pending and active:
                         yield b"".join(pending)
                         pending.clear()
@@ -689,6 +692,7 @@ async def _stream(
                 logger.warning("stream failed: %s", error.message)
                 state.metrics.failed(access.endpoint, "error")
                 status = status_of(error)
+                access.cut_by(error)
                 yield b"".join([*pending, _sse.event(error_body(error)), _sse.DONE])
                 return
         if request.include_usage:

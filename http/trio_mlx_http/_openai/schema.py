@@ -148,6 +148,8 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     #: Chat: passed to a chat template that takes it (gpt-oss's); else refused.
     reasoning_effort: str | None = None
+    #: Messages: ``thinking.budget_tokens``, enforced where the model has reasoning markers.
+    reasoning_budget: int | None = None
     #: Chat: False keeps only the first tool call of a reply.
     parallel_tool_calls: bool = True
     #: Completions: the prompt text (and with logprobs, its log-probabilities) precedes

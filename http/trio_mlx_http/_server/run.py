@@ -16,6 +16,7 @@ from hypercorn.config import Config
 from quart_trio import QuartTrio
 
 import trio_mlx
+from trio_mlx_http._fast_blas import HINT
 from trio_mlx_http._server import serve as _serve
 from trio_mlx_http._server.app import create_app, shutdown_trigger
 from trio_mlx_http._server.serve import ConnectionGuard, ConnectionLimits
@@ -236,18 +237,19 @@ async def _http(
     done.cancel()
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, *, blas_hint: bool = False) -> int:
     """Open the engine, serve HTTP until a signal, shut down gracefully.
 
     Exit status 0 after a shutdown by signal; 130 when a signal came before
-    the server was serving.
+    the server was serving. ``blas_hint``: print the reference-BLAS install
+    hint once serving.
     """
     stopping = _Stopping()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_on_signals, signals, stopping)
             with stopping.body:
-                await _serve_until_stopped(args, stopping)
+                await _serve_until_stopped(args, stopping, blas_hint)
             nursery.cancel_scope.cancel()
     if stopping.interrupted:
         return 130
@@ -255,12 +257,11 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_until_stopped(args: argparse.Namespace, stopping: _Stopping) -> None:
+async def _serve_until_stopped(
+    args: argparse.Namespace, stopping: _Stopping, blas_hint: bool
+) -> None:
     settings = settings_from(args)
     config = hypercorn_config(args.host, args.port, args.graceful_timeout)
-    backend = trio_mlx.backend_info()
-    level = logging.WARNING if backend.blas == "reference" else logging.INFO
-    logger.log(level, "%s", backend.describe())
     # The port first: a busy one fails in a moment, not after minutes of model loading.
     async with (
         bound_socket(args.host, args.port) as listener,
@@ -280,12 +281,27 @@ async def _serve_until_stopped(args: argparse.Namespace, stopping: _Stopping) ->
             nursery.start_soon(_close_at_deadline, engine, shutdown, args.graceful_timeout)
             binds = await nursery.start(_http, app, config, guard, shutdown, nursery.cancel_scope)
             stopping.engine, stopping.guard = engine, guard
+            _tell_backend(blas_hint)
             logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
 
 
-async def generate(args: argparse.Namespace) -> int:
-    """Generate one completion, streaming its text to stdout."""
+def _tell_backend(blas_hint: bool) -> None:
+    """Which BLAS serves MLX, once serving: a start-up error is told without it."""
+    backend = trio_mlx.backend_info()
+    level = logging.WARNING if backend.blas == "reference" else logging.INFO
+    logger.log(level, "%s", backend.describe())
+    if blas_hint:
+        print(HINT, file=sys.stderr)
+
+
+async def generate(args: argparse.Namespace, *, blas_hint: bool = False) -> int:
+    """Generate one completion, streaming its text to stdout.
+
+    ``blas_hint``: print the reference-BLAS install hint once the model has loaded.
+    """
     async with trio_mlx.open_engine(args.model, _engine_settings(args)) as engine:
+        if blas_hint:
+            print(HINT, file=sys.stderr)
         prompt: Any = args.prompt
         if not args.raw and engine.tokenizer.has_chat_template:
             prompt = [{"role": "user", "content": args.prompt}]
