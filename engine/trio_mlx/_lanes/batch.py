@@ -31,17 +31,13 @@ is re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``, which
 continues token for token like an uninterrupted run. (A row back in the batch
 but not stepped yet holds no last token: nothing is trimmed then.)
 
-Every mlx-lm call of the engine's batching lives in this module: its
-``BatchGenerator`` API moves between minor releases, and the lane's subclasses
-read and set private fields of its prompt and decode batches (pinned to
-mlx-lm <0.33, as the prompt cache's trie is).
+The lane's subclasses of mlx-lm's batch classes, which read and set their
+private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
@@ -56,52 +52,13 @@ from trio_mlx._lanes.output import RowEvent, RowOutput, merge_events
 from trio_mlx._lanes.processors import make_row_sampler, row_processors
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import DECODE, RowSpec, StepPlan, StepResult
-from trio_mlx._lanes.rows import UNBOUNDED, Dead, Guarded, Row
-from trio_mlx._lanes.slow_steps import (
-    buffer_length,
-    gc_seconds,
-    kernels_compiled,
-    memory_now,
-    memory_report,
-)
+from trio_mlx._lanes.rows import UNBOUNDED, Dead, Guarded, Row, RowModel
+from trio_mlx._lanes.slow_steps import SlowStepLog, buffer_length, gc_seconds, memory_now
 from trio_mlx._lanes.structured import GrammarBatch
 
 __all__ = ["BatchLane"]
 
 logger = logging.getLogger("trio_mlx")
-
-
-class _RowModel:
-    """The model as the lane's ``BatchGenerator`` sees it: each forward call first
-    sets the adapter slot of each of its rows (see :mod:`trio_mlx._adapters.multilora`).
-
-    mlx-lm makes every forward call from a method of the batch object whose
-    ``uids`` list is that call's row order (``PromptProcessingBatch.prompt``
-    for prefill, ``GenerationBatch._step`` for decode); that list is read from
-    the caller, so each call gets its own rows' adapters whatever mlx-lm's
-    ordering. A caller without ``uids`` of the call's batch size fails the call
-    (loudly) rather than guess.
-    """
-
-    def __init__(self, model: Any, lane: BatchLane) -> None:
-        self._model = model
-        self._lane = lane
-
-    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        stack = self._lane._active_stack
-        if stack is not None:
-            caller = sys._getframe(1).f_locals.get("self")
-            uids = getattr(caller, "uids", None)
-            if not isinstance(uids, list) or len(uids) != inputs.shape[0]:
-                raise RuntimeError(
-                    "cannot tell the rows of this mlx-lm forward call: per-row adapters need "
-                    "the calling batch's uids"
-                )
-            stack.set_rows([self._lane._slot(uid, stack) for uid in uids])
-        return self._model(inputs, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
 
 
 @attrs.define(eq=False)
@@ -125,17 +82,10 @@ class BatchLane:
     prefill_budget: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
-    #: The chunk a long prompt is cut into, when smaller than the budget: a
-    #: prompt with more than this many tokens to prefill is prefilled alone,
-    #: this many tokens a step, and while it waits or prefills every pass
-    #: holds at most this many tokens; with no such prompt about, prompts
-    #: share passes of up to the budget. So the streams' steps stay short
-    #: while a long prompt arrives, and chat-sized arrivals group as before
-    #: otherwise (the closed loop's throughput). Not while the server is
-    #: behind: when the other prompts waiting or prefilling beside the
-    #: longest hold more than the budget, passes take up to the budget again
-    #: (near capacity, prompts prefilled one at a time queue behind each
-    #: other). None: the budget's (``_feed``).
+    #: The chunk a long prompt is cut into, when smaller than the budget: a longer
+    #: prompt is prefilled alone, a chunk a step, and no pass holds more while it
+    #: waits or prefills, unless the server is behind (``_feed``, ``_shielded``).
+    #: None: the budget's.
     long_prompt_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
@@ -170,17 +120,14 @@ class BatchLane:
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
     #: A decode step that takes this many seconds or more is logged, with what it
-    #: carried (see ``_slow_step``); at most one line per ``slow_step_quiet`` seconds.
+    #: carried (``SlowStepLog``); at most one line per ``slow_step_quiet`` seconds.
     slow_step_seconds: float = 0.5
     slow_step_quiet: float = 10.0
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
     #: Decode steps run (``BatchGenerator.next()`` calls), for the slow-step log.
     decode_steps: int = attrs.field(init=False, default=0)
-    #: Slow steps, and slow admissions, not logged since their last line (the quiet
-    #: period), and when that was: index 0 for steps, 1 for admissions.
-    _slow_unlogged: list[int] = attrs.field(init=False, factory=lambda: [0, 0])
-    _slow_logged_at: list[float] = attrs.field(init=False, factory=lambda: [-math.inf] * 2)
+    _slow_log: SlowStepLog = attrs.field(init=False, factory=SlowStepLog)
     #: Rows inserted into the batch per adapter name (base rows are not counted here).
     adapter_rows: Counter[str] = attrs.field(init=False, factory=Counter)
     #: The stack whose layers are on the model during the current ``next()`` (else None).
@@ -224,8 +171,8 @@ class BatchLane:
     def _new_generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
 
-        # Every forward call goes through _RowModel, which sets per-row adapter slots.
-        model = _RowModel(self.model, self)
+        # Every forward call goes through RowModel, which sets per-row adapter slots.
+        model = RowModel(self.model, self)
         generator = BatchGenerator(
             model,
             completion_batch_size=self.max_batch,
@@ -385,7 +332,11 @@ class BatchLane:
                 events.append(RowEvent(row_id, error=exc))
         elapsed = time.perf_counter() - start
         if elapsed >= self.slow_step_seconds and (compacted or inserts or resumes):
-            self._slow_admission(elapsed, compacted, len(inserts), len(resumes))
+            self._slow_log.admission(
+                self.slow_step_quiet,
+                f"{elapsed * 1000:.0f} ms; {compacted} dead rows compacted, {len(inserts)} rows "
+                f"inserted, {len(resumes)} resumed, {len(self._by_uid)} rows in the batch",
+            )
         decoded = 0
         if self._by_uid or self._waiting:
             burst, decoded = self._burst(steps, seconds, interrupt)
@@ -426,73 +377,6 @@ class BatchLane:
                         event = output.take()
                         events.append(merge_events([event, *errors]) if errors else event)
                 return events, decoded
-
-    def _slow_step(
-        self, elapsed: float, prefill: int, how: str, gc: float, memory: tuple[int, int]
-    ) -> None:
-        """Log a slow decode step with what it carried, so that a stall can be told
-        apart: a long prefill, a first trace, Python's garbage collector, kernels
-        compiled, MLX's allocator, or none of these."""
-        unlogged = self._slow_due(0)
-        if unlogged is None:
-            return
-        generation = self._generator._generation_batch
-        phases, arrivals = generation.phases, generation.arrivals_step
-        if phases is not None:
-            passes = (
-                "the decode pass built in {:.0f} ms, queued in {:.0f} ms, the pass before it "
-                "waited for {:.0f} ms".format(*(seconds * 1000 for seconds in phases))
-            )
-        elif arrivals is not None:
-            passes = f"the arrivals' first step (mlx-lm's own) took {arrivals * 1000:.0f} ms"
-        else:
-            passes = "no decode pass"
-        logger.info(
-            "slow decode step: %.0f ms; step %d, %.0f ms of it in Python's garbage collector; "
-            "%s; %d rows in the batch, a prefill pass of %d positions, "
-            "%d rows prefilling, buffer %s positions, %s; %s; %s; "
-            "%d slow steps not logged before it",
-            elapsed * 1000,
-            self.decode_steps,
-            gc * 1000,
-            passes,
-            len(self._by_uid),
-            prefill,
-            len(self._prefilling),
-            buffer_length(self._generator),
-            how,
-            kernels_compiled(time.time() - elapsed - 0.01),
-            memory_report(memory),
-            unlogged,
-        )
-
-    def _slow_due(self, kind: int) -> int | None:
-        """None inside ``kind``'s quiet period (counted); else the count not logged before."""
-        now = time.perf_counter()
-        if now - self._slow_logged_at[kind] < self.slow_step_quiet:
-            self._slow_unlogged[kind] += 1
-            return None
-        unlogged, self._slow_unlogged[kind] = self._slow_unlogged[kind], 0
-        self._slow_logged_at[kind] = now
-        return unlogged
-
-    def _slow_admission(self, elapsed: float, compacted: int, inserts: int, resumes: int) -> None:
-        """Log a slow removal and admission (the work before a step's decoding); its
-        quiet period is its own."""
-        unlogged = self._slow_due(1)
-        if unlogged is None:
-            return
-        logger.info(
-            "slow admission: %.0f ms; %d dead rows compacted, %d rows inserted, %d resumed, "
-            "%d rows in the batch; %s; %d slow steps not logged before it",
-            elapsed * 1000,
-            compacted,
-            inserts,
-            resumes,
-            len(self._by_uid),
-            memory_report(),
-            unlogged,
-        )
 
     def _compaction_due(self) -> bool:
         """Whether the dead rows should leave the batch now (see the module's notes)."""
@@ -549,15 +433,17 @@ class BatchLane:
             logger.info("traced decode: %s", self._traced.summary())
         self._rows.clear()
         self._by_uid.clear()
-        self._dead.clear()
         self._waiting.clear()
-        self._prefilling.clear()
-        self._long_prefills.clear()
-        self._failed.clear()
         self._generator.close()
-        self._generator = self._new_generator()
+        self._restart_generator()
         if self.prompt_cache is not None:
             self.prompt_cache.close()
+
+    def _restart_generator(self) -> None:
+        """A fresh generator, and no dead, prefilling or failed rows of the old one."""
+        for rows in (self._dead, self._prefilling, self._long_prefills, self._failed):
+            rows.clear()
+        self._generator = self._new_generator()
 
     def discard(self, ids: Sequence[int]) -> int:
         """Remove rows (and every dead one) without decoding; returns the rows left."""
@@ -833,11 +719,7 @@ class BatchLane:
             # The generator's state is unknown now: start a fresh one.
             for event in self.fail_all(exc):
                 order.setdefault(event.id, []).append(event)
-            self._dead.clear()
-            self._prefilling.clear()
-            self._long_prefills.clear()
-            self._failed.clear()
-            self._generator = self._new_generator()
+            self._restart_generator()
             return True
         elapsed = time.perf_counter() - start
         self.decode_steps += 1
@@ -847,7 +729,19 @@ class BatchLane:
             how = "eager"  # the model's own step, or no decode pass
             if traced is not None and traced.traced_steps > before[1]:
                 how = f"traced, {traced.traces - before[0]} new shapes"
-            self._slow_step(elapsed, prefill, how, gc_seconds[0] - collected, memory)
+            self._slow_log.step(
+                self.slow_step_quiet,
+                self._generator,
+                elapsed=elapsed,
+                gc=gc_seconds[0] - collected,
+                memory=memory,
+                carried=(
+                    f"{len(self._by_uid)} rows in the batch, a prefill pass of {prefill} "
+                    f"positions, {len(self._prefilling)} rows prefilling, buffer "
+                    f"{buffer_length(self._generator)} positions, {how}"
+                ),
+                step=self.decode_steps,
+            )
         prefilling, marks = self._prefilling, self._marks
         checkpoints: list[int] = []
         for progress in _prompt_responses:

@@ -410,7 +410,7 @@ def generation_class() -> Any:
             """The step's logits: traced where the lane has a traced step that takes
             it (``BatchLane.traced_decode``), else the model's own step."""
             b: Any = self
-            lane = b.model._lane  # the _RowModel's
+            lane = b.model._lane  # the RowModel's
             traced = lane._traced
             # Per-row adapters swap their layers in for the step: the traced graph
             # holds the base model's, so such a step runs eagerly.

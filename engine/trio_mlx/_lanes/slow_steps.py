@@ -1,12 +1,25 @@
-"""Diagnostics for the slow-step log: GC time, kernels compiled, memory, buffer length."""
+"""The slow-step log and its readings: GC time, kernels compiled, memory, buffer length."""
 
 from __future__ import annotations
 
 import gc
+import logging
+import math
 import time
 from typing import Any
 
-__all__ = ["buffer_length", "gc_seconds", "kernels_compiled", "memory_now", "memory_report"]
+import attrs
+
+__all__ = [
+    "SlowStepLog",
+    "buffer_length",
+    "gc_seconds",
+    "kernels_compiled",
+    "memory_now",
+    "memory_report",
+]
+
+logger = logging.getLogger("trio_mlx")
 
 
 def buffer_length(generator: Any) -> int | None:
@@ -90,3 +103,76 @@ def memory_report(before: tuple[int, int] | None = None) -> str:
         f"memory active {was}{active // mib} MiB, cached {was_cached}{cached // mib} MiB, "
         f"peak {mx.get_peak_memory() // mib} MiB"
     )
+
+
+@attrs.define(eq=False)
+class SlowStepLog:
+    """Log lines for slow decode steps and slow admissions, each kind at most once per
+    quiet period, with what the step carried: so that a stall can be told apart (a
+    long prefill, a first trace, Python's garbage collector, kernels compiled, MLX's
+    allocator, or none of these)."""
+
+    _unlogged: list[int] = attrs.field(init=False, factory=lambda: [0, 0])
+    _logged_at: list[float] = attrs.field(init=False, factory=lambda: [-math.inf] * 2)
+
+    def _due(self, kind: int, quiet: float) -> int | None:
+        """None inside ``kind``'s quiet period (counted); else the count not logged before."""
+        now = time.perf_counter()
+        if now - self._logged_at[kind] < quiet:
+            self._unlogged[kind] += 1
+            return None
+        unlogged, self._unlogged[kind] = self._unlogged[kind], 0
+        self._logged_at[kind] = now
+        return unlogged
+
+    def step(
+        self,
+        quiet: float,
+        generator: Any,
+        *,
+        elapsed: float,
+        gc: float,
+        memory: tuple[int, int],
+        carried: str,
+        step: int,
+    ) -> None:
+        """A slow decode step: ``carried`` says what the step held."""
+        unlogged = self._due(0, quiet)
+        if unlogged is None:
+            return
+        generation = generator._generation_batch
+        phases, arrivals = generation.phases, generation.arrivals_step
+        if phases is not None:
+            passes = (
+                "the decode pass built in {:.0f} ms, queued in {:.0f} ms, the pass before it "
+                "waited for {:.0f} ms".format(*(seconds * 1000 for seconds in phases))
+            )
+        elif arrivals is not None:
+            passes = f"the arrivals' first step (mlx-lm's own) took {arrivals * 1000:.0f} ms"
+        else:
+            passes = "no decode pass"
+        logger.info(
+            "slow decode step: %.0f ms; step %d, %.0f ms of it in Python's garbage collector; "
+            "%s; %s; %s; %s; %d slow steps not logged before it",
+            elapsed * 1000,
+            step,
+            gc * 1000,
+            passes,
+            carried,
+            kernels_compiled(time.time() - elapsed - 0.01),
+            memory_report(memory),
+            unlogged,
+        )
+
+    def admission(self, quiet: float, what: str) -> None:
+        """A slow removal and admission (the work before a step's decoding); its quiet
+        period is its own."""
+        unlogged = self._due(1, quiet)
+        if unlogged is None:
+            return
+        logger.info(
+            "slow admission: %s; %s; %d slow steps not logged before it",
+            what,
+            memory_report(),
+            unlogged,
+        )
