@@ -5,6 +5,7 @@ prompt cache, an adapter and a JSON schema, on a tiny random model of each
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ NEVER_TRIMMED = {"qwen3_next", "lfm2"}
 async def test_a_repeated_prompt_reuses_the_cache_with_the_same_answer(family: Path) -> None:
     prompt = PROMPTS[2] if family.name in SLIDING else LONG
     async with trio_mlx.open_engine(family) as engine:
+        engine._loaded.lane.cache_min_prefix = 1  # the CPU's threshold, on any backend
         first = await engine.complete(prompt, GREEDY)
         again = await engine.complete(prompt, GREEDY)
     assert again.token_ids == first.token_ids
@@ -127,3 +129,19 @@ async def test_a_json_schema_constrains_the_answer(family: Path) -> None:
         completion = await engine.complete(LONG, params)
     assert completion.result.finish_reason == "stop"
     assert isinstance(json.loads(completion.text)["ok"], bool)
+
+
+async def test_a_hybrid_model_turns_the_traced_step_off_with_one_info_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The traced decode step is CUDA's by default; forced here, it runs its check on the CPU.
+    monkeypatch.setenv("TRIO_MLX_TRACED_DECODE", "1")
+    path = make_random_model(tmp_path / "qwen3_next", "qwen3_next")
+    caplog.set_level(logging.INFO, logger="trio_mlx")
+    async with trio_mlx.open_engine(path) as engine:
+        completion = await engine.complete(PROMPTS[1], GREEDY)
+    assert len(completion.token_ids) == GREEDY.max_tokens
+    traced = [r for r in caplog.records if "traced decode" in r.getMessage()]
+    assert [(r.levelno, r.exc_info) for r in traced] == [(logging.INFO, None)]
+    assert "ArraysCache" in traced[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -13,7 +13,13 @@
 #
 # One process per file: a CUDA fault (a bad kernel launch poisons the
 # context) or a leaked setting then costs one file, not the rest of the run.
+#
+# MLX_ENABLE_TF32 defaults to 0 here: the tests compare float32 results exactly
+# (a batch against each row alone, a stacked adapter against mlx-lm's own
+# LoRALinear), which TF32 matmuls (MLX's default on CUDA) do not keep; see
+# design/engine.md, "Backends and model families".
 set -uo pipefail
+export MLX_ENABLE_TF32=${MLX_ENABLE_TF32:-0}
 summary=${1:-${OUT:+$OUT/gpu-tests.txt}}
 summary=${summary:-gpu-tests.txt}
 shift || true
@@ -29,11 +35,12 @@ commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   echo "trio-mlx engine tests on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo 'no GPU')"
   echo "commit: $commit   date: $(date -u +%Y-%m-%dT%H:%MZ)"
   python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "cuda", mx.cuda.is_available())' 2>&1
+  echo "MLX_ENABLE_TF32=$MLX_ENABLE_TF32"
 } > "$summary"
 total_p=0 total_f=0 total_s=0 total_e=0
 for file in "$@"; do
   name=$(basename "$file" .py)
-  PYTHONUNBUFFERED=1 timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+  PYTHONUNBUFFERED=1 timeout "${FILE_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
     "$file" > "$logs/$name.log" 2>&1
   rc=$?
   tail_line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped)|no tests ran' "$logs/$name.log" | tail -1)
