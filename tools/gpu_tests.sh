@@ -4,12 +4,13 @@
 # totals, the commit and the date.
 #
 # Usage, on the GPU machine from the repository root, with MLX's CUDA build
-# and the test wheels importable (see CONTRIBUTING.md, "GPU test lane"):
+# and the test dependencies importable (`pip install -e ".[cuda,test]"`, or
+# the wheels unpacked on PYTHONPATH with engine/ and http/):
 #     bash tools/gpu_tests.sh [SUMMARY_FILE] [TEST_FILE...]
 # SUMMARY_FILE defaults to $OUT/gpu-tests.txt when OUT is set, else
 # gpu-tests.txt. With no TEST_FILE, every engine test file runs (the HTTP
 # tests exercise no CUDA path the engine tests miss). Each file's own log
-# lands beside the summary, as <file>.log, when the summary's folder is $OUT.
+# come back in gpu-test-logs.tgz beside the summary when the summary's folder is $OUT.
 #
 # One process per file: a CUDA fault (a bad kernel launch poisons the
 # context) or a leaked setting then costs one file, not the rest of the run.
