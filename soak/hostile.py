@@ -88,6 +88,10 @@ CASES: list[tuple[str, str, bytes]] = [
     ("duplicate keys", "/v1/completions", b'{"prompt": "a", "max_tokens": 2, "max_tokens": "x"}'),
     ("NUL in prompt", "/v1/completions", b'{"prompt": "a\\u0000b", "max_tokens": 2}'),
     ("special tokens as text", "/v1/completions", b'{"prompt": "<|im_end|><|endoftext|>", "max_tokens": 2}'),
+    ("40k tool calls", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(40_000)]}], "max_tokens": 1}).encode()),
+    ("schema 501 optional properties", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(501)}}}}}).encode()),
+    ("schema required self-reference", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}}}}).encode()),
+    ("schema with a stop string", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}], "max_tokens": 8, "stop": ["}"], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}}}}).encode()),
 ]  # fmt: skip
 
 
@@ -97,6 +101,8 @@ MUST_REJECT = frozenset(
         "logit_bias key past vocab", "logit_bias negative key", "logit_bias word key",
         "prompt past context", "token id past vocab", "negative token id", "NaN temperature",
         "adapter path traversal", "adapter absolute path", "not json", "invalid utf-8",
+        "40k tool calls", "schema 501 optional properties", "schema required self-reference",
+        "schema with a stop string",
     }
 )  # fmt: skip
 

@@ -282,7 +282,21 @@ def _worst_bodies() -> dict[str, tuple[str, bytes]]:
             "/v1/completions",
             json.dumps({"prompt": text, "max_tokens": 1}).encode(),
         ),
+        # Tool calls count toward the prompt's size: refused before the template renders.
+        "chat_40k_tool_calls": ("/v1/chat/completions", json.dumps(_tool_calls(40_000)).encode()),
     }
+
+
+def _tool_calls(count: int) -> dict[str, Any]:
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        for i in range(count)
+    ]
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+    ]
+    return {"messages": chat, "max_tokens": 1}
 
 
 async def event_loop_stalls(server: ServerProcess) -> dict[str, Any]:
@@ -351,6 +365,24 @@ def _hostile_adapters(root: Path, shout: Path) -> dict[str, str]:
         config.update(change)
         (folder / "adapter_config.json").write_text(json.dumps(config))
         made[name] = name
+    # Refused at mount: lora_b without lora_a (mlx-lm would draw lora_a at random at
+    # every use), and a scale of 1e30.
+    import mlx.core as mx
+
+    lonely = root / "b-only"
+    shutil.copytree(shout, lonely)
+    weights = dict(mx.load(str(lonely / "adapters.safetensors")))  # type: ignore[arg-type]
+    mx.save_safetensors(
+        str(lonely / "adapters.safetensors"),
+        {k: v for k, v in weights.items() if not k.endswith(".lora_a")},
+    )
+    made["b-only"] = "b-only"
+    huge = root / "huge-scale"
+    shutil.copytree(shout, huge)
+    config = json.loads((huge / "adapter_config.json").read_text())
+    config["lora_parameters"] = {**config["lora_parameters"], "scale": 1e30}
+    (huge / "adapter_config.json").write_text(json.dumps(config))
+    made["huge-scale"] = "huge-scale"
     return made
 
 
@@ -367,7 +399,7 @@ def adapter_churn(server: ServerProcess, root: Path, rounds: int) -> dict[str, A
 
         reference = base_text()
         for round_ in range(rounds):
-            for name in ("plain", "dora", "full", "vanishing"):
+            for name in ("plain", "dora", "full", "vanishing", "b-only", "huge-scale"):
                 mounted = http.post("/v1/adapters", json={"name": name, "path": name})
                 statuses[f"mount {name}: {mounted.status_code}"] += 1
                 if name == "vanishing" and mounted.status_code == 201:

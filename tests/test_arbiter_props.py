@@ -39,16 +39,30 @@ from trio_mlx._core.arbiter import (
     Step,
     Wait,
 )
+from trio_mlx._memory import KVBudget, KVProfile
 
 pytestmark = pytest.mark.props
 
+# A budget of a few small rows: rows of 1-4 cache steps, a window of two, a constant.
+BUDGETS = st.builds(
+    KVBudget,
+    st.builds(
+        KVProfile,
+        per_token=st.integers(0, 2),
+        windows=st.sampled_from([(), ((512, 1),)]),
+        per_row=st.integers(0, 100),
+    ),
+    st.integers(0, 4096),
+)
 POLICIES = st.builds(
     ArbiterPolicy,
     max_batch=st.integers(1, 3),
     max_queue=st.integers(0, 5),
     drain_timeout=st.sampled_from([None, 0.0, 0.25, 1.0, 2.0]),
     min_batch_steps=st.integers(0, 3),
+    memory=st.none() | BUDGETS,
 )
+TOKENS = st.integers(0, 1100)
 # Multiples of 1/4: the clock sums exactly, so time_in_state can be compared with ==.
 DT = st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.5])
 REPORTED = st.sampled_from([Outcome.FINISHED, Outcome.CANCELLED, Outcome.FAILED])
@@ -67,6 +81,7 @@ class Made:
     stepping: bool
     job_running: bool
     deadline: float | None  # the model's own drain deadline
+    admissible: int  # queued rows that fit the batch and the KV budget
 
 
 def snapshot(arbiter: Arbiter) -> dict[str, Any]:
@@ -105,6 +120,7 @@ class ArbiterMachine(RuleBasedStateMachine):
         self.fit_at_cycle_end: set[int] = set()
         self.late_rows: list[int] = []
         self.calls = 0  # calls into the arbiter
+        self.tokens: dict[int, int] = {}  # each live row's worst-case tokens
 
     # --- helpers ---
 
@@ -133,12 +149,34 @@ class ArbiterMachine(RuleBasedStateMachine):
                 if self.lane_has_rows() and state is not State.ADMITTING:
                     self.cycle_leaks.append(f"cycle ended into {state} with rows waiting")
                 room = self.policy.max_batch - len(self.parked)
-                self.fit_at_cycle_end = set(self.queued[: max(0, room)])
+                self.fit_at_cycle_end = set(self.admissible(room, self.parked))
         self.prev_state = state
 
-    def expected_rejection(self, row: bool) -> Rejection | None:
+    def admissible(self, room: int, holding: list[int]) -> list[int]:
+        """The queue's longest prefix that fits ``room`` slots and the KV budget beside
+        the rows in ``holding`` (the arbiter's rule 2, written again)."""
+        prefix = self.queued[: max(0, room)]
+        memory = self.policy.memory
+        if memory is None:
+            return prefix
+        lengths = [self.tokens[i] for i in holding]
+        for count, row_id in enumerate(prefix):
+            lengths.append(self.tokens[row_id])
+            if not memory.fits(lengths):
+                return prefix[:count]
+        return prefix
+
+    def admissible_now(self) -> list[int]:
+        return self.admissible(
+            self.policy.max_batch - len(self.running), self.running + self.parked
+        )
+
+    def expected_rejection(self, row: bool, tokens: int = 0) -> Rejection | None:
         if self.arbiter.state is State.CLOSED:
             return Rejection.CLOSED
+        memory = self.policy.memory
+        if memory is not None and memory.profile.row_bytes(tokens) > memory.limit:
+            return Rejection.TOO_LARGE
         room = self.policy.max_queue + (self.free_slots() if row else 0)
         return Rejection.QUEUE_FULL if len(self.queued) + len(self.waiting) >= room else None
 
@@ -149,26 +187,27 @@ class ArbiterMachine(RuleBasedStateMachine):
 
     # --- rules: submissions ---
 
-    @rule(count=st.integers(1, 3), then_decide=st.booleans())
-    def submit_rows(self, count: int, then_decide: bool) -> None:
+    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=3), then_decide=st.booleans())
+    def submit_rows(self, tokens: list[int], then_decide: bool) -> None:
         """A burst of rows arrives."""
-        for _ in range(count):
-            row_id, expected = next(self.ids), self.expected_rejection(row=True)
+        for length in tokens:
+            row_id, expected = next(self.ids), self.expected_rejection(True, length)
             self.submitted += 1
-            assert self.arbiter.submit_row(row_id, self.send()) is expected
+            assert self.arbiter.submit_row(row_id, self.send(), length) is expected
             if expected is None:
                 self.queued.append(row_id)
+                self.tokens[row_id] = length
             else:
                 self.end(row_id, Outcome.REJECTED)
             self.observe()
         if then_decide:
             self.decide()
 
-    @rule(then_decide=st.booleans())
-    def submit_job(self, then_decide: bool) -> None:
-        job_id, expected = next(self.ids), self.expected_rejection(row=False)
+    @rule(tokens=TOKENS, then_decide=st.booleans())
+    def submit_job(self, tokens: int, then_decide: bool) -> None:
+        job_id, expected = next(self.ids), self.expected_rejection(False, tokens)
         self.submitted += 1
-        assert self.arbiter.submit_job(job_id, self.send()) is expected
+        assert self.arbiter.submit_job(job_id, self.send(), tokens) is expected
         if expected is None:
             self.waiting.append(job_id)
             self.arrived_in[job_id] = self.cycles
@@ -198,6 +237,7 @@ class ArbiterMachine(RuleBasedStateMachine):
                     stepping=self.stepping,
                     job_running=self.job is not None,
                     deadline=self.drain_deadline,
+                    admissible=len(self.admissible_now()),
                 )
             )
             event(f"{state.name}: {type(decision).__name__}")
@@ -211,7 +251,7 @@ class ArbiterMachine(RuleBasedStateMachine):
         """Update the model as the actor would; True when the loop should stop."""
         match decision:
             case Admit(ids):
-                assert list(ids) == self.queued[: len(ids)], (ids, self.queued)
+                assert list(ids) == self.admissible_now(), (ids, self.queued)
                 del self.queued[: len(ids)]
                 self.running += ids
             case Resume(ids):
@@ -362,6 +402,7 @@ class ArbiterMachine(RuleBasedStateMachine):
         if self.running:
             bad = st.sampled_from([Outcome.REJECTED, Outcome.CLOSED])
             calls.append(lambda: a.row_ended(self.running[0], data.draw(bad), now))
+        calls.append(lambda: a.submit_row(10**9 + 1, now, data.draw(st.sampled_from([-1, 1.5]))))
         if live:
             calls.append(lambda: a.submit_row(data.draw(ids(live)), now))
             calls.append(lambda: a.submit_job(data.draw(ids(live)), now))
@@ -436,10 +477,24 @@ class ArbiterMachine(RuleBasedStateMachine):
         for m in self.made:
             admitting = m.state is State.ADMITTING and not m.stepping
             if admitting and isinstance(m.decision, Step | Wait):
-                assert m.queued + m.parked == 0 or m.running == self.policy.max_batch, m
+                assert m.admissible == 0, m
+                assert m.parked == 0 or m.running == self.policy.max_batch, m
             if isinstance(m.decision, Wait) and m.state is not State.CLOSED:
-                # Nothing runnable: a step or job is in flight, or the lane is empty.
+                # Nothing runnable: a step or job is in flight, or the lane is empty
+                # (a queued row always fits an empty batch: no memory deadlock).
                 assert m.stepping or m.job_running or (m.running + m.queued + m.parked == 0)
+
+    @invariant()
+    def kv_budget_holds(self) -> None:
+        """The running and parked rows' worst-case KV bytes never pass the budget, and
+        the arbiter reports what the model computes."""
+        stats, memory = self.arbiter.statistics(), self.policy.memory
+        if memory is None:
+            assert (stats.kv_bytes_reserved, stats.kv_bytes_budget) == (0, None)
+            return
+        lengths = [self.tokens[i] for i in self.running + self.parked]
+        assert stats.kv_bytes_reserved == memory.profile.batch_bytes(lengths)
+        assert stats.kv_bytes_reserved <= memory.limit == stats.kv_bytes_budget
 
     @invariant()
     def every_item_ends_exactly_once(self) -> None:

@@ -445,16 +445,50 @@ def test_cli_opt_out_runs_once_on_the_reference_blas() -> None:
 
 
 @linux_only
-def test_cli_without_a_fast_blas_prints_one_hint_line_and_carries_on(tmp_path: Path) -> None:
+def test_cli_without_a_fast_blas_prints_one_hint_line_once_loaded_and_carries_on(
+    tmp_path: Path,
+) -> None:
     env = _env(TRIO_MLX_BLAS=str(tmp_path / "absent.so"))
     # A command that runs (--help and --version end before the BLAS is looked at).
     result = _run(["-m", "trio_mlx_http", "generate", "--max-tokens", "2", "--raw", "Hi"], env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Hi") or result.stdout.strip(), result.stdout
     lines = result.stderr.splitlines()
-    assert lines[0] == HINT, result.stderr
-    assert lines.count(HINT) == 1
+    assert lines.count(HINT) == 1, result.stderr
     assert re.match(r"\[\d+ prompt tokens, 2 generated", lines[-1]), result.stderr
+
+
+@linux_only
+@pytest.mark.parametrize(
+    "env",
+    [
+        pytest.param({"TRIO_MLX_BLAS": "/absent/libblas.so"}, id="no fast BLAS: hint due"),
+        pytest.param({}, id="re-exec path"),
+    ],
+)
+def test_cli_start_up_error_is_told_without_blas_lines(env: dict[str, str]) -> None:
+    result = _run(
+        ["-m", "trio_mlx_http", "serve", "--port", "0", "--model", "/absent/m"], _env(**env)
+    )
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2, result.stderr
+    assert lines[0] == "trio-mlx: error: model '/absent/m' not found: no such folder"
+    assert lines[1].startswith("trio-mlx: --model takes a local folder"), result.stderr
+
+
+@linux_only
+def test_maybe_reexec_without_hint_returns_that_one_is_due_and_prints_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("must not re-execute"))
+    for key in ("LD_PRELOAD", GUARD_VAR, "TRIO_MLX_FAST_BLAS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TRIO_MLX_BLAS", str(tmp_path / "absent.so"))
+    monkeypatch.setattr("trio_mlx_http._fast_blas.bundled_reference_blas", lambda: REFERENCE)
+    assert maybe_reexec_with_fast_blas(hint=False) is True
+    assert maybe_reexec_with_fast_blas(hint=False, opt_out=True) is False
+    assert capsys.readouterr() == ("", "")
 
 
 def test_cli_main_called_in_process_never_reexecutes(

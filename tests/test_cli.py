@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_mlx_http._cli import build_parser
+from trio_mlx_http._cli import build_parser, main
 
 ROOT = Path(__file__).parent.parent
 
@@ -104,6 +104,41 @@ def _assert_short_error(result: subprocess.CompletedProcess[str], *phrases: str)
         assert phrase in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "told"),
+    [
+        (
+            ["serve", "--port", "abc"],
+            "trio-mlx serve: error: argument --port: invalid int value: 'abc'",
+        ),
+        (["serve", "--bogus"], "trio-mlx serve: error: unrecognized arguments: --bogus"),
+        (["generate"], "trio-mlx generate: error: the following arguments are required: prompt"),
+        (["generate", "Hi", "--port", "1"], "trio-mlx generate: error: unrecognized arguments"),
+        (["bogus"], "trio-mlx: error: argument COMMAND: invalid choice: 'bogus'"),
+    ],
+)
+def test_an_argument_mistake_is_told_in_two_lines_with_where_help_is(
+    args: list[str], told: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    command = told.split(": error:", 1)[0]
+    assert out == ""
+    assert err.splitlines()[0].startswith(told), err
+    assert err.splitlines()[1:] == [f"Run '{command} --help' for the options."]
+
+
+def test_the_real_command_tells_a_bad_port_in_two_lines() -> None:
+    result = _trio_mlx("serve", "--port", "abc")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "trio-mlx serve: error: argument --port: invalid int value: 'abc'",
+        "Run 'trio-mlx serve --help' for the options.",
+    ]
+
+
 def test_a_missing_model_folder_is_told_in_two_lines() -> None:
     result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--model", "/nonexistent/m")
     _assert_short_error(result, "'/nonexistent/m' not found", "--model takes a local folder")
@@ -191,3 +226,34 @@ def test_a_long_prompt_chunk_below_one_is_named() -> None:
 def test_a_prefill_stall_of_one_or_less_is_named() -> None:
     result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--prefill-stall", "1")
     _assert_short_error(result, "prefill_stall", "check --prefill-stall")
+
+
+def test_prompt_cache_disk_flags_reach_the_engine(tmp_path: Path) -> None:
+    from trio_mlx_http._server.run import _engine_settings
+
+    args = build_parser().parse_args(
+        ["serve", "--prompt-cache-dir", str(tmp_path), "--prompt-cache-disk-bytes", "2G"]
+    )
+    settings = _engine_settings(args)
+    assert settings.prompt_cache_dir == str(tmp_path)
+    assert settings.prompt_cache_disk_bytes == 2 * 1024**3
+    assert _engine_settings(build_parser().parse_args(["serve"])).prompt_cache_dir is None
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_at_start_up_not_taken_as_no_authentication(
+    key: str,
+) -> None:
+    result = _trio_mlx("serve", "--no-fast-blas", "--port", "0", env={"TRIO_MLX_API_KEY": key})
+    _assert_short_error(result, "TRIO_MLX_API_KEY", "set but empty")
+    assert result.returncode == 2
+    flag = _trio_mlx("serve", "--no-fast-blas", "--port", "0", "--api-key", key)
+    _assert_short_error(flag, "--api-key", "set but empty")
+
+
+def test_settings_refuse_an_empty_api_key() -> None:
+    from trio_mlx_http._settings import Settings
+
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        Settings(api_key="")
+    assert Settings(api_key=None).api_key is None

@@ -8,10 +8,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from trio_mlx import SamplingParams, _cuda_warmup
+from trio_mlx import SamplingParams
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._start import warmup as _cuda_warmup
 
 
 class CountingModel:

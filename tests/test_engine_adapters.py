@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,3 +155,73 @@ async def test_adapters_answer_alike_with_sibling_projections_stacked_or_not(
     assert plain.pop("stacked") == (0,)
     assert stacked == plain
     assert len(set(stacked.values())) == 3  # each adapter changed the answer
+
+
+def _rewrite_weights(source: Path, folder: Path, change: Any) -> Path:
+    """A copy of ``source`` whose weights (a dict) went through ``change``."""
+    import mlx.core as mx
+
+    shutil.copytree(source, folder)
+    weights = dict(mx.load(str(folder / "adapters.safetensors")))  # type: ignore[arg-type]
+    change(weights)
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    return folder
+
+
+def _drop_lora_a(weights: dict[str, Any]) -> None:
+    for key in [k for k in weights if k.endswith(".lora_a")]:
+        del weights[key]
+
+
+def _poison(weights: dict[str, Any]) -> None:
+    import mlx.core as mx
+
+    key = sorted(weights)[0]
+    weights[key] = mx.where(
+        mx.arange(weights[key].size).reshape(weights[key].shape) == 3,
+        mx.array(float("nan")),
+        weights[key],
+    )
+
+
+async def test_adapters_missing_a_matrix_or_with_bad_values_are_refused_naming_the_fault(
+    tiny_model_path: Path, tiny_adapter_path: Path, tmp_path: Path
+) -> None:
+    from trio_mlx import InvalidAdapter
+
+    lora = {"rank": 4, "dropout": 0.0}
+    cases = [
+        (_rewrite_weights(tiny_adapter_path, tmp_path / "b-only", _drop_lora_a), "lora_a"),
+        (_rewrite_weights(tiny_adapter_path, tmp_path / "nan", _poison), "NaN or infinite"),
+        (
+            _variant(tiny_adapter_path, tmp_path / "huge", lora_parameters={**lora, "scale": 1e30}),
+            "scale 1e+30",
+        ),
+        (
+            _variant(
+                tiny_adapter_path, tmp_path / "inf", lora_parameters={**lora, "scale": float("inf")}
+            ),
+            "scale inf",
+        ),
+    ]
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        base = await engine.complete(PROMPT, PARAMS)
+        for folder, named in cases:
+            with pytest.raises(InvalidAdapter) as refused:
+                await engine.mount_adapter(folder.name, folder)
+            assert named in refused.value.message, refused.value.message
+            assert refused.value.status_code == 400
+            assert refused.value.code == "invalid_adapter"
+        assert engine.adapters == ()
+        assert (await engine.complete(PROMPT, PARAMS)).token_ids == base.token_ids
+
+
+async def test_an_adapter_answers_the_same_greedy_request_alike_every_time(
+    tiny_model_path: Path, tiny_adapter_path: Path
+) -> None:
+    # The serial lane wraps the layers anew at each use: nothing drawn at random survives.
+    serial = SamplingParams(max_tokens=12, logit_bias=NO_EOS, adapter="shout", seed=1)
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        await engine.mount_adapter("shout", tiny_adapter_path)
+        answers = {tuple((await engine.complete(PROMPT, serial)).token_ids) for _ in range(3)}
+    assert len(answers) == 1

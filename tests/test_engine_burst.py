@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import trio_mlx
 from engine_helpers import NO_EOS, wait_until
 from trio_mlx import SamplingParams, TokenLogprob
-from trio_mlx._core.output import RowEvent, RowOutput, merge_events
 from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.output import RowEvent, RowOutput, merge_events
 from trio_mlx._lanes.records import RowSpec, StepPlan
 
 pytestmark = pytest.mark.model

@@ -48,6 +48,15 @@ async def tool_server(tool_model_path: Path) -> AsyncIterator[LiveServer]:
         yield live
 
 
+def _prompt_tokens(usage: Any) -> int:
+    """The whole prompt: Anthropic counts cache reads and writes apart from input_tokens."""
+    return int(
+        usage.input_tokens
+        + (usage.cache_read_input_tokens or 0)
+        + (usage.cache_creation_input_tokens or 0)
+    )
+
+
 def _client(server: LiveServer, key: str = "unused") -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=server.url, api_key=key, max_retries=0)
 
@@ -85,7 +94,7 @@ async def test_text_message_matches_chat_completion_and_counts_usage(server: Liv
     assert reply.stop_reason == ("max_tokens" if finish == "length" else "end_turn")
     assert reply.stop_sequence is None
     assert chat.usage is not None
-    assert reply.usage.input_tokens == chat.usage.prompt_tokens
+    assert _prompt_tokens(reply.usage) == chat.usage.prompt_tokens
     assert reply.usage.output_tokens == chat.usage.completion_tokens
 
 
@@ -166,7 +175,7 @@ async def test_tool_use_block_and_tool_result_round_trip(tool_server: LiveServer
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
         {"role": "user", "content": "Thanks."},
     ]
-    assert second.usage.input_tokens == len(engine.encode(expected, tools=CHAT_TOOLS))
+    assert _prompt_tokens(second.usage) == len(engine.encode(expected, tools=CHAT_TOOLS))
 
 
 async def test_text_stream_sends_anthropics_event_sequence(server: LiveServer) -> None:
@@ -190,7 +199,9 @@ async def test_text_stream_sends_anthropics_event_sequence(server: LiveServer) -
     ]
     assert "".join(d.delta.text for d in deltas) == _text(whole)  # type: ignore[union-attr]
     start, end = events[0], events[-2]
-    assert start.message.usage.input_tokens == whole.usage.input_tokens  # type: ignore[union-attr]
+    # message_start counts the whole prompt: the cache's part is known at the end.
+    assert start.message.usage.input_tokens == _prompt_tokens(whole.usage)  # type: ignore[union-attr]
+    assert _prompt_tokens(end.usage) == _prompt_tokens(whole.usage)  # type: ignore[union-attr]
     assert end.delta.stop_reason == whole.stop_reason  # type: ignore[union-attr]
     assert end.usage.output_tokens == whole.usage.output_tokens  # type: ignore[union-attr]
 
@@ -262,6 +273,31 @@ BAD: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+USER = [{"role": "user", "content": "x"}]
+# OpenAI's fields, a typo, and answer-changing fields this server lacks: each a 400 naming it.
+BAD += [
+    ({"max_tokens": 2, "messages": USER, name: value}, name)
+    for name, value in (
+        ("stop", ["."]),
+        ("seed", 1),
+        ("n", 2),
+        ("logit_bias", {"5": 1}),
+        ("presence_penalty", 1.0),
+        ("frequency_penalty", 1.0),
+        ("response_format", {"type": "json_object"}),
+        ("max_completion_tokens", 5),
+        ("temprature", 0.5),
+        ("context_management", {"edits": []}),
+    )
+]
+BAD += [
+    ({"max_tokens": 2, "messages": USER, "thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"max_tokens": 2, "messages": USER, "thinking": {"type": "enabled"}}, "budget_tokens"),
+    ({"max_tokens": 2, "messages": USER, "output_config": {"format": {}}}, "output_config"),
+    ({"max_tokens": 2, "messages": USER, "output_config": {"effort": "huge"}}, "effort"),
+]
+
+
 async def test_bad_requests_are_anthropic_shaped_400s(server: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=server.url) as http:
         for body, needle in BAD:
@@ -271,6 +307,48 @@ async def test_bad_requests_are_anthropic_shaped_400s(server: LiveServer) -> Non
             assert payload["type"] == "error", payload
             assert payload["error"]["type"] == "invalid_request_error", payload
             assert needle in payload["error"]["message"], payload
+
+
+async def test_agent_fields_are_accepted_and_top_k_honoured(server: LiveServer) -> None:
+    user: Any = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}],
+        }
+    ]
+    system: Any = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    async with _client(server) as client:
+        plain = await client.messages.create(
+            model=server.engine.model_id, max_tokens=6, messages=user, system=system
+        )
+        marked = await client.messages.create(
+            model=server.engine.model_id,
+            max_tokens=6,
+            messages=user,
+            system=system,
+            metadata={"user_id": "user_1"},
+            service_tier="auto",
+            thinking={"type": "adaptive"},
+            output_config={"effort": "high"},
+            extra_headers={
+                "anthropic-beta": "claude-code-20250219",
+                "anthropic-version": "2023-06-01",
+            },
+        )
+        sampled = [
+            await client.messages.create(
+                model=server.engine.model_id,
+                max_tokens=6,
+                messages=user,
+                system=system,
+                extra_body={"temperature": 1.0, "top_k": 1},
+            )
+            for _ in range(2)
+        ]
+    # No thinking switch in this model's template: the answer is the same.
+    assert _text(marked) == _text(plain)
+    # top_k 1 is greedy, whatever the temperature.
+    assert _text(sampled[0]) == _text(sampled[1]) == _text(plain)
 
 
 async def test_client_raises_on_an_unknown_model_with_anthropics_error(server: LiveServer) -> None:
@@ -321,7 +399,7 @@ async def test_count_tokens_counts_the_prompt_a_message_would_use(tool_server: L
         )
         with pytest.raises(anthropic.BadRequestError):
             await client.messages.count_tokens(model=engine.model_id, messages=[])
-    assert counted.input_tokens == reply.usage.input_tokens
+    assert counted.input_tokens == _prompt_tokens(reply.usage)
     expected = [{"role": "system", "content": "Be brief."}, *messages]
     assert counted.input_tokens == len(engine.encode(expected, tools=CHAT_TOOLS))
 
@@ -366,6 +444,6 @@ async def test_a_final_assistant_message_is_continued(server: LiveServer) -> Non
     # The prompt stops inside the assistant's turn (ChatML: no <|im_end|> after the prefill).
     open_turn = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nLists are"
     expected = len(engine.tokenizer.encode(open_turn, add_special_tokens=False))
-    assert reply.usage.input_tokens == counted.input_tokens == expected
+    assert _prompt_tokens(reply.usage) == counted.input_tokens == expected
     closed = len(engine.encode(messages))
     assert expected < closed

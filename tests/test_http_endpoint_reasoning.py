@@ -133,7 +133,7 @@ async def test_messages_put_the_reasoning_in_a_thinking_block(server: LiveServer
     assert with_thinking.input_tokens == without.input_tokens
 
 
-async def test_thinking_disabled_reaches_the_chat_template(tmp_path: Path) -> None:
+async def test_each_api_s_thinking_switch_reaches_the_chat_template(tmp_path: Path) -> None:
     # The vocabulary holds <think>, so mlx-lm turns thinking on unless told otherwise.
     template = CHAT_TEMPLATE + "{% if enable_thinking %}<think>{% endif %}"
     model = make_scripted_model(
@@ -146,17 +146,48 @@ async def test_thinking_disabled_reaches_the_chat_template(tmp_path: Path) -> No
     async with (
         live_server(model) as server,
         anthropic.AsyncAnthropic(base_url=server.url, api_key="-", max_retries=0) as client,
+        openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as oai,
     ):
-        plain = await client.messages.count_tokens(model="switch", messages=messages)
-        disabled = await client.messages.count_tokens(
-            model="switch", messages=messages, thinking={"type": "disabled"}
+        counts = {
+            kind: (
+                await client.messages.count_tokens(
+                    model="switch", messages=messages, thinking=thinking
+                )
+            ).input_tokens
+            for kind, thinking in (
+                ("plain", anthropic.NOT_GIVEN),
+                ("disabled", {"type": "disabled"}),
+                ("adaptive", {"type": "adaptive"}),
+                ("enabled", {"type": "enabled", "budget_tokens": 1024}),
+            )
+        }
+        budgeted = await client.messages.create(
+            model="switch",
+            max_tokens=2048,
+            messages=messages,
+            thinking={"type": "enabled", "budget_tokens": 1024},
         )
-        with pytest.raises(anthropic.BadRequestError):
+        with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
             await client.messages.create(
                 model="switch",
-                max_tokens=2048,
+                max_tokens=100,
                 messages=messages,
-                thinking={"type": "enabled", "budget_tokens": 1024},
+                thinking={"type": "enabled", "budget_tokens": 100},
             )
-    off = server.engine.encode(messages, chat_template_kwargs={"enable_thinking": False})
-    assert disabled.input_tokens == len(off) == plain.input_tokens - 1
+        efforts = {}
+        for effort in ("none", "minimal", "low", "high"):
+            reply = await oai.responses.create(
+                model="switch", input="Hi", max_output_tokens=1, reasoning={"effort": effort}
+            )
+            chat = await oai.chat.completions.create(
+                model="switch", messages=messages, max_tokens=1, reasoning_effort=effort
+            )
+            assert reply.usage is not None
+            assert chat.usage is not None
+            assert reply.usage.input_tokens == chat.usage.prompt_tokens
+            efforts[effort] = chat.usage.prompt_tokens
+    off = len(server.engine.encode(messages, chat_template_kwargs={"enable_thinking": False}))
+    on = off + 1  # the template's <think>
+    assert counts == {"plain": on, "disabled": off, "adaptive": on, "enabled": on}
+    assert efforts == {"none": off, "minimal": off, "low": on, "high": on}
+    assert budgeted.stop_reason in ("end_turn", "max_tokens")

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,43 @@ LONG: dict[str, dict[str, Any]] = {
     },
     "/v1/responses": {"max_output_tokens": 1500, "stream": True, "input": "Hello"},
 }
+
+
+async def _close_after_deltas(
+    response: httpx.Response, engine: trio_mlx.Engine, count: int
+) -> AsyncIterator[str]:
+    """The stream's lines; the engine closed (as at the graceful deadline) after ``count`` deltas."""
+    deltas = 0
+    async for line in response.aiter_lines():
+        deltas += '"delta"' in line
+        if deltas == count:
+            engine.close()
+        yield line
+
+
+CHAT_STREAM = {"max_tokens": 1500, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize("path", [*sorted(LONG), "/v1/chat/completions"])
+async def test_a_stream_cut_by_the_engine_closing_is_logged_as_the_200_it_sent(
+    endless_model_path: Path, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="trio_mlx_http.access")
+    async with (
+        live_server(endless_model_path) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        body = LONG.get(path, CHAT_STREAM)
+        async with http.stream("POST", path, json=body) as response:
+            assert response.status_code == 200
+            lines = [line async for line in _close_after_deltas(response, server.engine, 5)]
+        last = [line for line in lines if line][-1]
+        assert '"error"' in last or last == "data: [DONE]", last
+    logged = [r.getMessage() for r in caplog.records if r.name == "trio_mlx_http.access"]
+    line = next(entry for entry in logged if entry.startswith(f"POST {path} "))
+    found = re.fullmatch(rf"POST {path} 200 tokens=(\d+) \S+s cut=shutdown", line)
+    assert found is not None, line
+    assert int(found.group(1)) >= 4, line
 
 
 @pytest.mark.parametrize("path", sorted(LONG))
@@ -150,7 +190,9 @@ async def test_failure_mid_stream_ends_with_the_apis_error_event(
         live_server(endless_model_path) as server,
         httpx.AsyncClient(base_url=server.url, timeout=30) as http,
     ):
-        response = await http.post(path, json={**LONG[path], "max_tokens": 50})
+        # Each API's own name for the length (Responses refuses chat's max_tokens).
+        length = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+        response = await http.post(path, json={**LONG[path], length: 50})
         assert response.status_code == 200
         events = _named_events(response.content)
         metrics = (await http.get("/metrics")).text

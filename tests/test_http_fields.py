@@ -45,7 +45,6 @@ REFUSED = {
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
     "moderation": {"model": "omni-moderation-latest"},
-    "verbosity": "low",
     "web_search_options": {},
 }
 
@@ -224,14 +223,17 @@ async def chat_modalities(walk: Walk) -> None:
 
 
 async def chat_reasoning_effort(walk: Walk) -> None:
-    # Honoured where the chat template reads it (test_chat_template_kwargs_reach_the_template);
-    # this model's does not.
-    response = await walk.post(
-        "/v1/chat/completions", {"messages": USER, "reasoning_effort": "low"}
-    )
-    assert response.status_code == 400
-    assert response.json()["error"]["code"] == "unsupported_parameter"
+    # Honoured where the chat template reads it or enable_thinking
+    # (test_chat_template_kwargs_reach_the_template, test_http_endpoint_reasoning); this
+    # model has no reasoning to set: accepted, and the answer is the same.
+    assert _content(await walk.chat(reasoning_effort="low")) == _content(await walk.chat())
     await walk.refused("/v1/chat/completions", "reasoning_effort", "lots", {"messages": USER})
+
+
+async def chat_verbosity(walk: Walk) -> None:
+    # A hint no chat template reads (agents send it): accepted, the answer the same.
+    assert _content(await walk.chat(verbosity="low")) == _content(await walk.chat())
+    await walk.refused("/v1/chat/completions", "verbosity", "loud", {"messages": USER})
 
 
 def _harmless(path: str, name: str) -> Check:
@@ -297,6 +299,7 @@ CHAT: dict[str, Check] = {
     "parallel_tool_calls": chat_parallel_tool_calls,
     "modalities": chat_modalities,
     "reasoning_effort": chat_reasoning_effort,
+    "verbosity": chat_verbosity,
     **{n: _harmless("/v1/chat/completions", n) for n in HARMLESS},
     **{n: _refused("/v1/chat/completions", n, {"messages": USER}) for n in REFUSED},
 }
@@ -576,7 +579,9 @@ async def test_chat_template_kwargs_reach_the_template(tiny_model_path: Path) ->
             )
 
 
-async def test_the_model_answers_to_every_name_and_lists_the_first(tiny_model_path: Path) -> None:
+async def test_the_model_answers_to_every_name_and_lists_the_served_ones(
+    tiny_model_path: Path,
+) -> None:
     from trio_mlx_http._cli import build_parser
     from trio_mlx_http._server.run import model_names, settings_from
 
@@ -595,11 +600,13 @@ async def test_the_model_answers_to_every_name_and_lists_the_first(tiny_model_pa
     ):
         walk = Walk(server, http)
         listed = (await http.get("/v1/models")).json()["data"]
-        assert [card["id"] for card in listed] == ["first"]
+        assert [card["id"] for card in listed] == ["first", "second"]
         for name in ("first", "second", path, tiny_model_path.name):
             assert (await walk.chat(model=name, max_tokens=1))["model"] == "first"
             if not name.startswith("/"):  # an absolute path is no URL segment
-                assert (await http.get(f"/v1/models/{name}")).json()["id"] == "first"
+                # A listed name is its own card; another alias is the model's.
+                card = (await http.get(f"/v1/models/{name}")).json()
+                assert card["id"] == ("second" if name == "second" else "first")
         assert (
             await walk.post("/v1/chat/completions", _template_body(walk, model="x"))
         ).status_code == 404
@@ -620,6 +627,8 @@ def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
             "32",
             "--prompt-cache-bytes",
             "512M",
+            "--grammar-cache-bytes",
+            "64M",
             "--chat-template-args",
             '{"enable_thinking": false}',
             "--reasoning-markers",
@@ -631,17 +640,20 @@ def test_kv_and_cache_flags_reach_the_settings_and_the_engine() -> None:
     assert settings.chat_template_args == {"enable_thinking": False}
     assert settings.reasoning_markers == ("<think>", "</think>")
     assert _engine_settings(args).prompt_cache_bytes == 512 * 1024 * 1024
+    assert _engine_settings(args).grammar_cache_bytes == 64 * 1024 * 1024
     # Requests that leave kv_bits out take the server's.
     request = _schema.parse_chat({"messages": USER}, settings)
     assert (request.params.kv_bits, request.params.kv_group_size) == (4, 32)
     defaults = build_parser().parse_args(["serve"])
     assert _engine_settings(defaults).prompt_cache_bytes == EngineSettings().prompt_cache_bytes
+    assert _engine_settings(defaults).grammar_cache_bytes == 256 * 1024 * 1024
     assert settings_from(defaults).reasoning_markers is None
     off = build_parser().parse_args(["serve", "--reasoning-markers", "off"])
     assert settings_from(off).reasoning_markers is False
     for bad in (
         ["--kv-bits", "5"],
         ["--prompt-cache-bytes", "lots"],
+        ["--grammar-cache-bytes", "lots"],
         ["--chat-template-args", "[1]"],
         ["--reasoning-markers", "<think>"],
     ):

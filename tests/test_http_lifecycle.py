@@ -323,7 +323,7 @@ async def test_cli_ends_streams_past_the_grace_deadline_with_an_error_event(
 ) -> None:
     # A million-token context: the stream cannot end on its own inside the grace period
     # (on the tiny model's own 2,048 a fast machine could decode 1,900 tokens in 1 s).
-    process, _log, url = await _start_cli(long_tiny_model_path, graceful_timeout=1)
+    process, log, url = await _start_cli(long_tiny_model_path, graceful_timeout=1)
     try:
         body = {"prompt": "Hello", "max_tokens": 100_000, "stream": True, "logit_bias": NO_EOS}
         events: list[str] = []
@@ -340,11 +340,20 @@ async def test_cli_ends_streams_past_the_grace_deadline_with_an_error_event(
                             process.send_signal(signal.SIGTERM)
         with trio.fail_after(HANG):
             assert await process.wait() == 0
+            assert process.stderr is not None
+            while chunk := await process.stderr.receive_some():
+                log += chunk
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["type"] == "service_unavailable"
         assert error["code"] == "engine_closed"
         assert all("error" not in json.loads(event) for event in events[:-2])
+        # The access log tells the 200 the client got, what it was sent, and why it ended.
+        access = re.search(rb"POST /v1/completions (\d+) tokens=(\d+) \S+s( cut=\w+)?\n", log)
+        assert access is not None, log.decode()
+        status, tokens, cut = access.groups()
+        assert (status, cut) == (b"200", b" cut=shutdown"), log.decode()
+        assert int(tokens) >= len(events) - 2, log.decode()
     finally:
         if process.returncode is None:
             process.kill()

@@ -144,3 +144,118 @@ async def test_tokenize_and_detokenize_answer_large_bodies_exactly(tiny_model_pa
             reply = await http.post("/detokenize", json={"tokens": too_many})
             assert reply.status_code == 400
             assert reply.json()["error"]["code"] == "context_length_exceeded"
+
+
+def _many_calls(route: str, count: int, model: str) -> tuple[str, dict[str, Any]]:
+    """A body whose tool calls (or tool definitions) alone render past the context."""
+    hi = {"role": "user", "content": "hi"}
+    if route == "chat":
+        calls = [
+            {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            for i in range(count)
+        ]
+        chat = [hi, {"role": "assistant", "content": None, "tool_calls": calls}]
+        return "/v1/chat/completions", {"model": model, "messages": chat, "max_tokens": 4}
+    if route == "tokenize":
+        path, body = _many_calls("chat", count, model)
+        return "/tokenize", {"messages": body["messages"]}
+    if route == "tools":
+        tools = [
+            {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+            for i in range(count)
+        ]
+        return "/v1/chat/completions", {"model": model, "messages": [hi], "tools": tools}
+    if route == "responses":
+        items = [
+            {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+            for i in range(count)
+        ]
+        return "/v1/responses", {"model": model, "input": [hi, *items], "max_output_tokens": 4}
+    # Each tool result becomes a message of its own: a few, so the bytes decide.
+    blocks = [{"type": "tool_use", "id": f"c{i}", "name": "f", "input": {}} for i in range(count)]
+    results = [
+        {"type": "tool_result", "tool_use_id": f"c{i}", "content": "x" * 30_000} for i in range(8)
+    ]
+    chat = [hi, {"role": "assistant", "content": blocks}, {"role": "user", "content": results}]
+    path = "/v1/messages" if route == "messages" else "/v1/messages/count_tokens"
+    return path, {"model": model, "messages": chat, "max_tokens": 4}
+
+
+_ROUTES = ["chat", "tokenize", "tools", "responses", "messages", "count_tokens"]
+
+
+async def test_tool_calls_and_tool_definitions_count_toward_the_prompt_size(
+    tool_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with (
+        live_server(tool_model_path) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=120) as http,
+    ):
+        rendered: list[int] = []
+        tokenizer = server.engine.tokenizer
+        render = tokenizer.apply_chat_template
+        monkeypatch.setattr(
+            tokenizer,
+            "apply_chat_template",
+            lambda *a, **k: rendered.append(1) or render(*a, **k),
+        )
+        model = server.engine.model_id
+        for route in _ROUTES:
+            path, body = _many_calls(route, 40_000, model)
+            reply = await http.post(path, json=body)
+            assert reply.status_code == 400, (route, reply.text)
+            error = reply.json()["error"]
+            assert error.get("code", "context_length_exceeded") == "context_length_exceeded"
+            assert "more than the model's context" in error["message"], (route, error)
+        assert rendered == []  # refused before the chat template ran
+        path, body = _many_calls("chat", 3, model)  # a few calls fit, and are rendered
+        assert (await http.post(path, json=body)).status_code == 200
+        assert rendered
+
+
+class _HeldCheck:
+    """Fault injection: the prompt size check blocks its thread until ``release``."""
+
+    def __init__(self, check: Any) -> None:
+        self.check = check
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.started.set()
+        self.release.wait(timeout=30)  # on the event loop this would hold everything
+        return self.check(*args, **kwargs)
+
+
+@pytest.mark.parametrize("route", ["chat", "count_tokens", "responses"])
+async def test_health_is_answered_while_a_huge_tool_call_body_is_refused(
+    tool_model_path: Path, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    import trio_mlx._core.engine
+
+    held = _HeldCheck(trio_mlx._core.engine.rendered_bytes)
+    monkeypatch.setattr(trio_mlx._core.engine, "rendered_bytes", held)
+    order: list[str] = []
+    async with (
+        live_server(tool_model_path) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=120) as http,
+    ):
+        path, body = _many_calls(route, 40_000, server.engine.model_id)
+
+        async def huge() -> None:
+            reply = await http.post(path, json=body)
+            assert reply.status_code == 400, reply.text
+            order.append("huge refused")
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(huge)
+                with trio.fail_after(60):
+                    while not held.started.is_set():  # noqa: ASYNC110 - set by another thread
+                        await trio.sleep(0.01)
+                assert (await http.get("/health")).status_code == 200
+                order.append("health")
+                held.release.set()
+        finally:
+            held.release.set()
+    assert order == ["health", "huge refused"]

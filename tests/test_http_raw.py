@@ -245,6 +245,10 @@ async def test_metrics_are_prometheus_text(http: httpx.AsyncClient) -> None:
         "trio_mlx_parked_rows",
         "trio_mlx_ranks 1.0",
         'trio_mlx_prompt_tokens_total{source="cached"}',
+        "trio_mlx_prompt_cache_entries",
+        'trio_mlx_prompt_cache_lookups_total{result="miss"}',
+        "trio_mlx_prompt_cache_reused_tokens_total",
+        'trio_mlx_prompt_cache_disk_operations_total{operation="write"} 0.0',
         "trio_mlx_time_to_first_token_seconds_bucket",
         "trio_mlx_request_duration_seconds_bucket",
         "trio_mlx_drains_total",
@@ -468,3 +472,24 @@ async def test_metrics_show_the_prefill_stall_bounds_readings_once_measured(
     # spread of a decode step, and a window faster than decoding counts them as free.
     assert token is not None, readings
     assert token >= 0
+
+
+async def test_an_adapter_with_lora_b_only_is_a_400_naming_the_missing_matrix(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    import mlx.core as mx
+
+    adapters = tmp_path / "adapters"
+    folder = make_adapter(tiny_model_path, adapters / "b-only")
+    weights = dict(mx.load(str(folder / "adapters.safetensors")))  # type: ignore[arg-type]
+    only_b = {k: v for k, v in weights.items() if not k.endswith(".lora_a")}
+    mx.save_safetensors(str(folder / "adapters.safetensors"), only_b)
+    async with (
+        live_server(tiny_model_path, Settings(adapter_dir=adapters)) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        refused = await http.post("/v1/adapters", json={"name": "b", "path": "b-only"})
+        error = _expect_error(refused, 400, "path")
+        assert error["code"] == "invalid_adapter"
+        assert "lora_a" in error["message"]
+        assert (await http.get("/v1/adapters")).json()["data"] == []

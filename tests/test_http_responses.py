@@ -254,28 +254,40 @@ def test_store_forgets_the_least_recently_used_response() -> None:
         ResponseStore(capacity=0)
 
 
-def test_store_keeps_within_its_byte_budget() -> None:
+def test_store_keeps_within_its_byte_budget_counting_the_json_it_holds() -> None:
     def stored(text: str) -> StoredResponse:
         return StoredResponse(body={}, conversation=({"role": "user", "content": text},))
 
-    store = ResponseStore(capacity=100, max_bytes=300)
+    one = ResponseStore()
+    one.put("a", stored("x" * 100))
+    size = one.bytes  # the JSON held, and a fixed overhead for the entry
+    assert size >= len(json.dumps([{}, [{"role": "user", "content": "x" * 100}]]))
+    store = ResponseStore(capacity=100, max_bytes=2 * size + 10)
     store.put("a", stored("x" * 100))
     store.put("b", stored("y" * 100))
-    assert store.bytes <= 300
+    assert store.bytes == 2 * size
     store.put("c", stored("z" * 100))  # over budget: "a", the least recently used, goes
     assert (store.get("a"), store.get("b") is not None, store.get("c") is not None) == (
         None,
         True,
         True,
     )
-    assert store.bytes <= 300
-    store.put("huge", stored("h" * 400))  # larger than the whole budget: not kept
+    assert store.bytes == 2 * size
+    store.put("huge", stored("h" * 1000))  # larger than the whole budget: not kept
     assert store.get("huge") is None
     assert store.get("b") is not None
     assert store.delete("b")
     assert not store.delete("b")
     store.put("c", stored("short"))  # replacing an entry recounts it
-    assert store.bytes == len(json.dumps([{}, ({"role": "user", "content": "short"},)]))
+    assert store.bytes == size - 95
+    # Each read is parsed anew: changing what it returned changes nothing kept.
+    got = store.get("c")
+    assert got is not None
+    got.conversation[0]["content"] = "changed"
+    again = store.get("c")
+    assert again is not None
+    assert again.conversation == ({"role": "user", "content": "short"},)
+    assert store.body("c") == {}
 
 
 POINT = {
@@ -333,12 +345,21 @@ async def test_text_format_with_a_schema_that_cannot_compile_is_a_400(server: Li
 #: (field, value, the param the 400 names): known fields this server does not support.
 UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("background", True, "background"),
-    ("reasoning", {"effort": "high"}, "reasoning.effort"),
-    ("reasoning", {"summary": "auto"}, "reasoning.summary"),
-    ("truncation", "auto", "truncation"),
+    ("reasoning", {"effort": "high", "mode": "x"}, "reasoning.mode"),
     ("include", ["message.output_text.logprobs"], "include"),
     ("top_logprobs", 3, "top_logprobs"),
     ("conversation", "conv_1", "conversation"),
+    # Chat completions' fields and typos are unknown here: refused, never ignored.
+    ("max_tokens", 5, "max_tokens"),
+    ("stop", ["."], "stop"),
+    ("seed", 1, "seed"),
+    ("n", 2, "n"),
+    ("logit_bias", {"5": 10}, "logit_bias"),
+    ("top_k", 5, "top_k"),
+    ("presence_penalty", 1.0, "presence_penalty"),
+    ("frequency_penalty", 1.0, "frequency_penalty"),
+    ("response_format", {"type": "json_object"}, "response_format"),
+    ("temprature", 0.5, "temprature"),
 ]
 
 #: (body, the param the 400 names): malformed or out-of-range input.
@@ -358,7 +379,10 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": "Hi", "metadata": {"k": 3}}, "metadata"),
     ({"input": "Hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
-    ({"input": "Hi", "text": {"verbosity": "high"}}, "text.verbosity"),
+    ({"input": "Hi", "text": {"verbosity": "loud"}}, "text.verbosity"),
+    ({"input": "Hi", "truncation": "sometimes"}, "truncation"),
+    ({"input": "Hi", "include": ["reasoning.everything"]}, "include"),
+    ({"input": "Hi", "reasoning": {"summary": "long"}}, "reasoning.summary"),
 ]
 
 
@@ -393,9 +417,21 @@ async def test_harmless_fields_are_accepted_and_metadata_echoed(server: LiveServ
             text={"format": {"type": "text"}},
             tool_choice="auto",
             parallel_tool_calls=True,
-            truncation="disabled",
+            truncation="auto",
+            store=False,
+            service_tier="auto",
+            include=["reasoning.encrypted_content"],
+            reasoning={"effort": "high", "summary": "auto"},
+        )
+        plain = await client.responses.create(
+            model=server.engine.model_id, input="Hi", max_output_tokens=2
         )
     assert reply.metadata == {"run": "7"}
+    assert reply.truncation == "auto"
+    assert reply.reasoning is not None
+    assert (reply.reasoning.effort, reply.reasoning.summary) == ("high", "auto")
+    # The bundled model has no reasoning switch: the effort changes nothing.
+    assert reply.output_text == plain.output_text
     assert reply.usage is not None
     assert reply.usage.output_tokens >= 1
 

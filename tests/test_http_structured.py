@@ -187,6 +187,78 @@ async def test_huge_schema_past_the_bound_is_a_400(json_tools_model_path: Path) 
         assert ok.status_code == 200
 
 
+async def test_schemas_past_llguidance_limits_are_a_400_with_its_reason(
+    json_tools_model_path: Path,
+) -> None:
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(501)}}
+    endless = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+    async with (
+        live_server(json_tools_model_path) as live,
+        httpx.AsyncClient(base_url=live.url, timeout=60) as http,
+    ):
+        for schema, reason in ((wide, "max is 2000"), (endless, "Too many items")):
+            for stream in (False, True):
+                body = {
+                    "messages": USER,
+                    "max_tokens": 5,
+                    "stream": stream,
+                    "response_format": _response_format(schema),
+                }
+                reply = await http.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 400, reply.text
+                error = reply.json()["error"]
+                assert error["code"] == "grammar_too_complex"
+                assert error["param"] == "response_format"
+                assert reason in error["message"]
+
+
+async def test_a_stop_string_with_a_constraint_is_a_400_not_a_cut_value(
+    json_tools_model_path: Path,
+) -> None:
+    tool = {"name": WEATHER["function"]["name"], "input_schema": PARAMETERS["get_weather"]}
+    bodies = [
+        ("/v1/chat/completions", {"response_format": _response_format(PERSON), "stop": ["}"]}),
+        ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "required", "stop": "}"}),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "stop": ["}"],
+            },
+        ),
+        ("/v1/completions", {"response_format": _response_format(PERSON), "stop": ["}"]}),
+        (
+            "/v1/messages",
+            {"tools": [tool], "tool_choice": {"type": "any"}, "stop_sequences": ["}"]},
+        ),
+    ]
+    async with (
+        live_server(json_tools_model_path) as live,
+        httpx.AsyncClient(base_url=live.url, timeout=60) as http,
+    ):
+        model = live.engine.model_id
+        for path, extra in bodies:
+            for stream in (False, True):
+                base: dict[str, Any] = {"model": model, "max_tokens": 30, "stream": stream}
+                base["prompt" if path == "/v1/completions" else "messages"] = (
+                    "Describe a person." if path == "/v1/completions" else USER
+                )
+                reply = await http.post(path, json={**base, **extra})
+                assert reply.status_code == 400, (path, extra, reply.text)
+                error = reply.json()["error"]
+                assert "stop sequences cannot be combined with" in error["message"]
+                if path != "/v1/messages":
+                    assert error["param"] == "stop"
+        # Without the stop string the same value completes and validates.
+        body = {"model": model, "messages": USER, "max_tokens": 200}
+        body["response_format"] = _response_format(PERSON)
+        whole = await http.post("/v1/chat/completions", json=body)
+        choice = whole.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
 def _check_calls(calls: Any, names: set[str]) -> None:
     assert calls
     for call in calls:

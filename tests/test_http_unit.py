@@ -496,3 +496,17 @@ def test_a_text_event_is_the_whole_event_encoded_at_once(text: str, model: str, 
 
     template = _sse.TextEvent(chunk("before"), ("choices", 0, "delta", "content"))
     assert template.fill(text) == _sse.event(chunk(text))
+
+
+def test_the_sse_parser_skips_keep_alive_comments_and_rejects_other_blocks() -> None:
+    from trio_mlx_http.testing import sse_events
+
+    body = b': keep-alive\n\ndata: {"a": 1}\n\n: keep-alive\n\ndata: [DONE]\n\n'
+    assert sse_events(body) == [{"a": 1}, "[DONE]"]
+    for bad, why in (
+        (b": one\n: two\n\n", "not one data line"),
+        (b'event: x\ndata: {"a": 1}\n\n', "not one data line"),
+        (b'data: {"a": 1}\n', "truncated stream"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            sse_events(bad)

@@ -105,3 +105,18 @@ def test_the_http_package_imports_only_the_private_engine_modules_the_design_nam
         if private.match(module)
     }
     assert {module for _, module in found} <= allowed, sorted(found)
+
+
+def _room(module: str) -> str:
+    """The room of an engine module: its sub-package (``trio_mlx._lanes``), else itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_engines_rooms_import_each_other_without_a_cycle() -> None:
+    rooms: dict[str, set[str]] = {}
+    for module, imported in engine_graph().items():
+        here = _room(module)
+        rooms.setdefault(here, set()).update(_room(m) for m in imported if _room(m) != here)
+    assert {"trio_mlx._core", "trio_mlx._lanes", "trio_mlx._start"} <= set(rooms)
+    assert find_cycle(rooms) is None, " -> ".join(find_cycle(rooms) or ())

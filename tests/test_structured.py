@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -350,3 +351,91 @@ def test_a_schema_compiled_again_is_a_fresh_copy_from_the_cache(tiny_model: Any)
     assert third is not None
     assert third.matcher.compute_bitmask() == second.matcher.compute_bitmask()
     assert compiler.hits == 2
+
+
+def _wide_schema(key: str, properties: int) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {f"{key}{i}": {"type": "integer"} for i in range(properties)},
+        "required": [f"{key}{i}" for i in range(properties)],
+    }
+
+
+def test_the_grammar_cache_is_bounded_by_its_estimated_bytes(tiny_model: Any) -> None:
+    from trio_mlx._lanes.structured import GrammarCompiler, estimated_bytes, grammar_source
+
+    _model, tokenizer = tiny_model
+    schemas = [_wide_schema(key, 200) for key in "abcdef"]
+    sizes = [estimated_bytes(grammar_source(SamplingParams(json_schema=s))[0]) for s in schemas]
+    compiler = GrammarCompiler(tokenizer, cache_bytes=3 * max(sizes))
+    for schema in schemas:
+        compiler.compile(SamplingParams(json_schema=schema))
+        assert compiler.cached_bytes <= compiler.cache_bytes
+    assert compiler.cached == 3
+    assert compiler.cached_bytes == sum(sizes[-3:])
+    # The least recently used went first: the last three are served from the cache.
+    for schema in schemas[-3:]:
+        compiler.compile(SamplingParams(json_schema=schema))
+    assert compiler.hits == 3
+    compiler.compile(SamplingParams(json_schema=schemas[0]))
+    assert compiler.hits == 3
+    # A grammar larger than the whole bound compiles and is not kept.
+    small = GrammarCompiler(tokenizer, cache_bytes=min(sizes) - 1)
+    assert small.compile(SamplingParams(json_schema=schemas[0])) is not None
+    assert small.cached == 0
+    assert small.cached_bytes == 0
+
+
+async def test_an_abandoned_compile_gives_its_slot_back_and_abandoned_ones_are_bounded() -> None:
+    import threading
+
+    from trio_mlx import EngineOverloaded
+    from trio_mlx._core.compile_gate import CompileGate
+
+    gate = CompileGate(slots=1, max_abandoned=2)
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def stuck() -> str:
+        started.release()
+        release.wait(timeout=60)  # a compile llguidance cannot stop
+        return "late"
+
+    async def abandon_one() -> None:
+        # Its caller gives up once the thread runs (as a deadline would, but
+        # without racing the thread's start on a loaded machine).
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(gate.run, stuck, seconds=600, param="json_schema"))
+                await trio.to_thread.run_sync(started.acquire)
+                scope.cancel()
+
+    try:
+        await abandon_one()
+        stats = gate.statistics()
+        assert (stats.abandoned, stats.running) == (1, 0)  # the one slot is free again
+        assert await gate.run(lambda: "quick", seconds=600, param="json_schema") == "quick"
+        await abandon_one()
+        # Two abandoned compiles still run: a third compile is refused, not queued.
+        with pytest.raises(EngineOverloaded) as busy:
+            await gate.run(lambda: "quick", seconds=600, param="json_schema")
+        assert busy.value.code == "grammar_compiles_busy"
+        assert gate.statistics().refused == 1
+    finally:
+        release.set()
+    with trio.fail_after(60):
+        while gate.statistics().abandoned:  # noqa: ASYNC110 - counted by other threads
+            await trio.sleep(0.01)
+    assert await gate.run(lambda: "quick", seconds=600, param="json_schema") == "quick"
+
+
+@pytest.mark.parametrize(
+    "constraint", [{"json_schema": {"type": "object"}}, {"regex": "a+"}, {"grammar": "start: /a+/"}]
+)
+def test_stop_sequences_with_a_constraint_are_refused_at_construction(
+    constraint: dict[str, Any],
+) -> None:
+    with pytest.raises(InvalidGrammar) as refused:
+        SamplingParams(stop=["}"], **constraint)
+    assert refused.value.param == "stop"
+    assert f"combined with {next(iter(constraint))}" in refused.value.message

@@ -18,6 +18,10 @@ Runs, side by side in one run, and writes ``bench/results/latest/<machine>/``
    adapters vs all-base rows, the batch lane vs the serial lane for the same
    requests, and the per-step cost of each way to compute the adapted layers
    (:mod:`bench.suite.multilora`; only when ``--only`` names it).
+10. agent sessions: ten turns of a coding agent, each adding a tool result to one
+    long prompt, through both servers on tiny models of several architectures:
+    TTFT and prompt-cache hits per turn, and the first turn after a restart from
+    the disk tier (:mod:`bench.suite.agent`; only when ``--only`` names it).
 
 A part of trio-mlx that is not there yet (the engine API, ``trio-mlx serve``) is
 reported as "not run: ..." and never replaced by made-up numbers. MLX work runs
@@ -39,6 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 from bench.suite import report, scenarios
 from bench.suite.models import EOS_IDS, Model, prepare
 from bench.suite.servers import mlx_lm_server, trio_mlx_help, trio_mlx_server
@@ -63,6 +68,9 @@ _COMMON: dict[str, Any] = {
         "steps": 24,
         "methods": ["grouped", "gather", "sorted", "dense"],
     },
+    # The agent part's session (bench.suite.agent_trace.AgentSize): about 8k tokens of
+    # system prompt on a CPU, 24k on a GPU; tool results of 500-3,000 tokens.
+    "agent": {"system_tokens": 8000, "turns": 10, "tool_tokens": [500, 3000], "max_tokens": 32},
 }
 PROFILES: dict[str, dict[str, Any]] = {
     "quick": {
@@ -80,6 +88,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "memory": {"requests": 200, "mark": 100, "concurrency": 8, "max_tokens": 24,
                    "max_prompt_words": 48, "serial_every": 5},
         "prompt_cache": {"prefix_words": 150, "trials": 2},
+        "agent": {"system_tokens": 2000, "turns": 10, "tool_tokens": [200, 800], "max_tokens": 16},
         "traffic": {"concurrency": [1, 4, 16], "duration": 6.0, "warm": 1.5, "max_tokens": 64,
                     "bare_seconds": 4.0, "bare_warm": 1.0, "fractions": [0.5, 0.8, 1.0],
                     "open_duration": 6.0, "prompt_words_spread": [20, 400], "long_prompts": 2,
@@ -115,6 +124,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "memory": {"requests": 1000, "mark": 100, "concurrency": 16, "max_tokens": 32,
                    "max_prompt_words": 256, "serial_every": 10},
         "prompt_cache": {"prefix_words": 3000, "trials": 2},
+        "agent": {"system_tokens": 24000, "turns": 10, "tool_tokens": [500, 3000],
+                  "max_tokens": 32},
         "multilora": {"batches": [8, 32], "max_tokens": 128, "prompt_len": 32, "rounds": 2,
                       "serial_requests": 8, "steps": 32,
                       "methods": ["grouped", "gather", "sorted", "dense"]},
@@ -369,7 +380,9 @@ class Suite:
             self.not_run("engine overhead and memory: trio_mlx.open_engine does not exist yet")
         if not self.server:
             self.not_run("trio-mlx server: `trio-mlx serve --help` does not work yet")
-        models = [prepare(name, log) for name in self.model_names()]
+        # The agent part brings its own models: a run of it alone builds no other.
+        names = [] if only == {"agent"} else self.model_names()
+        models = [prepare(name, log) for name in names]
         self.results["models"] = {
             m.name: {
                 "parameters": m.parameters,
@@ -404,6 +417,9 @@ class Suite:
             self.write()
         if wanted("traffic"):
             self.traffic(models[0])
+        # Opt-in: its own models, and two server starts per model beyond the session's.
+        if only is not None and "agent" in only:
+            self.agent()
         self.write()
         log(f"wrote {self.out}/results.md")
 
@@ -695,6 +711,47 @@ class Suite:
             except Exception as exc:  # one server failing must not lose the others
                 self.not_run(f"open loop on {name}: {type(exc).__name__}: {exc}")
 
+    def agent(self) -> None:
+        """Part 10: an agent session on tiny models of each architecture (:mod:`bench.suite.agent`)."""
+        from bench.suite import agent
+        from bench.suite.agent_trace import AgentSize, context_needed
+        from bench.suite.models import agent_model
+
+        size = AgentSize.from_dict(self.profile["agent"])
+        if self.args.agent_system_tokens:
+            size = attrs.evolve(size, system_tokens=self.args.agent_system_tokens)
+        context = context_needed(size)
+        help_text = trio_mlx_help(self.env) or ""
+        disk_tier = agent.CACHE_DIR_FLAG in help_text
+        data: dict[str, Any] = {"settings": attrs.asdict(size), "context": context,
+                                "disk_tier": disk_tier, "models": {}}  # fmt: skip
+        self.results["agent"] = data
+        if not disk_tier:
+            self.not_run(f"agent restart on the disk tier: `trio-mlx serve` has no "
+                         f"{agent.CACHE_DIR_FLAG} flag yet")  # fmt: skip
+        for model_type in self.args.agent_models.split(","):
+            try:
+                model = agent_model(model_type, context, self.log)
+            except Exception as exc:
+                self.not_run(f"agent session on {model_type}: {type(exc).__name__}: {exc}")
+                continue
+            self.log(f"10. agent session on {model_type}: {size.system_tokens}-token system "
+                     f"prompt, {size.turns} turns of {size.tool_tokens[0]}-"
+                     f"{size.tool_tokens[1]}-token tool results")  # fmt: skip
+            result = agent.run_model(model, size, env=self.env, disk_tier=disk_tier,
+                                     log_dir=self.out / "logs" / "agent" / model_type,
+                                     log=self.log,
+                                     mlx_lm=not self.args.no_mlx_lm_server)  # fmt: skip
+            for error in result["errors"]:
+                self.not_run(f"agent session on {model_type}, {error}")
+            data["models"][model_type] = result
+            self.results["models"][f"agent {model_type}"] = {
+                "parameters": model.parameters, "weight_bytes": model.weight_bytes,
+                "path": str(model.path),
+            }  # fmt: skip
+            self.log(report.agent_line(model_type, result))
+            self.write()
+
     def structured(self, model: Model) -> None:
         p = self.profile
         self.log(f"7. structured output on {model.name}: B = {p['structured_batches']}")
@@ -773,7 +830,7 @@ def main() -> None:
     )
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory, structured, "
-                        "multilora, traffic")  # fmt: skip
+                        "multilora, traffic, agent")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/latest/MACHINE/")
     parser.add_argument("--batches", help="comma-separated B for the overhead part "
                         "(default: the profile's)")  # fmt: skip
@@ -790,6 +847,10 @@ def main() -> None:
                         help="the traffic part's rounds: every server stays up and each round "
                         "runs the bare loops, then every server in turn; the tables show "
                         "the median round and list every round's ratios")  # fmt: skip
+    parser.add_argument("--agent-models", default="llama,gemma3_text,qwen3_next,gpt_oss",
+                        help="the agent part's architectures (tiny random models, comma-separated)")  # fmt: skip
+    parser.add_argument("--agent-system-tokens", type=int, default=None, metavar="N",
+                        help="the agent part's system prompt in tokens (default: the profile's)")  # fmt: skip
     parser.add_argument("--no-mlx-lm-server", action="store_true",
                         help="the traffic part runs trio-mlx (and its variants) only: for "
                         "variant-only runs; every ratio to mlx_lm.server needs it")  # fmt: skip

@@ -3,7 +3,9 @@
 * ``random-25m``: a random float32 llama of ~25M parameters (CPU runs);
 * ``default``: the bundled default model (``trio_mlx.default_model_path()``), when trained;
 * ``llama-1b``: a random bf16 llama shaped like Llama-3.2-1B (GPU runs): hidden 2048,
-  16 layers, 32 heads, 8 KV heads, MLP 8192, vocab 128256, tied embeddings.
+  16 layers, 32 heads, 8 KV heads, MLP 8192, vocab 128256, tied embeddings;
+* :func:`agent_model`: the agent part's tiny random models of several architectures
+  (``trio_mlx.testing.make_random_model``), with a context long enough for its session.
 
 Every run asks for exactly ``max_tokens`` tokens, so a generation must never end
 early at an EOS. The random models make sure of that without a logits processor
@@ -175,3 +177,30 @@ def prepare(name: str, log: Any = print) -> Model:
         _build_random(spec, path)
         log(f"built {name} in {time.perf_counter() - start:.1f} s")
     return _describe(name, path, None)
+
+
+def agent_model(model_type: str, context: int, log: Any = print) -> Model:
+    """A tiny random ``model_type`` model with a ``context``-token context, built if needed.
+
+    ``trio_mlx.testing.make_random_model`` builds every architecture; where it is not
+    there yet, a llama comes from ``make_random_llama`` and the others raise
+    :class:`NotImplementedError`. Their EOS ids are not kept away by the weights:
+    requests carry a ``logit_bias`` on them.
+    """
+    from trio_mlx import testing
+
+    path = cache_dir() / f"agent-{model_type}-{context}-v1"
+    if not (path / "config.json").exists():
+        make = getattr(testing, "make_random_model", None)
+        start = time.perf_counter()
+        log(f"building model {model_type} ({context}-token context) in {path} ...")
+        if make is not None:
+            make(path, model_type, seed=0, max_position_embeddings=context)
+        elif model_type == "llama":
+            testing.make_random_llama(path, max_position_embeddings=context)
+        else:
+            raise NotImplementedError(
+                f"trio_mlx.testing.make_random_model does not exist yet: no {model_type} model"
+            )
+        log(f"built {model_type} in {time.perf_counter() - start:.1f} s")
+    return _describe(model_type, path, dict.fromkeys(EOS_IDS, -100.0))

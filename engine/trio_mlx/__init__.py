@@ -5,19 +5,22 @@ The engine never imports the web stack (quart, hypercorn, trio_mlx_http).
 """
 
 from trio_mlx._core.arbiter import ArbiterPolicy, ArbiterStatistics
-from trio_mlx._core.engine import Engine, GenerationStream, open_engine
+from trio_mlx._core.engine import Engine, open_engine
 from trio_mlx._core.request import EngineStatistics
+from trio_mlx._core.stream import GenerationStream
 from trio_mlx._errors import (
     AdapterConflict,
     EngineClosed,
     EngineOverloaded,
     GenerationFailed,
+    InvalidAdapter,
     InvalidGrammar,
     InvalidRequest,
     NotFound,
     ReaderStalled,
     TrioMLXError,
 )
+from trio_mlx._lanes.prompt_cache import PromptCacheStatistics
 from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
 from trio_mlx._start.blas import BackendInfo, backend_info
 from trio_mlx._start.settings import EngineSettings
@@ -39,9 +42,11 @@ __all__ = [
     "GenerationFailed",
     "GenerationResult",
     "GenerationStream",
+    "InvalidAdapter",
     "InvalidGrammar",
     "InvalidRequest",
     "NotFound",
+    "PromptCacheStatistics",
     "ReaderStalled",
     "SamplingParams",
     "TokenLogprob",

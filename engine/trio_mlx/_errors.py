@@ -55,6 +55,18 @@ class InvalidGrammar(InvalidRequest):
     default_code = "invalid_grammar"
 
 
+class InvalidAdapter(InvalidRequest):
+    """An adapter that cannot be mounted as it is (400).
+
+    A layer it adapts lacks one of its two matrices (mlx-lm would draw the
+    missing one at random at every use), a matrix has the wrong shape or a
+    NaN or infinite value, or its scale is not a finite number of sane size.
+    The message names the tensor or setting at fault.
+    """
+
+    default_code = "invalid_adapter"
+
+
 class NotFound(TrioMLXError):
     """An unknown model or adapter was named (404)."""
 

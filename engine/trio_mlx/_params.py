@@ -135,6 +135,26 @@ def _check_logit_bias(
             raise InvalidRequest("logit_bias values must be within [-100, 100]", param="logit_bias")
 
 
+def _check_markers(_instance: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    ok = (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(
+            isinstance(ids, tuple)
+            and ids
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+            for ids in value
+        )
+    )
+    if not ok:
+        raise InvalidRequest(
+            "reasoning_markers must be two non-empty tuples of token ids",
+            param="reasoning_markers",
+        )
+
+
 def _check_adapter(_instance: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and (not isinstance(value, str) or not value):
         raise InvalidRequest("adapter must be a non-empty string", param="adapter")
@@ -250,6 +270,17 @@ class SamplingParams:
     min_tokens: int = attrs.field(default=0, validator=_number(low=0, integer=True))
     #: A matched stop string stays at the end of the output (it is cut by default).
     include_stop_str_in_output: bool = attrs.field(default=False, validator=_boolean)
+    #: At most this many tokens of reasoning: once spent, the reasoning block is ended
+    #: by emitting ``reasoning_markers``' end marker (None: no bound but max_tokens).
+    reasoning_budget: int | None = attrs.field(
+        default=None, validator=_number(low=1, integer=True, optional=True)
+    )
+    #: The token ids that open and that close a reasoning block (with ``reasoning_budget``).
+    reasoning_markers: tuple[tuple[int, ...], tuple[int, ...]] | None = attrs.field(
+        default=None, validator=_check_markers
+    )
+    #: The prompt already opened the reasoning block (its chat template wrote the start).
+    reasoning_opened: bool = attrs.field(default=False, validator=_boolean)
 
     #: Constrain the output to JSON valid against this JSON schema (a mapping, or its
     #: JSON text). ``{"type": "object"}`` asks for any one JSON object. JSON is
@@ -272,6 +303,12 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 param="min_tokens",
             )
+        if self.reasoning_budget is not None and self.reasoning_markers is None:
+            raise InvalidRequest(
+                "reasoning_budget needs reasoning_markers (the ids that open and close "
+                "a reasoning block)",
+                param="reasoning_budget",
+            )
         given = [
             name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None
         ]
@@ -288,6 +325,14 @@ class SamplingParams:
                     f"{name} cannot be combined with {given[0]} (a complete value ends with EOS)",
                     param=name,
                 )
+        # A stop string matched inside the value would end it unfinished with "stop",
+        # and after the value only EOS is allowed: no place where a stop could apply.
+        if given and self.stop:
+            raise InvalidGrammar(
+                f"stop sequences cannot be combined with {given[0]}: one could cut the "
+                "value short, and a constrained value ends by itself (send no stop)",
+                param="stop",
+            )
 
     @property
     def constrained(self) -> bool:

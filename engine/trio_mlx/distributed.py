@@ -15,7 +15,29 @@ from reporting success. How it works: ``design/engine.md`` and
 ``design/distributed.md``.
 """
 
-from trio_mlx._dist.follower import follow
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from trio_mlx._dist import follower
 from trio_mlx._dist.leader import exit_status, follower_rank, launched
+from trio_mlx._start.loading import load, resolve_model
+from trio_mlx._start.settings import EngineSettings
 
 __all__ = ["exit_status", "follow", "follower_rank", "launched"]
+
+
+def follow(
+    model: str | os.PathLike[str] | None,
+    *,
+    on_ready: Callable[[], None] | None = None,
+) -> int:
+    """Run a follower rank until rank 0 closes its lane; returns an exit status.
+
+    Loads the same shard layout as rank 0 (rank 0's settings arrive over the
+    channel first), then executes rank 0's commands in order.
+    """
+    loaded = load(resolve_model(model), EngineSettings(), distributed=True)
+    assert loaded.channel is not None
+    return follower.serve(loaded, loaded.channel, on_ready=on_ready)

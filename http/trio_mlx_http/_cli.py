@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -32,6 +33,14 @@ class _HelpFormatter(argparse.HelpFormatter):
         ):
             return text
         return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, telling a mistake in two lines instead of the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print what is wrong and where the options are; exit 2 (argparse's status)."""
+        self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the options.\n")
 
 
 class _VersionAction(argparse.Action):
@@ -145,6 +154,14 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a response_format schema may take to compile before a 400 (default 10)",
     )
     parser.add_argument(
+        "--grammar-cache-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="bound of the compiled grammars kept for reuse, by their estimated size, "
+        "e.g. 64M; 0 keeps none (default: 256M)",
+    )
+    parser.add_argument(
         "--adapter-dir", default=None, help="POST /v1/adapters mounts only adapters in here"
     )
     parser.add_argument(
@@ -180,8 +197,18 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="NAME",
-        help="a name the model answers to (repeatable; the first is listed in /v1/models). "
-        "The --model id and its last path component are always accepted",
+        help="a name the model answers to, listed in /v1/models (repeatable; the first is "
+        "the name answers carry). A name with *, ? or [ is a pattern, e.g. 'claude-*' for "
+        "every name Claude Code sends. The --model id and its last path component are "
+        "always accepted",
+    )
+    parser.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="a stream silent this long (queued, or in a long prefill) sends a keep-alive: "
+        "an SSE comment, or a ping event on /v1/messages (0: never)",
     )
     parser.add_argument(
         "--chat-template-args",
@@ -221,6 +248,31 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="cap of the prompt (KV) cache, e.g. 512M or 2G; 0 disables it "
         "(default: the engine's, 256M)",
+    )
+    parser.add_argument(
+        "--kv-memory",
+        dest="kv_memory_bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="what the running requests' KV caches may hold at worst, e.g. 8GiB; a request "
+        "waits until it fits, one that never could is refused (default: half of MLX's "
+        "memory limit less the weights)",
+    )
+    parser.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep checkpoints of long prompts (1,024 tokens or more) in this folder, "
+        "across restarts (off by default; servers may share the folder)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="cap of --prompt-cache-dir's files, least recently used evicted first "
+        "(default: the engine's, 10G)",
     )
     parser.add_argument(
         "--graceful-timeout",
@@ -265,7 +317,7 @@ def _size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``trio-mlx`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="trio-mlx",
         description="An LLM generation engine for MLX with an OpenAI-compatible server.",
         epilog="`trio-mlx serve --help` lists the server's flags and their defaults.",
@@ -297,6 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, with an unknown flag told by the command it was given to."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        where = commands.choices.get(args.command, parser) if args.command else parser
+        where.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 #: Seconds between the interpreter's GIL hand-overs while ``trio-mlx`` runs (default 0.005).
 SWITCH_INTERVAL = 0.001
 
@@ -313,11 +375,18 @@ def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # --help and --version end here, before any import
+    args = _parse(parser, argv)  # --help and --version end here, before any import
     if args.command is None:
         parser.print_help()
         return 0
-    _fast_blas(argv)
+    key = getattr(args, "api_key", None)
+    if key is not None and not key.strip():
+        # An empty key used to mean no authentication at all: a typo away from an open server.
+        parser.error(
+            "the API key (--api-key or TRIO_MLX_API_KEY) is set but empty; set a key, or "
+            "unset TRIO_MLX_API_KEY and leave --api-key out to serve without authentication"
+        )
+    blas_hint = _fast_blas(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -337,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve" and distributed.follower_rank() is not None:
             status = distributed.follow(args.model)  # a rank > 0 under mlx.launch
         else:
-            status = trio.run(runner, args)
+            status = trio.run(functools.partial(runner, args, blas_hint=blas_hint))
     except KeyboardInterrupt:
         status = 130
     except Exception as error:
@@ -365,14 +434,17 @@ def _exit_now(status: int) -> NoReturn:
     os._exit(distributed.exit_status(status))
 
 
-def _fast_blas(argv: Sequence[str] | None) -> None:
+def _fast_blas(argv: Sequence[str] | None) -> bool:
     """Re-run this command with an optimized BLAS preloaded when one helps (Linux).
 
     Only for a real command line (``argv`` None): called in-process with explicit
     arguments, re-executing would re-run the host program instead. This runs
     before MLX is imported; the flag may sit before or after the command, so the scan is by hand.
+    Returns whether the install hint is due: the command prints it once the
+    model has loaded, so that a start-up error is told in its own lines alone.
     """
     if argv is None:
         from trio_mlx_http._fast_blas import maybe_reexec_with_fast_blas
 
-        maybe_reexec_with_fast_blas(opt_out="--no-fast-blas" in sys.argv[1:])
+        return maybe_reexec_with_fast_blas(opt_out="--no-fast-blas" in sys.argv[1:], hint=False)
+    return False

@@ -140,7 +140,9 @@ def install_error_handlers(app: Quart) -> None:
     async def on_error(error: Exception) -> Response:
         if not isinstance(error, TrioMLXError | HTTPException):
             logger.exception("unexpected error", exc_info=error)
-        anthropic = has_request_context() and request.path in ANTHROPIC_PATHS
+        anthropic = has_request_context() and (
+            request.path in ANTHROPIC_PATHS or request.path.startswith("/v1/v1/messages")
+        )
         return error_response(error, anthropic=anthropic)
 
     app.register_error_handler(TrioMLXError, on_error)

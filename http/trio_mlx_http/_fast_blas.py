@@ -77,15 +77,17 @@ def plan_reexec(
 
 
 def maybe_reexec_with_fast_blas(
-    argv: Sequence[str] | None = None, *, opt_out: bool = False
-) -> None:
+    argv: Sequence[str] | None = None, *, opt_out: bool = False, hint: bool = True
+) -> bool:
     """Re-execute this process once with an optimized BLAS preloaded, when that helps.
 
     ``argv`` is the interpreter's arguments (default ``sys.orig_argv[1:]``), so
     ``trio-mlx ...`` and ``python -m trio_mlx_http ...`` re-run exactly as typed.
-    Returns only when there is nothing to do: after printing the one-line
-    install hint on a reference-BLAS machine, or when turned off. Call it before
-    anything imports MLX: a BLAS loaded after MLX serves nothing.
+    Returns only when there is nothing to do, and then whether MLX will run on
+    its reference BLAS with no optimized one found: the one-line install
+    :data:`HINT` is then printed, unless ``hint`` is false (the CLI prints it
+    once the model has loaded, so that a start-up error is told alone). Call it
+    before anything imports MLX: a BLAS loaded after MLX serves nothing.
     """
     plan = plan_reexec(
         os.environ,
@@ -93,11 +95,11 @@ def maybe_reexec_with_fast_blas(
         bundled_reference=bundled_reference_blas(),
         opt_out=opt_out,
     )
-    if plan.action == "hint":
+    if plan.action == "hint" and hint:
         print(HINT, file=sys.stderr)
-    if plan.action != "exec" or plan.env is None or not sys.executable:
-        return
-    args = list(sys.orig_argv[1:] if argv is None else argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *args], dict(plan.env))
+    if plan.action == "exec" and plan.env is not None and sys.executable:
+        args = list(sys.orig_argv[1:] if argv is None else argv)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *args], dict(plan.env))
+    return plan.action == "hint"

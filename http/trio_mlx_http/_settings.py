@@ -16,6 +16,16 @@ def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) ->
         raise ValueError(f"{attribute.name} must be >= 1, not {value!r}")
 
 
+def _key(_instance: object, _attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ValueError("api_key must not be empty (None serves without authentication)")
+
+
+def _positive_or_none(_instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0 or None, not {value!r}")
+
+
 def _names(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
@@ -31,7 +41,7 @@ class Settings:
     #: The model id clients see and send; None means the engine's ``model_id``.
     model_name: str | None = None
     #: Bearer token every endpoint but ``/health`` requires; None disables auth.
-    api_key: str | None = attrs.field(default=None, repr=False)
+    api_key: str | None = attrs.field(default=None, repr=False, validator=_key)
     #: ``POST /v1/adapters`` mounts only adapters inside this folder; None disables it.
     adapter_dir: Path | None = attrs.field(default=None, converter=_to_dir)
     #: Request bodies above this many bytes get a 413 before they are read whole.
@@ -51,8 +61,14 @@ class Settings:
     chat_template_args: dict[str, Any] = attrs.field(factory=dict)
     #: Other names the served model answers to as ``model`` (not listed in ``/v1/models``).
     model_aliases: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    #: ``--served-model-name``: each listed in ``/v1/models``; one holding ``*``, ``?`` or
+    #: ``[`` is a shell-style pattern (``claude-*``) that every matching name answers to.
+    served_model_names: tuple[str, ...] = attrs.field(default=(), converter=_names)
     #: The reasoning markers: None takes the tokenizer's (``think_start``/``think_end``),
     #: False keeps reasoning in the content, a pair names them.
     reasoning_markers: tuple[str, str] | bool | None = None
+    #: Seconds a stream may stay silent (queued, or in a long prefill) before it
+    #: sends a keep-alive; None sends none.
+    sse_keepalive: float | None = attrs.field(default=15.0, validator=_positive_or_none)
     #: The most choices (``n``) and prompts one request may ask for.
     max_choices: int = attrs.field(default=16, validator=_positive)

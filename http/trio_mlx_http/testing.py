@@ -88,6 +88,9 @@ async def live_server(
 def sse_events(raw: bytes) -> list[Any]:
     """Split a complete SSE body into its ``data:`` payloads (``"[DONE]"`` kept as text).
 
+    A block of one comment line (``: keep-alive``, what the server sends while a
+    stream waits) is skipped, as SSE clients skip it.
+
     Raises:
         ValueError: the body is truncated, or a block is not exactly one ``data:`` line.
     """
@@ -95,6 +98,8 @@ def sse_events(raw: bytes) -> list[Any]:
         raise ValueError(f"truncated stream: {raw[-80:]!r}")
     events: list[Any] = []
     for block in raw[:-2].split(b"\n\n"):
+        if block.startswith(b":") and b"\n" not in block:
+            continue
         if not block.startswith(b"data: ") or b"\n" in block:
             raise ValueError(f"not one data line: {block[:80]!r}")
         data = block[len(b"data: ") :]

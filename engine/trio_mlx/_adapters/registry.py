@@ -4,6 +4,13 @@ The base model stays plain. A request naming an adapter runs alone (serial
 lane): the adapter's layers go on for that request and come off after it, so
 batch rows never see them. All calls run on the MLX thread.
 
+Only what can be taken off again, and whose weights say everything the layers
+hold, is accepted: every adapted layer needs both matrices from the adapter
+(mlx-lm draws ``lora_a`` at random when it wraps a layer, so a missing one would
+give another model at every use), of the layer's shapes, finite, under a finite
+scale of at most :data:`MAX_SCALE`; anything else is
+:class:`~trio_mlx.InvalidAdapter` at mount, naming what is wrong.
+
 Only what can be taken off again is accepted. mlx-lm's ``linear_to_lora_layers``
 wraps layers (LoRA or DoRA linear, switch-linear and embedding layers, or a
 model's own ``to_lora``); mlx-lm's ``remove_lora_layers`` unwraps only
@@ -25,6 +32,7 @@ changes or vanishes later does not matter.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -34,7 +42,13 @@ from typing import Any
 import attrs
 
 from trio_mlx._adapters.multilora import DEFAULT_METHOD, AdapterLayers, AdapterStack
-from trio_mlx._errors import AdapterConflict, GenerationFailed, InvalidRequest, NotFound
+from trio_mlx._errors import (
+    AdapterConflict,
+    GenerationFailed,
+    InvalidAdapter,
+    InvalidRequest,
+    NotFound,
+)
 
 __all__ = ["AdapterRegistry", "BaseModelChanged"]
 
@@ -42,6 +56,11 @@ __all__ = ["AdapterRegistry", "BaseModelChanged"]
 REMOVABLE_TYPES = ("lora", "dora")
 #: The leaves an adapter's weights may set (mlx-lm's LoRA and DoRA parameters).
 _ADAPTER_LEAVES = frozenset({"lora_a", "lora_b", "m"})
+#: The leaves every adapted layer must have from the adapter: mlx-lm draws ``lora_a``
+#: at random when it wraps a layer (DoRA's ``m`` is computed from the base weight).
+_REQUIRED_LEAVES = ("lora_a", "lora_b")
+#: The largest LoRA scale accepted (trained adapters use 1 to a few tens).
+MAX_SCALE = 1e3
 
 
 class BaseModelChanged(GenerationFailed):
@@ -220,6 +239,8 @@ class AdapterRegistry:
             raise InvalidRequest(
                 f"the adapter at {path} sets {bad[0]!r}, not an adapter parameter", param="path"
             )
+        _check_scale(path, lora_parameters)
+        _check_finite(path, weights)
         return _Adapter(
             path,
             config.get("fine_tune_type", "lora"),
@@ -245,10 +266,27 @@ class AdapterRegistry:
             shapes = dict(tree_flatten(model.parameters()))
             for key, value in adapter.weights:
                 if key not in shapes or shapes[key].shape != value.shape:
-                    raise InvalidRequest(
-                        f"the adapter at {adapter.path} does not fit this model ({key!r})",
+                    raise InvalidAdapter(
+                        f"the adapter at {adapter.path} does not fit this model ({key!r}"
+                        + (
+                            f": shape {tuple(value.shape)}, the layer's {tuple(shapes[key].shape)})"
+                            if key in shapes
+                            else ")"
+                        ),
                         param="path",
                     )
+            given = {key for key, _value in adapter.weights}
+            missing = sorted(
+                key
+                for key in shapes
+                if key.rsplit(".", 1)[-1] in _REQUIRED_LEAVES and key not in given
+            )
+            if missing:
+                raise InvalidAdapter(
+                    f"the adapter at {adapter.path} has no {missing[0]!r} ({len(missing)} "
+                    "adapted matrices missing): every adapted layer needs both lora_a and lora_b",
+                    param="path",
+                )
             model.load_weights(list(adapter.weights), strict=False)
             yield
         finally:
@@ -264,6 +302,38 @@ class AdapterRegistry:
                 raise BaseModelChanged(
                     f"the adapter at {adapter.path} could not be taken off the base model"
                 )
+
+
+def _check_scale(path: Path, lora_parameters: Mapping[str, Any]) -> None:
+    if "scale" not in lora_parameters:
+        return  # mlx-lm refuses it, naming the key
+    scale = lora_parameters["scale"]
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float)
+        or not math.isfinite(scale)
+        or abs(scale) > MAX_SCALE
+    ):
+        raise InvalidAdapter(
+            f"the adapter at {path} has scale {scale!r}; it must be a finite number "
+            f"within [-{MAX_SCALE:g}, {MAX_SCALE:g}]",
+            param="path",
+        )
+
+
+def _check_finite(path: Path, weights: Mapping[str, Any]) -> None:
+    import mlx.core as mx
+
+    for key, value in weights.items():
+        if not mx.issubdtype(value.dtype, mx.floating):
+            raise InvalidAdapter(
+                f"the adapter at {path} holds {key!r} as {value.dtype}, not floating point",
+                param="path",
+            )
+        if not bool(mx.all(mx.isfinite(value)).item()):
+            raise InvalidAdapter(
+                f"the adapter at {path} holds NaN or infinite values in {key!r}", param="path"
+            )
 
 
 def _batch_layers(

@@ -44,10 +44,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections import Counter
 from collections.abc import Callable
 from functools import partial
-from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -70,19 +68,35 @@ from trio_mlx._core.arbiter import (
     Wait,
 )
 from trio_mlx._core.gate import LaneName
-from trio_mlx._core.output import RowEvent
+from trio_mlx._core.ledger import Ledger
 from trio_mlx._core.planner import StepPlanner
 from trio_mlx._core.request import Ending, EngineStatistics, Phase, Request
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
     EngineClosed,
     EngineOverloaded,
-    ReaderStalled,
+    InvalidRequest,
 )
 from trio_mlx._lanes.batch import BatchLane
-from trio_mlx._lanes.records import StepResult
+from trio_mlx._lanes.output import RowEvent
+from trio_mlx._lanes.records import RowSpec, StepResult
+from trio_mlx._memory import KVBudget
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "too_large"]
+
+
+def too_large(spec: RowSpec, memory: KVBudget) -> InvalidRequest:
+    """The refusal of a request whose KV cache alone could never fit the budget."""
+    prompt, max_tokens = len(spec.prompt), spec.params.max_tokens
+    capacity = memory.row_capacity()
+    needed = memory.profile.row_bytes(prompt + max_tokens)
+    return InvalidRequest(
+        f"the request needs a KV cache of {prompt + max_tokens} tokens ({prompt} prompt + "
+        f"{max_tokens} max_tokens), {needed} bytes; the engine's KV memory budget is "
+        f"{memory.limit} bytes, which holds at most {capacity} tokens for one request",
+        param="prompt",
+        code="kv_memory_exceeded",
+    )
 
 
 @attrs.define(eq=False)
@@ -102,10 +116,10 @@ class Actor:
     #: A request whose unread output passes this is cancelled (None: no limit).
     max_unread: int | None = None
     _arbiter: Arbiter = attrs.field(init=False)
-    _requests: dict[int, Request] = attrs.field(init=False, factory=dict)
+    #: The live requests and the counts of the ended ones.
+    _books: Ledger = attrs.field(init=False)
     _ids: Any = attrs.field(init=False, factory=lambda: itertools.count(1))
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     #: Decides what each step call carries (rows in and out, burst length); its
     #: fields are the burst and grouped-admission knobs.
     planner: StepPlanner = attrs.field(init=False)
@@ -113,9 +127,6 @@ class Actor:
     _parking: list[int] = attrs.field(init=False, factory=list)
     _closing: bool = attrs.field(init=False, default=False)
     _stopped: bool = attrs.field(init=False, default=False)
-    _counts: Counter[str] = attrs.field(init=False, factory=Counter)
-    _adapter_counts: Counter[str] = attrs.field(init=False, factory=Counter)
-    _tokens: Counter[str] = attrs.field(init=False, factory=Counter)
     _batch_rows: int = attrs.field(init=False, default=0)
     _inbox_send: trio.MemorySendChannel[Request] = attrs.field(init=False)
     _inbox: trio.MemoryReceiveChannel[Request] = attrs.field(init=False)
@@ -135,7 +146,7 @@ class Actor:
         # is what normally says no.
         size = self.policy.max_queue + self.policy.max_batch
         self._inbox_send, self._inbox = trio.open_memory_channel[Request](size)
-        self._idle.set()
+        self._books = Ledger(self.max_unread)
 
     # --- the synchronous core, called from the Trio thread ---
 
@@ -151,16 +162,15 @@ class Actor:
     def submit_nowait(self, request: Request) -> None:
         """Put a request in the inbox, or raise EngineOverloaded / EngineClosed at once."""
         if self.closed:
-            self._counts[f"{request.lane}:{Ending.REJECTED}"] += 1
+            self._books.refused(request.lane)
             raise EngineClosed("the engine is closed")
         try:
             self._inbox_send.send_nowait(request)
         except trio.WouldBlock:
-            self._counts[f"{request.lane}:{Ending.REJECTED}"] += 1
+            self._books.refused(request.lane)
             raise EngineOverloaded("the engine's inbox is full", retry_after=1.0) from None
         request.submitted = now = trio.current_time()
-        self._requests[request.id] = request
-        self._idle = trio.Event()
+        self._books.open(request)
         self._ring(interrupt=self._ends_burst(request, now))
 
     async def submit(self, request: Request) -> None:
@@ -186,16 +196,23 @@ class Actor:
 
     def _accept(self, request: Request) -> None:
         now = trio.current_time()
+        spec = request.spec
+        # A generation's worst case: its prompt and every token it may generate.
+        tokens = 0 if spec is None else len(spec.prompt) + spec.params.max_tokens
         if request.lane is LaneName.BATCH:
-            rejection = self._arbiter.submit_row(request.id, now)
+            rejection = self._arbiter.submit_row(request.id, now, tokens)
         else:
-            rejection = self._arbiter.submit_job(request.id, now)
+            rejection = self._arbiter.submit_job(request.id, now, tokens)
         if rejection is None:
             request.phase = Phase.PENDING
-            if request.spec is not None:
-                self._tokens["prompt"] += len(request.spec.prompt)
+            self._books.queued(request)
         elif rejection is Rejection.CLOSED:
             request.rejection = EngineClosed("the engine is closed")
+            self._end(request, Ending.REJECTED)
+        elif rejection is Rejection.TOO_LARGE:
+            assert spec is not None
+            assert self.policy.memory is not None
+            request.rejection = too_large(spec, self.policy.memory)
             self._end(request, Ending.REJECTED)
         else:
             request.rejection = EngineOverloaded(
@@ -209,7 +226,7 @@ class Actor:
         self._cancel(request, trio.current_time())
 
     def _cancel(self, request: Request, now: float) -> None:
-        if request.phase is Phase.DONE or request.id not in self._requests:
+        if request.phase is Phase.DONE or request.id not in self._books:
             return
         request.cancel_flag.set()
         if request.phase is Phase.INBOX:
@@ -233,7 +250,7 @@ class Actor:
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot: arbiter state, counters, worker liveness."""
         arb = self._arbiter.statistics()
-        requests = {f"{lane}:{o}": self._counts[f"{lane}:{o}"] for lane in LaneName for o in Ending}
+        books = self._books
         return EngineStatistics(
             state=arb.state.name,
             running_rows=arb.running_rows,
@@ -245,10 +262,10 @@ class Actor:
             worker_busy_seconds=self.worker.busy_seconds,
             batch_rows=self._batch_rows,
             adapters=self.adapters(),
-            requests=MappingProxyType(requests),
-            prompt_tokens=self._tokens["prompt"],
-            cached_prompt_tokens=self._tokens["cached"],
-            generated_tokens=self._tokens["generated"],
+            requests=books.requests(),
+            prompt_tokens=books.tokens("prompt"),
+            cached_prompt_tokens=books.tokens("cached"),
+            generated_tokens=books.tokens("generated"),
             drains=arb.drains,
             preemptions=arb.preemptions,
             steps=arb.steps,
@@ -258,21 +275,15 @@ class Actor:
             prefill_chunk=self.planner.last_chunk,
             decode_step_seconds=self.planner.decode_seconds,
             prompt_token_seconds=self.planner.token_seconds,
-            adapter_requests=MappingProxyType(dict(self._adapter_counts)),
-            adapter_rows=MappingProxyType(dict(self._live_adapter_rows())),
+            adapter_requests=books.adapter_requests(),
+            adapter_rows=books.adapter_rows(),
+            kv_memory_budget=arb.kv_bytes_budget or 0,
+            kv_memory_reserved=arb.kv_bytes_reserved,
         )
-
-    def _live_adapter_rows(self) -> Counter[str]:
-        """Requests not yet ended that named an adapter, by ``"lane:adapter"``."""
-        live: Counter[str] = Counter()
-        for request in self._requests.values():
-            if request.spec is not None and request.spec.params.adapter is not None:
-                live[f"{request.lane}:{request.spec.params.adapter}"] += 1
-        return live
 
     async def wait_idle(self) -> None:
         """Wait until no request is pending."""
-        await self._idle.wait()
+        await self._books.wait_idle()
 
     def close_nowait(self, reason: str = "the engine is shutting down") -> None:
         """Close the arbiter: every pending request ends with EngineClosed."""
@@ -284,10 +295,10 @@ class Actor:
         self._inbox_send.close()
         if self._arbiter.state is not State.CLOSED:
             for item_id in self._arbiter.close(trio.current_time()):
-                request = self._requests.get(item_id)
+                request = self._books.get(item_id)
                 if request is not None:
                     self._close_request(request, reason)
-        for request in list(self._requests.values()):
+        for request in self._books:
             self._close_request(request, reason)
         self._ring()
 
@@ -339,7 +350,7 @@ class Actor:
                 case Park(ids):
                     await self._park(ids)
                 case Start(job_id):
-                    self._start(nursery, self._requests[job_id])
+                    self._start(nursery, self._books[job_id])
                 case Wait(deadline):
                     if self.planner.discard_due(self._arbiter.state):
                         await self._discard()
@@ -394,7 +405,7 @@ class Actor:
         """Admitted or resumed rows join the next step: new ones inserted, parked ones resumed."""
         now = trio.current_time()
         for row_id in ids:
-            request = self._requests[row_id]
+            request = self._books[row_id]
             request.phase = Phase.RUNNING
             if request.inserted:
                 self.planner.resume(row_id)
@@ -417,7 +428,7 @@ class Actor:
             trio.current_time(), self._arbiter.state, self._arbiter.jobs_waiting
         )
         for spec in plan.inserts:
-            self._requests[spec.id].inserted = True
+            self._books[spec.id].inserted = True
         # Cleared right after the decision (on this thread, with no checkpoint
         # in between): any later ring ends the burst at the next step.
         self._news.clear()
@@ -457,7 +468,7 @@ class Actor:
             error = result.error
             events = [
                 RowEvent(r.id, error=error)
-                for r in self._requests.values()
+                for r in self._books
                 if r.lane is LaneName.BATCH and r.phase is Phase.RUNNING
             ]
             self.planner.remove(*(event.id for event in events))
@@ -469,10 +480,9 @@ class Actor:
             self.planner.stepped(step.decoding, step.steps)
             self.planner.timed(step.timings)
             for row_id, cached in step.cached.items():
-                request = self._requests.get(row_id)
+                request = self._books.get(row_id)
                 if request is not None:
-                    request.cached_tokens = cached
-                    self._tokens["cached"] += cached
+                    self._books.cached(request, cached)
         now = trio.current_time()
         for event in events:
             self._route_row(event, now)
@@ -487,47 +497,24 @@ class Actor:
         self._chain_done.set()
 
     def _route_row(self, event: RowEvent, now: float) -> None:
-        request = self._requests.get(event.id)
+        request = self._books.get(event.id)
         if request is None or request.phase is not Phase.RUNNING:
             return
-        self._deliver(request, event, now)
+        self._books.deliver(request, event, now)
         if event.error is not None:
             self._arbiter.row_ended(request.id, Outcome.FAILED, now)
             self._end(request, Ending.FAILED)
         elif event.finish_reason is not None:
             self._arbiter.row_ended(request.id, Outcome.FINISHED, now)
             self._end(request, Ending.FINISHED)
-        else:
-            self._check_unread(request, now)
-
-    def _check_unread(self, request: Request, now: float) -> None:
-        """Cancel a request whose reader has stopped taking its output."""
-        limit = self.max_unread
-        if limit is None or request.outbox.unread <= limit or request.cancel_flag.is_set():
-            return
-        error = ReaderStalled(
-            f"the reader stopped taking the output ({request.outbox.unread} tokens "
-            f"unread, the limit is {limit}); the request was cancelled",
-        )
-        request.result = outcome.Error(error)
-        request.outbox.put(RowEvent(request.id, error=error))
-        self._cancel(request, now)
-
-    def _deliver(self, request: Request, event: RowEvent, now: float) -> None:
-        if event.generated > request.generated:
-            self._tokens["generated"] += event.generated - request.generated
-            request.generated = event.generated
-        if request.first_token is None and event.token_ids:
-            request.first_token = now
-        if event.finish_reason is not None or event.error is not None:
-            request.finished_at = now
-        request.outbox.put(event)
+        elif self._books.stalled(request):
+            self._cancel(request, now)
 
     def _mark_parked(self, ids: tuple[int, ...]) -> list[int]:
         """Bookkeeping of a Park decision; returns the rows the lane must park."""
         in_lane = []
         for row_id in ids:
-            request = self._requests[row_id]
+            request = self._books[row_id]
             request.phase = Phase.PENDING
             if not self.planner.unqueue(row_id):
                 in_lane.append(row_id)
@@ -546,12 +533,12 @@ class Actor:
                     return
                 now = trio.current_time()
                 for row_id in in_lane:
-                    request = self._requests.get(row_id)
+                    request = self._books.get(row_id)
                     if request is None:
                         continue
                     self._arbiter.cancel_row(row_id, now)
                     self.planner.remove(row_id)
-                    self._deliver(request, RowEvent(row_id, error=exc), now)
+                    self._books.deliver(request, RowEvent(row_id, error=exc), now)
                     self._end(request, Ending.FAILED)
 
     def _start(self, nursery: trio.Nursery, request: Request) -> None:
@@ -561,7 +548,7 @@ class Actor:
     async def _run_job(self, request: Request) -> None:
         if request.lane is LaneName.SERIAL:
             emit = partial(self.worker.call_soon_in_trio, self._route_serial)
-            cached = partial(self.worker.call_soon_in_trio, self._cached, request)
+            cached = partial(self.worker.call_soon_in_trio, self._books.cached, request)
             work = self.serial_work(request, emit, cached)
         else:
             assert request.work is not None
@@ -578,7 +565,7 @@ class Actor:
         request.result = result
         if isinstance(result, outcome.Error):
             if request.lane is LaneName.SERIAL:
-                self._deliver(request, RowEvent(request.id, error=result.error), now)
+                self._books.deliver(request, RowEvent(request.id, error=result.error), now)
             self._arbiter.job_ended(request.id, Outcome.FAILED, now)
             self._end(request, Ending.FAILED)
         elif request.cancel_flag.is_set():
@@ -586,7 +573,7 @@ class Actor:
             self._end(request, Ending.CANCELLED)
         else:
             if request.final is not None:
-                self._deliver(request, request.final, now)
+                self._books.deliver(request, request.final, now)
             self._arbiter.job_ended(request.id, Outcome.FINISHED, now)
             self._end(request, Ending.FINISHED)
         self._ring()
@@ -594,37 +581,19 @@ class Actor:
     def _route_serial(self, events: list[RowEvent]) -> None:
         now = trio.current_time()
         for event in events:
-            request = self._requests.get(event.id)
+            request = self._books.get(event.id)
             if request is None or request.phase is not Phase.RUNNING:
                 return
             if event.finish_reason is not None:
                 # Held until the job has ended, so the request ends exactly once, then.
                 request.final = event
                 return
-            self._deliver(request, event, now)
-            self._check_unread(request, now)
-
-    def _cached(self, request: Request, cached: int) -> None:
-        request.cached_tokens = cached
-        self._tokens["cached"] += cached
-
-    # --- bookkeeping ---
+            self._books.deliver(request, event, now)
+            if self._books.stalled(request):
+                self._cancel(request, now)
 
     def _end(self, request: Request, how: Ending) -> None:
-        if request.phase is Phase.DONE:
-            return
-        request.phase = Phase.DONE
-        if request.finished_at is None:
-            request.finished_at = trio.current_time()
-        self._counts[f"{request.lane}:{how}"] += 1
-        if request.spec is not None and request.spec.params.adapter is not None:
-            self._adapter_counts[f"{request.lane}:{request.spec.params.adapter}"] += 1
-        self._requests.pop(request.id, None)
-        request.outbox.close()
-        request.done.set()
-        request.accepted.set()
-        if not self._requests:
-            self._idle.set()
+        self._books.end(request, how)
 
     def _ring(self, *, interrupt: bool = True) -> None:
         self._wake.set()

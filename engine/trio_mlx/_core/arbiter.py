@@ -25,7 +25,13 @@ The rules
    stepping. ``EXCLUSIVE``: the jobs of one *cycle* run, one at a time, with no
    row running. ``CLOSED``: terminal.
 2. **Admission** (``ADMITTING`` only): parked rows resume first, then queued
-   rows are admitted in arrival order, while fewer than ``max_batch`` run.
+   rows are admitted in arrival order, while fewer than ``max_batch`` run and,
+   with a KV memory budget (``ArbiterPolicy.memory``), while the worst case of
+   the running and parked rows with the next queued one fits it (each row
+   counts its prompt plus ``max_tokens``, priced by
+   :class:`~trio_mlx._memory.KVBudget`). The first queued row that does not
+   fit stops admission: no later row jumps it, so it waits only for running
+   rows to end, never for newer ones.
 3. **A drain begins** as soon as a job waits and the batch lane has had its
    turn: ``min_batch_steps`` decode steps since the last cycle ended, or no rows
    at all (queued, parked or running). Before the first cycle the lane's turn
@@ -47,7 +53,10 @@ The rules
    wait: in ``ADMITTING`` with no job waiting, the batch's free slots count as
    extra room. A submission past the bound is rejected at once
    (``Rejection.QUEUE_FULL``); on ``CLOSED`` every submission is rejected
-   (``Rejection.CLOSED``). Both count as ``Outcome.REJECTED``.
+   (``Rejection.CLOSED``); a row or job whose tokens alone exceed the KV memory
+   budget could never run and is rejected too (``Rejection.TOO_LARGE``). All
+   count as ``Outcome.REJECTED``. So a queued row always fits an empty batch,
+   and admission never deadlocks.
 7. **One step at a time.** After ``Step`` the arbiter waits for ``step_done``;
    the batch changes only between steps, and an exclusive job never starts while
    a step is in flight.
@@ -57,7 +66,8 @@ The rules
    pending through ``close``.
 9. **Illegal events raise** :class:`ArbiterError` and change nothing: an event
    that :data:`EVENTS` does not allow in the current state, an unknown or
-   duplicate id, an item in the wrong place, a clock that goes backwards.
+   duplicate id, an item in the wrong place, a clock that goes backwards, a
+   negative token count.
 
 How the code is laid out
 ------------------------
@@ -76,12 +86,14 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeAlias, assert_never
 
 import attrs
+
+from trio_mlx._memory import KVBudget
 
 __all__ = [
     "EVENTS",
@@ -138,6 +150,8 @@ class Rejection(enum.Enum):
 
     QUEUE_FULL = "QUEUE_FULL"
     CLOSED = "CLOSED"
+    #: Its tokens alone exceed the KV memory budget: it could never run.
+    TOO_LARGE = "TOO_LARGE"
 
 
 # The outcomes the actor may report for a running item; the arbiter assigns the rest.
@@ -161,6 +175,10 @@ class ArbiterPolicy:
     max_queue: int = attrs.field(default=256, validator=_at_least(0))
     drain_timeout: float | None = attrs.field(default=1.0, validator=_timeout)
     min_batch_steps: int = attrs.field(default=8, validator=_at_least(0))
+    #: The rows' KV memory budget (None: rows are bounded by count only).
+    memory: KVBudget | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(KVBudget))
+    )
 
 
 # --- decisions -------------------------------------------------------------------------
@@ -263,7 +281,7 @@ class When(enum.Enum):
     CYCLE_OVER = "cycle over"
     STEP_IN_FLIGHT = "a step is in flight"
     PARKED_AND_ROOM = "rows parked, room in batch"
-    QUEUED_AND_ROOM = "rows queued, room in batch"
+    QUEUED_AND_ROOM = "rows queued, room in batch, first fits KV memory"
     ROWS_RUNNING = "rows running"
     BEFORE_DEADLINE = "rows running, before drain deadline"
     JOB_RUNNING = "a job runs"
@@ -353,6 +371,8 @@ class ArbiterStatistics:
     caller's clock per ``State`` name; ``drains`` counts drains begun,
     ``preemptions`` rows parked, ``steps`` decode steps completed.
     ``drain_deadline`` is set while ``DRAINING`` with a timeout.
+    ``kv_bytes_reserved`` is the worst case of the running and parked rows'
+    KV caches, ``kv_bytes_budget`` the policy's budget (None: none).
     """
 
     state: State
@@ -368,6 +388,8 @@ class ArbiterStatistics:
     steps: int
     step_in_flight: bool
     drain_deadline: float | None
+    kv_bytes_reserved: int = 0
+    kv_bytes_budget: int | None = None
 
 
 # --- the machine ----------------------------------------------------------------------
@@ -398,6 +420,8 @@ class Arbiter:
     _running: dict[int, None] = attrs.field(init=False, factory=dict)
     _waiting: dict[int, None] = attrs.field(init=False, factory=dict)
     _running_job: int | None = attrs.field(init=False, default=None)
+    # Each live row's worst-case tokens (prompt + max_tokens), for the KV budget.
+    _tokens: dict[int, int] = attrs.field(init=False, factory=dict)
     # The jobs of the current cycle that still wait (rule 5).
     _cycle: set[int] = attrs.field(init=False, factory=set)
     _step_in_flight: bool = attrs.field(init=False, default=False)
@@ -426,13 +450,14 @@ class Arbiter:
 
     # --- events ---
 
-    def submit_row(self, row_id: int, now: float) -> Rejection | None:
-        """Queue a row; ``None`` means accepted, else why it was rejected."""
-        return self._submit(Event.SUBMIT_ROW, row_id, now)
+    def submit_row(self, row_id: int, now: float, tokens: int = 0) -> Rejection | None:
+        """Queue a row of at most ``tokens`` tokens; ``None`` means accepted, else why not."""
+        return self._submit(Event.SUBMIT_ROW, row_id, now, tokens)
 
-    def submit_job(self, job_id: int, now: float) -> Rejection | None:
-        """Queue an exclusive job; ``None`` means accepted, else why it was rejected."""
-        return self._submit(Event.SUBMIT_JOB, job_id, now)
+    def submit_job(self, job_id: int, now: float, tokens: int = 0) -> Rejection | None:
+        """Queue an exclusive job (a generation of at most ``tokens`` tokens, or 0);
+        ``None`` means accepted, else why it was rejected."""
+        return self._submit(Event.SUBMIT_JOB, job_id, now, tokens)
 
     def row_ended(self, row_id: int, outcome: Outcome, now: float) -> None:
         """A running row finished, failed or was cancelled."""
@@ -541,7 +566,18 @@ class Arbiter:
             steps=self._steps,
             step_in_flight=self._step_in_flight,
             drain_deadline=self._drain_deadline,
+            kv_bytes_reserved=self._reserved_bytes(),
+            kv_bytes_budget=None if self._policy.memory is None else self._policy.memory.limit,
         )
+
+    def _reserved_bytes(self) -> int:
+        memory = self._policy.memory
+        if memory is None:
+            return 0
+        return memory.profile.batch_bytes(self._lengths((*self._running, *self._parked)))
+
+    def _lengths(self, ids: Iterable[int]) -> list[int]:
+        return [self._tokens[row_id] for row_id in ids]
 
     # --- validation: raise before touching anything ---
 
@@ -568,16 +604,19 @@ class Arbiter:
             )
         return place
 
-    def _submit(self, event: Event, item_id: int, now: float) -> Rejection | None:
+    def _submit(self, event: Event, item_id: int, now: float, tokens: int) -> Rejection | None:
         self._check(event, now)
         if item_id in self._where:
             raise ArbiterError(f"{event.value}({item_id}): id already {self._where[item_id].value}")
+        if type(tokens) is not int or tokens < 0:
+            raise ArbiterError(f"{event.value}({item_id}, tokens={tokens!r}): not an int >= 0")
         self._advance(now)
-        rejection = self._admission(event)
+        rejection = self._admission(event, tokens)
         if rejection is not None:
             self._outcomes[Outcome.REJECTED] += 1
             return rejection
         if event is Event.SUBMIT_ROW:
+            self._tokens[item_id] = tokens
             self._queued[item_id] = None
             self._where[item_id] = _Place.QUEUED
         else:
@@ -586,9 +625,12 @@ class Arbiter:
         self._settle()
         return None
 
-    def _admission(self, event: Event) -> Rejection | None:
+    def _admission(self, event: Event, tokens: int) -> Rejection | None:
         if self._state is State.CLOSED:
             return Rejection.CLOSED
+        memory = self._policy.memory
+        if memory is not None and not memory.fits([tokens]):
+            return Rejection.TOO_LARGE
         room = self._policy.max_queue
         if event is Event.SUBMIT_ROW and self._state is State.ADMITTING and not self._waiting:
             room += max(0, self._policy.max_batch - len(self._running) - len(self._parked))
@@ -604,6 +646,7 @@ class Arbiter:
 
     def _end(self, item_id: int, outcome: Outcome) -> None:
         del self._where[item_id]
+        self._tokens.pop(item_id, None)
         self._outcomes[outcome] += 1
 
     def _pending(self) -> tuple[int, ...]:
@@ -612,6 +655,22 @@ class Arbiter:
 
     def _room(self) -> int:
         return self._policy.max_batch - len(self._running)
+
+    def _admissible(self) -> tuple[int, ...]:
+        """The queued rows to admit now: the longest prefix of the queue (arrival order)
+        that fits the batch's free slots and the KV memory budget (rule 2)."""
+        queued = tuple(self._queued)[: max(0, self._room())]
+        memory = self._policy.memory
+        if memory is None:
+            return queued
+        lengths = self._lengths((*self._running, *self._parked))
+        taken = 0
+        for row_id in queued:
+            lengths.append(self._tokens[row_id])
+            if not memory.fits(lengths):
+                break
+            taken += 1
+        return queued[:taken]
 
     def _first(self, on: On, now: float) -> Transition | None:
         for row in _ROWS.get((self._state, on), ()):
@@ -644,7 +703,7 @@ class Arbiter:
             case When.PARKED_AND_ROOM:
                 return bool(self._parked) and self._room() > 0
             case When.QUEUED_AND_ROOM:
-                return bool(self._queued) and self._room() > 0
+                return bool(self._admissible())
             case When.ROWS_RUNNING:
                 return bool(self._running)
             case When.BEFORE_DEADLINE:
@@ -672,7 +731,7 @@ class Arbiter:
             case Does.RESUME:
                 return Resume(self._move(self._parked, _Place.RUNNING))
             case Does.ADMIT:
-                return Admit(self._move(self._queued, _Place.RUNNING))
+                return Admit(self._move(self._queued, _Place.RUNNING, len(self._admissible())))
             case Does.STEP:
                 self._step_in_flight = True
                 return Step()
@@ -693,6 +752,7 @@ class Arbiter:
                     place.clear()
                 self._running_job = None
                 self._cycle.clear()
+                self._tokens.clear()
                 self._step_in_flight = False
                 self._drain_deadline = None
                 return None

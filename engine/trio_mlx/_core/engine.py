@@ -1,18 +1,16 @@
-"""The public Trio API: :func:`open_engine`, :class:`Engine`, :class:`GenerationStream`."""
+"""The public Trio API: :func:`open_engine` and :class:`Engine`."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import trio
@@ -21,25 +19,34 @@ from trio_mlx._accel import settings as _cuda_settings
 from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
+from trio_mlx._core.compile_gate import CompileGate
 from trio_mlx._core.gate import LaneName, choose_lane
-from trio_mlx._core.output import RowEvent
-from trio_mlx._core.request import EngineStatistics, Phase, Request, failure
+from trio_mlx._core.prompt_size import rendered_bytes, utf8_size
+from trio_mlx._core.request import EngineStatistics, Request
+from trio_mlx._core.stable_prefix import StablePrefix
+from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
     AdapterConflict,
     EngineClosed,
-    InvalidGrammar,
     InvalidRequest,
     NotFound,
 )
+from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import RowSpec
 from trio_mlx._lanes.serial import run_serial
-from trio_mlx._lanes.structured import COMPILE_TIMEOUT, Constraint, GrammarCompiler
-from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
+from trio_mlx._lanes.structured import (
+    COMPILE_TIMEOUT,
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    Constraint,
+    GrammarCompiler,
+)
+from trio_mlx._memory import KVBudget
+from trio_mlx._params import Completion, SamplingParams, TokenLogprob
 from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
 from trio_mlx._start.settings import EngineSettings
 
-__all__ = ["Engine", "GenerationStream", "open_engine"]
+__all__ = ["Engine", "open_engine"]
 
 #: The smallest head size MLX's CUDA quantized attention (kv_bits) has a kernel
 #: for: with 32 every ``quantized_matmul`` says "No implementation for problem
@@ -72,10 +79,6 @@ def _too_long(what: str, limit: int) -> InvalidRequest:
     )
 
 
-def _utf8_size(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))
-
-
 def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
     """Whether tokenizing ``prompt`` costs less than a thread hop."""
     if not isinstance(prompt, str | list | tuple) or len(prompt) > _INLINE_PROMPT:
@@ -84,12 +87,16 @@ def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
         return True
     if tools or len(prompt) > 32:
         return False
+    # Only flat messages (strings for values: no tool calls, no content parts)
+    # of a few characters in all; anything else renders in a thread.
     chars = 0
     for message in prompt:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if not isinstance(content, str | None):
+        if not isinstance(message, Mapping):
             return False
-        chars += len(content or "")
+        for value in message.values():
+            if not isinstance(value, str | None):
+                return False
+            chars += len(value or "")
     return chars <= _INLINE_PROMPT
 
 
@@ -124,7 +131,10 @@ async def open_engine(
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
-    caps the prompt cache (0 disables it). ``prefill_step_size`` and
+    caps the prompt cache (0 disables it). ``prompt_cache_dir`` adds its disk
+    tier: checkpoints of long prompts kept in that folder across restarts, at
+    most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
+    disk tier; see ``design/engine.md``). ``prefill_step_size`` and
     ``prefill_batch_size`` are mlx-lm's: prompt tokens per prefill chunk, and
     prompts prefilled together. ``prefill_budget`` bounds the prompt tokens
     (padded) prefilled between two decode steps: a longer prompt is prefilled
@@ -150,13 +160,24 @@ async def open_engine(
     ``mlx_lm.server --chat-template`` does.
     ``grammar_timeout`` bounds how many seconds a request's JSON schema, regex
     or grammar may take to compile (in a worker thread) before the request is
-    refused with :class:`~trio_mlx.InvalidGrammar`.
+    refused with :class:`~trio_mlx.InvalidGrammar`; two compile at once, and
+    a compile past its deadline gives up its slot at once (llguidance cannot
+    stop it: at most four such abandoned compiles may run, then new ones are
+    refused with :class:`~trio_mlx.EngineOverloaded` until one ends).
+    ``grammar_cache_bytes`` bounds the compiled grammars kept for reuse, by
+    their estimated size (0 keeps none).
     ``max_unread_tokens`` bounds what one request buffers for a reader that
     does not read: past that many unread tokens (each top log-probability
     alternative counting as one more) the request is cancelled and its stream
     raises :class:`~trio_mlx.ReaderStalled` (``None``: no bound).
     ``max_loras`` bounds the adapters mounted at once (a mount past it raises
     :class:`~trio_mlx.AdapterConflict`; ``None``: no bound).
+    ``kv_memory_bytes`` is what the rows' KV caches may hold at worst (each
+    counting its prompt plus ``max_tokens``): a row waits in the queue until it
+    fits beside the running ones, a request too large to fit alone is refused
+    with :class:`~trio_mlx.InvalidRequest`, and ``max_tokens`` is cut to the
+    room one request has (``None``: half of MLX's memory limit less the weights,
+    less ``prompt_cache_bytes``; see ``design/engine.md``).
     ``_tune`` is for tests and benchmarks, not a stable API: it sets public
     fields of the actor (``decision_hook``), of its step planner (burst and
     grouped-admission bounds) or of the batch lane (removal bounds) by name
@@ -225,8 +246,10 @@ async def _serve(
         loaded = await worker.run(load)
         registry = AdapterRegistry(max_loras=settings.max_loras)
         loaded.lane.adapter_stack = lambda: registry.stack
+        limit = settings.kv_memory_bytes
+        budget = KVBudget(loaded.kv_profile, loaded.kv_default if limit is None else limit)
         actor = Actor(
-            policy,
+            attrs.evolve(policy, memory=budget),
             worker,
             loaded.lane,
             serial_work=partial(_serial_work, loaded, registry),
@@ -235,6 +258,7 @@ async def _serve(
         )
         engine = Engine(model_id, loaded, registry, actor)
         engine.grammar_timeout = float(settings.grammar_timeout)
+        engine.grammar_cache_bytes = settings.grammar_cache_bytes
         if not loaded.grouping:
             actor.planner.admit_group = 1  # the CPU admits arrivals at once (Loaded.grouping)
         actor.planner.prefill_stall = settings.prefill_stall
@@ -243,7 +267,8 @@ async def _serve(
         try:
             async with trio.open_nursery() as nursery:
                 if loaded.leader is not None:  # distributed rank 0: watchdog and heartbeat
-                    loaded.leader.attach(nursery, worker, actor)
+                    actor.ranks = loaded.leader.ranks
+                    loaded.leader.attach(nursery, worker, actor.close_nowait)
                 await actor.run(engine, task_status=task_status)
                 nursery.cancel_scope.cancel()
         finally:
@@ -329,9 +354,10 @@ class Engine:
     #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
     grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
     _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
-    _grammar_limiter: trio.CapacityLimiter = attrs.field(
-        init=False, factory=lambda: trio.CapacityLimiter(2)
-    )
+    #: The byte bound of the compiled grammars kept (see :func:`open_engine`).
+    grammar_cache_bytes: int = attrs.field(init=False, default=DEFAULT_GRAMMAR_CACHE_BYTES)
+    _compile_gate: CompileGate = attrs.field(init=False, factory=CompileGate)
+    _stable: StablePrefix | None = attrs.field(init=False, default=None)
 
     @property
     def tokenizer(self) -> Any:
@@ -373,6 +399,7 @@ class Engine:
             mlx_cache_memory=cached,
             mlx_peak_memory=peak,
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+            prompt_cache=cache.statistics() if cache is not None else None,
         )
 
     def encode(
@@ -391,9 +418,20 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
+        return self._encode(prompt, tools, chat_template_kwargs)[0]
+
+    def _encode(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        """:meth:`encode`'s tokens and, for a chat, its stable prefix's length
+        (the prompt cache's checkpoint: :mod:`trio_mlx._core.stable_prefix`)."""
         tokenizer = self._loaded.tokenizer
+        checkpoint = None
         if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
-            self._refuse_oversized(prompt, tools)
+            self.refuse_oversized(prompt, tools=tools)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
@@ -414,6 +452,13 @@ class Engine:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             if all(isinstance(m, Mapping) for m in prompt):
                 tokens = self._chat(prompt, tools, chat_template_kwargs)
+                if self._loaded.prompt_cache is not None:
+                    checkpoint = self._stable_prefix.find(
+                        cast(Sequence[Mapping[str, Any]], prompt),
+                        tools,
+                        dict(chat_template_kwargs or {}),
+                        tokens,
+                    )
             else:
                 tokens = self._token_ids(prompt)
         else:
@@ -425,7 +470,13 @@ class Engine:
         limit = self.context_length
         if limit is not None and len(tokens) > limit:
             raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
-        return tokens
+        return tokens, checkpoint
+
+    @property
+    def _stable_prefix(self) -> StablePrefix:
+        if self._stable is None:
+            self._stable = StablePrefix(self._loaded.tokenizer)
+        return self._stable
 
     async def tokenize(
         self,
@@ -441,22 +492,35 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
-        encode = partial(
-            self.encode, prompt, tools=tools, chat_template_kwargs=chat_template_kwargs
-        )
+        return (await self._tokenize(prompt, tools, chat_template_kwargs))[0]
+
+    async def _tokenize(
+        self,
+        prompt: Prompt,
+        tools: Sequence[Any] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[int], int | None]:
+        encode = partial(self._encode, prompt, tools, chat_template_kwargs)
         if _small(prompt, tools):
             return encode()
         return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
 
-    def _refuse_oversized(self, prompt: Prompt, tools: Sequence[Any] | None) -> None:
-        """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens.
+    def refuse_oversized(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> None:
+        """Refuse, before rendering or tokenizing, a prompt that cannot fit the context.
+
+        Raises :class:`~trio_mlx.InvalidRequest` (``context_length_exceeded``);
+        :meth:`encode` calls it first, and so should anything else that renders
+        a chat template (it walks the whole chat: call it off the event loop).
 
         No token covers more UTF-8 bytes than its vocabulary entry has, so a
-        text (message contents and tools, for a chat) of more bytes than the
-        longest entry times the context has too many tokens; and chat templates
-        mark every message with at least one token, so a chat has at least as
-        many tokens as messages. What is really tokenized is thus at most
-        ``context x longest entry`` bytes, whatever the body size.
+        text of more bytes than the longest entry times the context has too
+        many tokens; and chat templates mark every message with at least one
+        token, so a chat has at least as many tokens as messages. For a chat
+        the text counted is every string value the template renders: message
+        contents and content parts, tool calls, tool results, and the tool
+        definitions (:func:`~trio_mlx._core.prompt_size.rendered_bytes`). What is
+        really rendered and tokenized is thus at most about ``context x
+        longest entry`` bytes, whatever the body size.
         """
         limit = self.context_length
         if limit is None:
@@ -467,22 +531,19 @@ class Engine:
                 (len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=1
             )
             self._max_token_bytes = max(1, longest)
+        cap = limit * self._max_token_bytes
         if isinstance(prompt, str):
-            size = _utf8_size(prompt)
+            size = utf8_size(prompt)
         elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
             if len(prompt) > limit:
                 raise _too_long(f"the chat has {len(prompt)} messages", limit)
-            size = _utf8_size(json.dumps(list(tools), default=str)) if tools else 0
-            size += sum(
-                _utf8_size(m["content"])
-                for m in prompt
-                if isinstance(m, Mapping) and isinstance(m.get("content"), str)
-            )
+            size = rendered_bytes(tools or (), cap, keys=True)
+            size += rendered_bytes(prompt, cap - size)
         else:
             if len(prompt) > limit:
                 raise _too_long(f"the prompt has {len(prompt)} tokens", limit)
             return
-        if size > limit * self._max_token_bytes:
+        if size > cap:
             raise _too_long(f"the prompt's {size} bytes are more tokens", limit)
 
     def _chat(
@@ -538,7 +599,10 @@ class Engine:
         NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
         Leaving the block early cancels the request.
         """
-        return GenerationStream(self, prompt, params, tools, chat_template_kwargs)
+        return GenerationStream(
+            partial(self._submit, prompt, params, tools, chat_template_kwargs),
+            self._actor.cancel_nowait,
+        )
 
     async def complete(
         self,
@@ -648,8 +712,9 @@ class Engine:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
         # the prompt: off the event loop, a few prompts at a time.
-        tokens = await self.tokenize(prompt, tools=tools, chat_template_kwargs=template_kwargs)
+        tokens, checkpoint = await self._tokenize(prompt, tools, template_kwargs)
         params = self._fit_context(len(tokens), params)
+        params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
         params = self._sampler_safe(params)
         constraint = await self._constraint(params) if params.constrained else None
@@ -669,7 +734,7 @@ class Engine:
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tuple(tokens), params, constraint),
+            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint),
         )
         await self._actor.submit(request)
         return request
@@ -691,6 +756,22 @@ class Engine:
             )
         return attrs.evolve(params, max_tokens=room)
 
+    def _fit_memory(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with max_tokens cut to the tokens one request's KV cache may hold.
+
+        Like the context's cut (:meth:`_fit_context`): the row ends with
+        finish_reason "length" there. A prompt with no room left at all is
+        refused by the arbiter when it is submitted (``Rejection.TOO_LARGE``).
+        """
+        memory = self._actor.policy.memory
+        capacity = None if memory is None else memory.row_capacity()
+        if capacity is None or prompt_tokens + params.max_tokens <= capacity:
+            return params
+        room = capacity - prompt_tokens
+        if room < max(1, params.min_tokens):
+            return params
+        return attrs.evolve(params, max_tokens=room)
+
     async def _constraint(self, params: SamplingParams) -> Constraint | None:
         """Compile the request's schema, regex or grammar in a worker thread, bounded in time."""
         param = next(
@@ -701,7 +782,9 @@ class Engine:
         if self._grammar is None:
             vocab = self._loaded.config.get("vocab_size")
             self._grammar = GrammarCompiler(
-                self._loaded.tokenizer, vocab if isinstance(vocab, int) else None
+                self._loaded.tokenizer,
+                vocab if isinstance(vocab, int) else None,
+                cache_bytes=self.grammar_cache_bytes,
             )
         compiler = self._grammar
         if importlib.util.find_spec("llguidance") is None:
@@ -710,14 +793,8 @@ class Engine:
                 param=param,
                 code="structured_output_unavailable",
             )
-        with trio.move_on_after(self.grammar_timeout):
-            return await trio.to_thread.run_sync(
-                compiler.compile, params, abandon_on_cancel=True, limiter=self._grammar_limiter
-            )
-        raise InvalidGrammar(
-            f"{param} did not compile within {self.grammar_timeout:g} s; simplify it",
-            param=param,
-            code="grammar_too_complex",
+        return await self._compile_gate.run(
+            partial(compiler.compile, params), seconds=self.grammar_timeout, param=param
         )
 
     def _refuse_distributed(self, what: str, param: str | None = None) -> None:
@@ -780,147 +857,3 @@ class Engine:
         with trio.move_on_after(grace_period):
             await self._actor.wait_idle()
         self._actor.close_nowait()
-
-
-@attrs.define(eq=False)
-class GenerationStream:
-    """One streaming completion; an async context manager and an async iterator of deltas."""
-
-    _engine: Engine
-    _prompt: Prompt
-    _params: SamplingParams
-    _tools: Any
-    _template_kwargs: Mapping[str, Any] | None = None
-    _request: Request | None = attrs.field(init=False, default=None)
-    _result: GenerationResult | None = attrs.field(init=False, default=None)
-    _error: BaseException | None = attrs.field(init=False, default=None)
-    _ended: bool = attrs.field(init=False, default=False)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """How many tokens the prompt has."""
-        if self._request is None or self._request.spec is None:
-            raise RuntimeError("enter the stream with 'async with' first")
-        return len(self._request.spec.prompt)
-
-    @property
-    def lane(self) -> str:
-        """``"batch"`` or ``"serial"``: where the request runs."""
-        if self._request is None:
-            raise RuntimeError("enter the stream with 'async with' first")
-        return self._request.lane.value
-
-    @property
-    def max_tokens(self) -> int:
-        """The max_tokens the request runs with (cut to the room left in the context)."""
-        if self._request is None or self._request.spec is None:
-            raise RuntimeError("enter the stream with 'async with' first")
-        return self._request.spec.params.max_tokens
-
-    @property
-    def ready(self) -> bool:
-        """Whether the next delta (or the end) can be taken without waiting."""
-        return self._request is not None and (
-            self._request.outbox.ready or self._error is not None or self._ended
-        )
-
-    @property
-    def running(self) -> bool:
-        """Whether the request is generating now (not waiting for a row, nor done)."""
-        return self._request is not None and self._request.phase is Phase.RUNNING
-
-    @property
-    def result(self) -> GenerationResult:
-        """How the completion ended, with usage and timings (after the iteration ended)."""
-        if self._result is None:
-            raise RuntimeError("the stream has not finished")
-        return self._result
-
-    async def __aenter__(self) -> GenerationStream:
-        if self._request is not None:
-            raise RuntimeError("a GenerationStream can be entered only once")
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self._request = await self._engine._submit(
-            self._prompt, self._params, self._tools, self._template_kwargs
-        )
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        request = self._request
-        if request is not None and request.phase is not Phase.DONE:
-            self._engine._actor.cancel_nowait(request)
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        request = self._request
-        if request is None:
-            raise RuntimeError("enter the stream with 'async with' first")
-        # A full checkpoint either way, but only one task switch per delta in
-        # the steady state: a reader that parks for its next tokens already
-        # yielded, so only the no-wait path adds a schedule point.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        waited = False
-        while True:
-            if self._error is not None:
-                error, self._error = self._error, None
-                self._ended = True
-                raise error
-            if self._ended:
-                raise StopAsyncIteration
-            events = request.outbox.take()
-            if not events:
-                if request.outbox.closed:
-                    self._ended = True
-                    self._error = EngineClosed("the request ended without a result")
-                    continue
-                await request.outbox.wait()
-                waited = True
-                continue
-            delta = self._merge(request, events)
-            if delta is not None:
-                if not waited:
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                return delta
-
-    def _merge(self, request: Request, events: list[RowEvent]) -> Delta | None:
-        texts: list[str] = []
-        ids: list[int] = []
-        logprobs: list[TokenLogprob] = []
-        for event in events:
-            if event.error is not None:
-                self._error = failure(event.error)
-                break
-            texts.append(event.text)
-            ids.extend(event.token_ids)
-            if event.logprobs:
-                logprobs.extend(event.logprobs)
-            if event.finish_reason is not None:
-                self._result = self._make_result(request, event.finish_reason)
-                self._ended = True
-                break
-        text = "".join(texts)
-        if not text and not ids:
-            return None
-        return Delta(text, tuple(ids), tuple(logprobs) if self._params.logprobs else None)
-
-    def _make_result(self, request: Request, finish_reason: str) -> GenerationResult:
-        end = request.finished_at if request.finished_at is not None else trio.current_time()
-        first = request.first_token
-        assert request.spec is not None
-        return GenerationResult(
-            finish_reason=finish_reason,
-            prompt_tokens=len(request.spec.prompt),
-            completion_tokens=request.generated,
-            cached_tokens=request.cached_tokens,
-            lane=request.lane.value,
-            time_to_first_token=None if first is None else first - request.submitted,
-            duration=end - request.submitted,
-            max_tokens=request.spec.params.max_tokens,
-        )

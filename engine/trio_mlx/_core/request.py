@@ -22,8 +22,9 @@ import trio
 
 from trio_mlx._core.arbiter import ArbiterStatistics
 from trio_mlx._core.gate import LaneName
-from trio_mlx._core.output import RowEvent
 from trio_mlx._errors import GenerationFailed, TrioMLXError
+from trio_mlx._lanes.output import RowEvent
+from trio_mlx._lanes.prompt_cache import PromptCacheStatistics
 from trio_mlx._lanes.records import RowSpec
 
 __all__ = ["Ending", "EngineStatistics", "Outbox", "Phase", "Request", "failure"]
@@ -166,11 +167,17 @@ class EngineStatistics:
     mlx_peak_memory: int = 0
     #: Bytes the prompt cache counts for its entries (0 when it is off).
     prompt_cache_bytes: int = 0
+    #: The prompt cache's entries, hits, tokens reused and disk tier (None when it is off).
+    prompt_cache: PromptCacheStatistics | None = None
     #: Ended requests that named an adapter, by ``"lane:adapter"`` (lanes batch, serial).
     adapter_requests: Mapping[str, int] = attrs.field(factory=dict)
     #: Live requests that named an adapter, by ``"lane:adapter"``: every one not yet
     #: ended, whether queued, decoding or parked (a gauge; absent keys are 0).
     adapter_rows: Mapping[str, int] = attrs.field(factory=dict)
+    #: The rows' KV memory budget in bytes (``open_engine(kv_memory_bytes=)``; 0: none),
+    #: and the worst case the running and parked rows hold of it.
+    kv_memory_budget: int = 0
+    kv_memory_reserved: int = 0
 
 
 def failure(error: BaseException) -> BaseException:

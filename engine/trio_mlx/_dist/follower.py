@@ -11,11 +11,10 @@ never follows a clock, is in :mod:`trio_mlx._dist.leader`.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -29,14 +28,22 @@ from trio_mlx._dist.leader import (
     watch_follower,
 )
 from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._lanes.serial import run_serial
-from trio_mlx._start.loading import Loaded, load, resolve_model
-from trio_mlx._start.settings import EngineSettings
 
-__all__ = ["Follower", "follow"]
+__all__ = ["Follower", "Loaded", "serve"]
 
 log = logging.getLogger("trio_mlx.distributed")
+
+
+class Loaded(Protocol):
+    """What a follower needs of its loaded model (``trio_mlx._start.loading.Loaded``)."""
+
+    model: Any
+    tokenizer: Any
+    lane: BatchLane
+    prompt_cache: PromptCache | None
 
 
 @attrs.define(eq=False)
@@ -113,21 +120,14 @@ def _ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, note)
 
 
-def follow(
-    model: str | os.PathLike[str] | None,
-    *,
-    on_ready: Callable[[], None] | None = None,
-) -> int:
+def serve(loaded: Loaded, channel: Channel, *, on_ready: Callable[[], None] | None = None) -> int:
     """Run a follower rank until rank 0 closes its lane; returns an exit status.
 
-    Loads the same shard layout as rank 0 (rank 0's load settings arrive over
-    the channel first), then executes rank 0's commands in order.
+    ``loaded`` holds the same shard layout as rank 0's (see :func:`trio_mlx.distributed.follow`);
+    the rank executes rank 0's commands in order.
     """
     _ignore_stop_signals()
-    loaded = load(resolve_model(model), EngineSettings(), distributed=True)
-    assert loaded.channel is not None
-    follower = Follower(loaded, loaded.channel)
-    channel = follower.channel
+    follower = Follower(loaded, channel)
     watch_follower(channel, timeout())
     if on_ready is not None:
         on_ready()

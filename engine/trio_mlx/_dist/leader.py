@@ -4,7 +4,7 @@ Under ``mlx.launch`` every rank loads its shard (:func:`load_shard`: tensor
 parallel where the architecture has ``shard``, e.g. llama; pipeline parallel
 where it has ``model.pipeline``, e.g. qwen2; ``parallel`` picks).
 Rank 0 runs the engine as usual; every other rank runs
-:func:`trio_mlx._dist.follower.follow`: no HTTP, no arbiter, just a loop that
+:func:`trio_mlx.distributed.follow`: no HTTP, no arbiter, just a loop that
 receives rank 0's worker commands and makes the same MLX calls in the same
 order, so the collectives inside the sharded model line up.
 
@@ -80,19 +80,24 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import attrs
 import trio
 
-from trio_mlx._core.output import RowEvent
 from trio_mlx._errors import EngineClosed
 from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import DECODE, RowSpec, StepPlan, StepResult
 
-if TYPE_CHECKING:
-    from trio_mlx._core.actor import Actor
-    from trio_mlx._core.worker import Worker
+
+class Worker(Protocol):
+    """What the leader needs of the engine's MLX worker (``trio_mlx._core.worker.Worker``)."""
+
+    async def run(self, fn: Callable[[], Any]) -> Any: ...
+
+    def call_soon_in_trio(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
 
 __all__ = [
     "PARALLEL",
@@ -436,10 +441,10 @@ class Leader:
 
         _watchdog("trio-mlx-watchdog", bound, lambda: self.busy_since, stuck, lambda: self.closed)
 
-    def attach(self, nursery: trio.Nursery, worker: Worker, actor: Actor) -> None:
-        """Join rank 0's engine: a lost group closes ``actor``; start the watchdog and heartbeat."""
-        actor.ranks = self.ranks
-        self.on_lost = partial(worker.call_soon_in_trio, actor.close_nowait)
+    def attach(self, nursery: trio.Nursery, worker: Worker, close: Callable[[], None]) -> None:
+        """Join rank 0's engine: a lost group calls ``close`` (on the Trio thread); start the
+        watchdog and heartbeat."""
+        self.on_lost = partial(worker.call_soon_in_trio, close)
         self.watch()
         nursery.start_soon(self.keep_alive, worker)
 
@@ -532,7 +537,7 @@ class MirroredLane(BatchLane):
     """A batch lane whose every state change is broadcast first (rank 0, once ``leader`` is set).
 
     Followers hold the same class with ``leader`` None and are driven by
-    :func:`trio_mlx._dist.follower.follow`. Rank 0 fixes each burst's length before it starts (see
+    :func:`trio_mlx.distributed.follow`. Rank 0 fixes each burst's length before it starts (see
     the module's notes), from :attr:`step_seconds`.
     """
 

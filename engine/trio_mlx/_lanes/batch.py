@@ -6,7 +6,7 @@ Every row carries its own sampler (``make_sampler``) and logits processors
 call is one worker call: it removes cancelled rows, inserts admitted and
 resumed ones, runs one ``BatchGenerator.next()`` (or a short burst of them,
 see :meth:`BatchLane.step`) and returns every row's
-:class:`~trio_mlx._core.output.RowEvent` at once. Admitted rows reach mlx-lm's
+:class:`~trio_mlx._lanes.output.RowEvent` at once. Admitted rows reach mlx-lm's
 prompt batch within ``prefill_budget`` tokens per step (``_feed``); its prefill
 is queued, not waited for, and rows that finish it join the decode batch
 without a forward pass of their own (``prompt_class``, ``generation_class``).
@@ -50,9 +50,9 @@ from typing import Any
 import attrs
 
 from trio_mlx._adapters.multilora import AdapterStack
-from trio_mlx._core.output import RowEvent, RowOutput, merge_events
 from trio_mlx._errors import NotFound
 from trio_mlx._lanes.mlxlm_batch import generation_class, prompt_class, rounded_width
+from trio_mlx._lanes.output import RowEvent, RowOutput, merge_events
 from trio_mlx._lanes.processors import make_row_sampler, row_processors
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import DECODE, RowSpec, StepPlan, StepResult
@@ -161,6 +161,12 @@ class BatchLane:
     #: CUDA (``TRIO_MLX_TRACED_DECODE``: 0 off, 1 on anywhere). False: the model's
     #: own step every time.
     traced_decode: bool = False
+    #: Keep prompt-cache checkpoints of each row's prefill (its stable prefix and its
+    #: whole prompt, see :mod:`trio_mlx._lanes.prompt_cache`). None: where the
+    #: model's caches may become untrimmable (any layer not a plain ``KVCache``);
+    #: a ``KVCache`` row's end-of-generation entry is cut back to them instead
+    #: (the loader sets it when the prompt cache has a disk tier: what it keeps).
+    prompt_checkpoints: bool | None = None
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
     #: A decode step that takes this many seconds or more is logged, with what it
@@ -202,10 +208,18 @@ class BatchLane:
     _timings: list[tuple[int, float]] = attrs.field(init=False, factory=list)
     #: The traced step once built (see ``traced_decode``).
     _traced: Any = attrs.field(init=False, default=None)
+    #: Generator uids in prefill whose checkpoints are kept -> their prompt cache key.
+    _marks: dict[int, Hashable] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._generator = self._new_generator()
+        if self.prompt_checkpoints is None:
+            from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+            self.prompt_checkpoints = any(
+                type(c) is not KVCache for c in make_prompt_cache(self.model)
+            )
 
     def _new_generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
@@ -262,6 +276,7 @@ class BatchLane:
     def _parted(self, uid: int) -> None:
         """Bookkeeping of a row that stops decoding under ``uid`` (the reverse of ``_joined``)."""
         self._by_uid.pop(uid, None)
+        self._marks.pop(uid, None)
         self._logprob_uids.discard(uid)
 
     @property
@@ -500,10 +515,13 @@ class BatchLane:
             from mlx_lm.models.cache import trim_prompt_cache
 
             for uid, (cache, tokens) in self._generator.extract_cache(keep).items():
-                # Tokens decoded after the row died are no one's: trim them off.
+                # Tokens decoded after the row died are no one's: trim them off
+                # (a cache that cannot be cut back is not kept: its prompt's
+                # checkpoints stand in for it).
                 age = dead[uid].age
                 if age:
-                    trim_prompt_cache(cache, age)
+                    if not trim_prompt_cache(cache, age):
+                        continue
                     tokens = tokens[:-age]
                 entries.setdefault(dead[uid].key, []).append((list(tokens), cache))
         self._generator.remove(list(dead))
@@ -539,7 +557,7 @@ class BatchLane:
         self._generator.close()
         self._generator = self._new_generator()
         if self.prompt_cache is not None:
-            self.prompt_cache.clear()
+            self.prompt_cache.close()
 
     def discard(self, ids: Sequence[int]) -> int:
         """Remove rows (and every dead one) without decoding; returns the rows left."""
@@ -717,8 +735,16 @@ class BatchLane:
         prompt, cache, rest = row.waiting
         row.waiting = None
         done = len(prompt) - len(rest)
-        (uid,) = self._generator.insert(
-            [rest],
+        # mlx-lm prefills segment by segment and reports each one's end: the
+        # stable prefix is one, and all but the last token another (mlx-lm
+        # splits the last token off), where the row's checkpoints are taken.
+        segments = [rest]
+        mark = self.prompt_checkpoints and self.prompt_cache is not None
+        stable = row.spec.checkpoint
+        if mark and stable is not None and done < stable < len(prompt) - 1:
+            segments = [rest[: stable - done], rest[stable - done :]]
+        (uid,) = self._generator.insert_segments(
+            [segments],
             max_tokens=[UNBOUNDED],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[:done]],
@@ -727,8 +753,25 @@ class BatchLane:
         )
         self._joined(row, uid)
         self._prefilling[uid] = len(rest) - 1
+        if mark and len(rest) > 1 and len(prompt) > self.cache_min_prefix:
+            self._marks[uid] = self._key(row)
         if self.long_prompt_chunk is not None and len(rest) - 1 > self.long_prompt_chunk:
             self._long_prefills.add(uid)
+
+    def _checkpoint(self, uids: list[int]) -> None:
+        """Keep the caches of rows that just prefilled a segment (see ``_insert_waiting``)."""
+        from trio_mlx._lanes.prompt_cache import PREFIX, PROMPT
+
+        cache_store = self.prompt_cache
+        assert cache_store is not None
+        for uid, (cache, tokens) in self._generator.extract_cache(uids).items():
+            row_id = self._by_uid.get(uid)
+            if row_id is None:
+                continue
+            whole = len(tokens) >= len(self._rows[row_id].spec.prompt) - 1
+            cache_store.checkpoint(
+                self._marks[uid], list(tokens), cache, PROMPT if whole else PREFIX
+            )
 
     def _resume(self, row_id: int) -> None:
         row = self._rows[row_id]
@@ -805,13 +848,19 @@ class BatchLane:
             if traced is not None and traced.traced_steps > before[1]:
                 how = f"traced, {traced.traces - before[0]} new shapes"
             self._slow_step(elapsed, prefill, how, gc_seconds[0] - collected, memory)
-        prefilling = self._prefilling
+        prefilling, marks = self._prefilling, self._marks
+        checkpoints: list[int] = []
         for progress in _prompt_responses:
             if progress.end_of_prompt:
                 prefilling.pop(progress.uid, None)
+                marks.pop(progress.uid, None)
             elif progress.uid in prefilling:
                 done, total = progress.progress
                 prefilling[progress.uid] = max(0, total - done - 1)
+                if progress.end_of_segment and progress.uid in marks:
+                    checkpoints.append(progress.uid)
+        if checkpoints:
+            self._checkpoint(checkpoints)
         finished: list[int] = []
         failed: list[int] = []
         fresh = self._fresh

@@ -61,6 +61,50 @@ def _min_tokens_processor(minimum: int, eos_ids: Sequence[int]) -> Callable[[Any
     return processor
 
 
+def _reasoning_budget_processor(
+    budget: int, start: Sequence[int], end: Sequence[int], opened: bool
+) -> Callable[[Any, Any], Any]:
+    """Ends a reasoning block once ``budget`` of its tokens were generated.
+
+    It reads the row's new tokens (as a grammar does): inside the block (from
+    the prompt's end when ``opened``, else from a generated ``start`` marker)
+    it counts tokens until the ``end`` marker; once ``budget`` are spent it
+    allows only the marker's next token until the whole marker is out. A
+    block ended by the model itself, or a second block, is left alone.
+    """
+    import mlx.core as mx
+
+    start, end = list(start), list(end)
+    seen: list[int] = []
+    state = {"base": -1, "fed": 0, "inside": opened, "done": False, "spent": 0, "forced": 0}
+
+    def processor(tokens: Any, logits: Any) -> Any:
+        length = int(tokens.shape[-1])
+        if state["base"] < 0:
+            state["base"] = length
+        new = length - state["base"] - state["fed"]
+        if new > 0:
+            state["fed"] += new
+            for token in tokens[length - new :].tolist():
+                seen.append(token)
+                if state["done"]:
+                    continue
+                if not state["inside"]:
+                    state["inside"] = seen[-len(start) :] == start
+                    continue
+                state["spent"] += 1
+                if seen[-len(end) :] == end:
+                    state["inside"], state["done"] = False, True
+        if not state["inside"] or state["done"] or state["spent"] < budget:
+            return logits
+        index = min(state["forced"], len(end) - 1)
+        state["forced"] += 1
+        keep = mx.arange(logits.shape[-1]) == end[index]
+        return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    return processor
+
+
 def eos_processors(
     params: SamplingParams, eos_ids: Sequence[int]
 ) -> list[Callable[[Any, Any], Any]]:
@@ -112,11 +156,20 @@ def make_processors(params: SamplingParams) -> list[Callable[[Any, Any], Any]]:
 
 
 def row_processors(spec: RowSpec, eos_ids: Sequence[int]) -> list[Callable[[Any, Any], Any]]:
-    """Every logits processor of a row: ``eos_processors``, ``make_processors`` and,
-    last, its grammar mask.
+    """Every logits processor of a row: ``eos_processors``, ``make_processors``, the
+    reasoning budget's and, last, its grammar mask.
 
     The grammar (structured output) comes last so no bias or penalty can bring
     back a token it forbids.
     """
     grammar = [spec.constraint.processor()] if spec.constraint is not None else []
-    return [*eos_processors(spec.params, eos_ids), *make_processors(spec.params), *grammar]
+    params = spec.params
+    budget: list[Callable[[Any, Any], Any]] = []
+    if params.reasoning_budget is not None and params.reasoning_markers is not None:
+        start, end = params.reasoning_markers
+        budget = [
+            _reasoning_budget_processor(
+                params.reasoning_budget, start, end, params.reasoning_opened
+            )
+        ]
+    return [*eos_processors(params, eos_ids), *make_processors(params), *budget, *grammar]

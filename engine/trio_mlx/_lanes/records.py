@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._core.output import RowEvent
+from trio_mlx._lanes.output import RowEvent
 from trio_mlx._params import SamplingParams
 
 __all__ = ["DECODE", "RowSpec", "StepPlan", "StepResult"]
@@ -22,6 +22,9 @@ class RowSpec:
     params: SamplingParams
     #: The compiled :class:`~trio_mlx._lanes.structured.Constraint` of a constrained request.
     constraint: Any = attrs.field(default=None, eq=False, repr=False)
+    #: The prompt's stable prefix in tokens (a chat's system prompt and tools: where
+    #: its first other message starts), kept as a prompt-cache checkpoint; None: none.
+    checkpoint: int | None = None
 
 
 def _specs(specs: Iterable[RowSpec]) -> tuple[RowSpec, ...]:

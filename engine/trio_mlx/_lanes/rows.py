@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._core.output import RowOutput
+from trio_mlx._lanes.output import RowOutput
 from trio_mlx._lanes.records import RowSpec
 
 __all__ = ["UNBOUNDED", "Dead", "Guarded", "Row"]

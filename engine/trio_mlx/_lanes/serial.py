@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from trio_mlx._core.output import RowEvent, RowOutput
+from trio_mlx._lanes.output import RowEvent, RowOutput
 from trio_mlx._lanes.processors import make_row_sampler, row_processors
-from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.prompt_cache import PREFIX, PROMPT, PromptCache, held_tokens
 from trio_mlx._lanes.records import RowSpec
 
 __all__ = ["EMIT_INTERVAL", "run_serial"]
@@ -54,11 +54,13 @@ def run_serial(
     if params.seed is not None:
         mx.random.seed(params.seed)
     prompt = list(spec.prompt)
+    # A quantized KV cache serves only requests quantized alike.
+    key: Hashable = cache_key
+    if params.kv_bits is not None:
+        key = (cache_key, "kv", params.kv_bits, params.kv_group_size)
     cache, rest = None, prompt
-    use_cache = prompt_cache is not None and params.kv_bits is None
-    if use_cache:
-        assert prompt_cache is not None
-        cache, rest = prompt_cache.fetch(cache_key, prompt)
+    if prompt_cache is not None:
+        cache, rest = prompt_cache.fetch(key, prompt)
     if cache is None:
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -66,6 +68,10 @@ def run_serial(
     cached = len(prompt) - len(rest)
     if on_cached is not None:
         on_cached(cached)
+    progress = None
+    if prompt_cache is not None and (prompt_cache.disk is not None or _checkpoints(cache)):
+        rest = _prefill_prefix(model, spec, rest, cache, prompt_cache, key)
+        progress = _prompt_checkpoint(prompt, len(rest), cache, prompt_cache, key)
     output = RowOutput(spec.id, params, frozenset(tokenizer.eos_token_ids), tokenizer.detokenizer)
     generated: list[int] = []
     steps = generate_step(
@@ -78,6 +84,7 @@ def run_serial(
         kv_bits=params.kv_bits,
         kv_group_size=params.kv_group_size,
         quantized_kv_start=0,
+        prompt_progress_callback=progress,
     )
     pending: list[RowEvent] = []
     last_emit = -EMIT_INTERVAL
@@ -99,9 +106,56 @@ def run_serial(
             last_emit = now
         if not go_on:
             break
-    if use_cache and prompt_cache is not None:
+    if prompt_cache is not None:
         tokens = prompt + generated
-        offset = int(cache[0].offset) if cache and hasattr(cache[0], "offset") else -1
-        if 0 < offset <= len(tokens):
-            prompt_cache.store(cache_key, tokens[:offset], cache)
+        held = held_tokens(cache, len(tokens))
+        if 0 < held <= len(tokens):
+            prompt_cache.store(key, tokens[:held], cache)
     return False, cached
+
+
+def _checkpoints(cache: list[Any]) -> bool:
+    """Whether a prefill over ``cache`` keeps checkpoints: where it may become
+    untrimmable (see ``BatchLane.prompt_checkpoints``)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    return any(type(c) not in (KVCache, QuantizedKVCache) for c in cache)
+
+
+def _prefill_prefix(
+    model: Any,
+    spec: RowSpec,
+    rest: list[int],
+    cache: list[Any],
+    prompt_cache: PromptCache,
+    key: Hashable,
+    step: int = 2048,
+) -> list[int]:
+    """Prefill up to the stable prefix (as ``generate_step`` prefills, in
+    ``step``-token chunks) and keep it; returns the tokens left to prefill."""
+    import mlx.core as mx
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    prompt, stable, params = list(spec.prompt), spec.checkpoint, spec.params
+    done = len(prompt) - len(rest)
+    if stable is None or not done < stable < len(prompt) - 1:
+        return rest
+    for start in range(done, stable, step):
+        model(mx.array(prompt[start : min(stable, start + step)])[None], cache=cache)
+        maybe_quantize_kv_cache(cache, 0, params.kv_group_size, params.kv_bits)  # type: ignore[no-untyped-call]
+        mx.eval([c.state for c in cache])
+    prompt_cache.checkpoint(key, prompt[:stable], cache, PREFIX)
+    return prompt[stable:]
+
+
+def _prompt_checkpoint(
+    prompt: list[int], rest: int, cache: list[Any], prompt_cache: PromptCache, key: Hashable
+) -> Callable[[int, int], None]:
+    """``generate_step``'s progress callback that keeps the cache once it holds
+    all but the prompt's last token (which the first decode step takes)."""
+
+    def progress(done: int, total: int) -> None:
+        if done == total - 1 and total == rest and done > 0:
+            prompt_cache.checkpoint(key, prompt[:-1], cache, PROMPT)
+
+    return progress

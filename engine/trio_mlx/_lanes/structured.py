@@ -36,11 +36,15 @@ from trio_mlx._params import SamplingParams
 __all__ = [
     "COMPACT_JSON",
     "COMPILE_TIMEOUT",
+    "DEFAULT_GRAMMAR_CACHE_BYTES",
     "Constraint",
     "GrammarBatch",
     "GrammarCompiler",
     "GrammarProcessor",
+    "estimated_bytes",
     "grammar_source",
+    "matcher_error",
+    "probe",
     "unpack_bitmask",
 ]
 
@@ -49,6 +53,15 @@ COMPILE_TIMEOUT = 10.0
 #: Compiled grammars kept per engine (least recently used dropped first): clients tend
 #: to send the same schema again, and ``n`` choices of one request share it.
 CACHED_GRAMMARS = 64
+#: The default byte bound of those kept grammars (their estimated size, below).
+DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
+#: Estimated bytes a compiled matcher holds per character of its grammar text, and at
+#: least: measured 53-69 (resident memory over 16 compiled schemas of 200 and 2,000
+#: properties, one mask computed each, on 512- and 3,072-token vocabularies).
+_BYTES_PER_GRAMMAR_CHAR = 64
+_MIN_GRAMMAR_BYTES = 64 * 1024
+#: Tokens a new grammar is walked before it is handed out (:func:`probe`).
+PROBE_STEPS = 8
 
 #: llguidance's JSON options for schemas: compact JSON, no free whitespace. With
 #: the library's default (any whitespace between tokens) a small model can pad
@@ -70,7 +83,7 @@ def grammar_source(params: SamplingParams) -> tuple[str, str] | None:
             grammar = LLMatcher.grammar_from_json_schema(
                 json.dumps(params.json_schema), defaults=COMPACT_JSON
             )
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, RecursionError) as error:
             raise InvalidGrammar(f"json_schema: {error}", param="json_schema") from None
         return grammar, "json_schema"
     if params.regex is not None:
@@ -80,19 +93,87 @@ def grammar_source(params: SamplingParams) -> tuple[str, str] | None:
     return None
 
 
+def matcher_error(matcher: Any, param: str | None) -> InvalidGrammar | GenerationFailed:
+    """The error for a matcher that failed: llguidance's reason, its state dump cut.
+
+    A row only ever feeds its matcher tokens that matcher allowed, so a matcher
+    that fails otherwise than on a token outside its grammar (an engine bug:
+    :class:`~trio_mlx.GenerationFailed`) went past llguidance's limits (items in
+    a row, lexer fuel, forced tokens): a property of the schema the client
+    sent, :class:`~trio_mlx.InvalidGrammar` with ``code="grammar_too_complex"``.
+    """
+    reason = str(matcher.get_error()).split("\n<state>", 1)[0].strip()
+    if "doesn't satisfy the grammar" in reason:
+        return GenerationFailed(f"the constrained row left its grammar: {reason}")
+    where = f"{param}: " if param else ""
+    return InvalidGrammar(
+        f"{where}{reason or 'the grammar failed'}", param=param, code="grammar_too_complex"
+    )
+
+
+def probe(matcher: Any, eos_ids: frozenset[int], param: str, steps: int = PROBE_STEPS) -> None:
+    """Walk a copy of a fresh matcher a few tokens; raise :class:`InvalidGrammar` if it fails.
+
+    llguidance compiles lazily: a schema past its limits (an object of more
+    than 500 optional properties, a required self-reference that has no
+    finite value) compiles, then fails at the first token generated. Taking
+    the lowest allowed non-EOS token a few times finds those before the
+    request is queued; the walk costs a few masks.
+    """
+    import numpy as np
+
+    walker = matcher.deep_copy()
+    for _ in range(steps):
+        if walker.is_stopped() or walker.is_error():
+            break
+        bits = np.unpackbits(
+            np.frombuffer(walker.compute_bitmask(), dtype=np.uint8), bitorder="little"
+        )
+        token = next((int(t) for t in np.flatnonzero(bits) if int(t) not in eos_ids), None)
+        if walker.is_error() or token is None:
+            break
+        walker.consume_token(token)
+    if walker.is_error():
+        raise matcher_error(walker, param)
+
+
+def estimated_bytes(grammar: str) -> int:
+    """The memory a compiled matcher of ``grammar`` holds, estimated from the text's length.
+
+    llguidance reports no size; 64 bytes per grammar character (at least 64
+    KiB) covers what was measured (53-69 bytes per character, resident memory
+    over 16 compiled schemas with a mask computed each).
+    """
+    return max(_MIN_GRAMMAR_BYTES, _BYTES_PER_GRAMMAR_CHAR * len(grammar))
+
+
 @attrs.define(eq=False)
 class GrammarCompiler:
-    """Compiles constraints for one model's tokenizer. Thread-safe; blocking calls."""
+    """Compiles constraints for one model's tokenizer. Thread-safe; blocking calls.
+
+    Compiled matchers are kept, least recently used dropped first, up to
+    :data:`CACHED_GRAMMARS` of them and ``cache_bytes`` of their estimated size
+    (:func:`estimated_bytes`); a grammar larger than ``cache_bytes`` is not kept.
+    """
 
     #: mlx-lm's ``TokenizerWrapper``.
     tokenizer: Any
     #: Width of the model's logits (its ``vocab_size``); None: the tokenizer's.
     vocab_size: int | None = None
+    #: The byte bound of the kept grammars (0: keep none).
+    cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     #: Compiles served from the cache (a fresh copy of a matcher compiled before).
     hits: int = attrs.field(init=False, default=0)
+    #: The estimated bytes of the grammars kept now.
+    cached_bytes: int = attrs.field(init=False, default=0)
     _llg: Any = attrs.field(init=False, default=None)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
-    _cache: OrderedDict[str, Any] = attrs.field(init=False, factory=OrderedDict)
+    _cache: OrderedDict[str, tuple[Any, int]] = attrs.field(init=False, factory=OrderedDict)
+
+    @property
+    def cached(self) -> int:
+        """How many compiled grammars are kept."""
+        return len(self._cache)
 
     def llg_tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built once (about 20 ms at 3k tokens)."""
@@ -124,17 +205,29 @@ class GrammarCompiler:
                 self._cache.move_to_end(grammar)
                 self.hits += 1
                 # A copy: the cached matcher itself never consumes a token.
-                return Constraint(cached.deep_copy(), words)
+                return Constraint(cached[0].deep_copy(), words, param)
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidGrammar(f"{param}: {matcher.get_error()}", param=param)
+        probe(matcher, frozenset(self.tokenizer.eos_token_ids), param)
+        self._keep(grammar, matcher)
+        return Constraint(matcher.deep_copy(), words, param)
+
+    def _keep(self, grammar: str, matcher: Any) -> None:
+        size = estimated_bytes(grammar)
+        if size > self.cache_bytes:
+            return
         with self._lock:
-            self._cache[grammar] = matcher
-            while len(self._cache) > CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-            return Constraint(matcher.deep_copy(), words)
+            previous = self._cache.pop(grammar, None)
+            if previous is not None:
+                self.cached_bytes -= previous[1]
+            self._cache[grammar] = (matcher, size)
+            self.cached_bytes += size
+            while len(self._cache) > CACHED_GRAMMARS or self.cached_bytes > self.cache_bytes:
+                _grammar, (_matcher, dropped) = self._cache.popitem(last=False)
+                self.cached_bytes -= dropped
 
 
 def _on_gpu() -> bool:
@@ -182,10 +275,12 @@ class Constraint:
     matcher: Any
     #: 32-bit words in one bitmask (the tokenizer's size / 32, rounded up).
     words: int
+    #: The request field it came from (``json_schema``, ``regex``, ``grammar``).
+    param: str | None = None
 
     def processor(self) -> GrammarProcessor:
         """The logits processor for the row (call once per row)."""
-        return GrammarProcessor(self.matcher, self.words)
+        return GrammarProcessor(self.matcher, self.words, self.param)
 
 
 class GrammarProcessor:
@@ -200,9 +295,10 @@ class GrammarProcessor:
     checks that the row moved on by exactly that one token and applies it.
     """
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any, words: int, param: str | None = None) -> None:
         self.matcher = matcher
         self.words = words
+        self.param = param
         self._start: int | None = None
         self._fed = 0
         #: (batch, index) while a GrammarBatch step holds this row's mask.
@@ -216,14 +312,12 @@ class GrammarProcessor:
     def _feed(self, ids: list[int]) -> None:
         # A stopped matcher allowed only EOS, which ends the row: nothing to feed.
         if ids and not self.matcher.is_stopped() and not self.matcher.consume_tokens(ids):
-            raise GenerationFailed(
-                f"the constrained row left its grammar: {self.matcher.get_error()}"
-            )
+            raise matcher_error(self.matcher, self.param)
         self._fed += len(ids)
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise GenerationFailed(f"the grammar matcher failed: {self.matcher.get_error()}")
+            raise matcher_error(self.matcher, self.param)
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
@@ -312,7 +406,7 @@ class GrammarBatch:
             try:
                 processor._feed([int(ids[e])])
                 processor._check()
-            except GenerationFailed as exc:
+            except (InvalidGrammar, GenerationFailed) as exc:
                 self._errors[k] = exc
                 continue
             live.append((processor.matcher, k))

@@ -12,6 +12,7 @@ rank's shard instead (:mod:`trio_mlx._dist.leader`).
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -23,15 +24,20 @@ from trio_mlx._accel import fused_projections as _fused_projections
 from trio_mlx._accel import pool as _cuda_pool
 from trio_mlx._accel import settings as _cuda_settings
 from trio_mlx._accel import traced_decode as _traced_decode
-from trio_mlx._accel import warmup as _cuda_warmup
 from trio_mlx._dist import leader as _distributed
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._memory import KVProfile, default_limit
 from trio_mlx._params import SamplingParams
+from trio_mlx._start import kv_measure
 from trio_mlx._start import model_fixes as _model_fixes
+from trio_mlx._start import warmup as _cuda_warmup
 from trio_mlx._start.settings import EngineSettings
+
+logger = logging.getLogger("trio_mlx")
 
 __all__ = [
     "Loaded",
@@ -63,6 +69,10 @@ class Loaded:
     #: removal and fetch dominates and grouping pays; on the CPU the compute dominates,
     #: and a held arrival, a dead row or a prefilled token only wastes it.
     grouping: bool = True
+    #: What a row's KV cache costs (measured on the model's caches), and the default
+    #: KV memory budget of the rows (``EngineSettings.kv_memory_bytes`` None).
+    kv_profile: KVProfile = attrs.field(factory=KVProfile)
+    kv_default: int = 0
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -157,6 +167,36 @@ CPU_PREFILL_BUDGET = 512
 # It is for chat servers with rare long prompts whose streams must stay smooth.
 
 
+def _disk_tier(path: str, settings: EngineSettings, model: Any) -> DiskTier | None:
+    """The prompt cache's disk tier for the loaded model (None: off, or the model's
+    files cannot be found to tell it from another model)."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if settings.prompt_cache_dir is None or settings.prompt_cache_disk_bytes <= 0:
+        return None
+    folder = Path(path)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(path, local_files_only=True))
+        except Exception as exc:
+            logger.warning("prompt cache: no disk tier, the model's files are not found: %s", exc)
+            return None
+    extra = [f"mlx-lm {mlx_lm.__version__}"]
+    extra += [type(c).__name__ for c in make_prompt_cache(model)]
+    if settings.adapter_path is not None:
+        extra.append(model_identity(settings.adapter_path))
+    tier = DiskTier(
+        Path(settings.prompt_cache_dir),
+        model_identity(folder, *extra),
+        settings.prompt_cache_disk_bytes,
+    )
+    tier.open()
+    return tier
+
+
 def load(
     path: str,
     settings: EngineSettings,
@@ -215,6 +255,11 @@ def load(
     _fused_projections.install(model, settings.switches)
     _decode_attention.install(model, settings.switches)
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+    warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
+    kv_profile = kv_measure.measure(model, warm[0])
+    kv_default = default_limit(
+        kv_measure.memory_limit(), kv_measure.weight_bytes(model), prompt_cache_bytes, kv_profile
+    )
     # On a GPU the host-side cost of each admission, removal and fetch dominates and
     # grouping pays; on the CPU the compute does (see ``Loaded.grouping``).
     grouping = mx.default_device() != mx.cpu
@@ -240,7 +285,6 @@ def load(
         traced_decode=channel is None
         and _traced_decode.wanted(settings.switches, cuda=_cuda_settings.on_cuda()),
     )
-    warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))
         while lane.rows:
@@ -255,8 +299,24 @@ def load(
         leader = lane.leader = _distributed.Leader(channel)
     if channel is None:  # ranks would have to agree on every pass: not worth it there
         _cuda_warmup.warm_up(model, settings.max_batch, budget, settings.switches, lane=lane)
+        if prompt_cache is not None:
+            # After the warm-up's rows: they are no one's prompts. Not in
+            # distributed mode: every rank must find the same entries.
+            prompt_cache.disk = _disk_tier(path, settings, model)
+            if prompt_cache.disk is not None:
+                lane.prompt_checkpoints = True  # what the disk tier keeps
     return Loaded(
-        model, tokenizer, dict(config), caches_merge, lane, prompt_cache, channel, leader, grouping
+        model,
+        tokenizer,
+        dict(config),
+        caches_merge,
+        lane,
+        prompt_cache,
+        channel,
+        leader,
+        grouping,
+        kv_profile,
+        kv_default,
     )
 
 

@@ -17,12 +17,21 @@ from typing import Any
 import attrs
 
 from trio_mlx._errors import InvalidRequest, NotFound
-from trio_mlx._lanes.structured import COMPILE_TIMEOUT
+from trio_mlx._lanes.structured import COMPILE_TIMEOUT, DEFAULT_GRAMMAR_CACHE_BYTES
 
-__all__ = ["DEFAULT_PROMPT_CACHE_BYTES", "PARALLEL", "SWITCHES", "EngineSettings", "switches"]
+__all__ = [
+    "DEFAULT_PROMPT_CACHE_BYTES",
+    "DEFAULT_PROMPT_CACHE_DISK_BYTES",
+    "PARALLEL",
+    "SWITCHES",
+    "EngineSettings",
+    "switches",
+]
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
+#: The default byte cap of the prompt cache's disk tier (when it has a folder).
+DEFAULT_PROMPT_CACHE_DISK_BYTES = 10 * 1024**3
 #: How a model is split over the ranks of a distributed group.
 PARALLEL = ("auto", "tensor", "pipeline")
 #: The environment switches of the engine's device paths (each module's docstring says
@@ -89,6 +98,11 @@ def _adapter_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) 
         raise NotFound(f"adapter {value!r} not found: no such folder", param="adapter_path")
 
 
+def _cache_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and os.path.exists(value) and not os.path.isdir(value):
+        raise InvalidRequest(f"prompt_cache_dir {value} is not a folder", param=_name(attribute))
+
+
 def _template(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not (isinstance(value, str) and value):
         raise InvalidRequest("chat_template must be a non-empty string", param="chat_template")
@@ -118,6 +132,13 @@ class EngineSettings:
     prompt_cache_bytes: int = attrs.field(
         default=DEFAULT_PROMPT_CACHE_BYTES, validator=_int_at_least(0)
     )
+    #: The prompt cache's disk tier: its folder (None: off) and byte cap.
+    prompt_cache_dir: str | None = attrs.field(
+        default=None, converter=_path, validator=_cache_folder
+    )
+    prompt_cache_disk_bytes: int = attrs.field(
+        default=DEFAULT_PROMPT_CACHE_DISK_BYTES, validator=_int_at_least(0)
+    )
     grace_period: float = attrs.field(default=5.0, validator=_number_at_least(0))
     prefill_step_size: int = attrs.field(default=2048, validator=_int_at_least(1))
     prefill_batch_size: int = attrs.field(default=16, validator=_int_at_least(1))
@@ -133,10 +154,16 @@ class EngineSettings:
     parallel: str = attrs.field(default="auto", validator=_parallel)
     chat_template: str | None = attrs.field(default=None, validator=_template)
     grammar_timeout: float = attrs.field(default=COMPILE_TIMEOUT, validator=_number_above(0))
+    grammar_cache_bytes: int = attrs.field(
+        default=DEFAULT_GRAMMAR_CACHE_BYTES, validator=_int_at_least(0)
+    )
     max_unread_tokens: int | None = attrs.field(
         default=1024, validator=_int_at_least(1, optional=True)
     )
     max_loras: int | None = attrs.field(default=8, validator=_int_at_least(1, optional=True))
+    kv_memory_bytes: int | None = attrs.field(
+        default=None, validator=_int_at_least(1, optional=True)
+    )
     #: The ``TRIO_MLX_*`` device-path switches (:data:`SWITCHES`), read from the
     #: environment when the settings are built unless given.
     switches: Mapping[str, str] = attrs.field(factory=switches, converter=dict)

@@ -8,9 +8,10 @@ content blocks and, when streaming, its event sequence (``message_start``,
 stop reason and usage, ``message_stop``). Errors on this route use Anthropic's
 shape (``_errors.anthropic_error_body``).
 
-Every request field is honoured, ignored because it cannot change the output
-(:data:`IGNORED`), or refused with 400 unless it holds its default
-(:data:`REFUSED`); design/http.md lists them.
+Every request field is honoured (:data:`HONOURED`), ignored because it cannot
+change the output (:data:`IGNORED`), or refused with 400: a known one unless it
+holds its default (:data:`REFUSED`), an unknown one always; design/http.md
+lists them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import trio
 from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, TrioMLXError
+from trio_mlx_http._common.cache_usage import cache_usage
+from trio_mlx_http._common.sse import named_event
 from trio_mlx_http._common.structured import ToolChoice, grammar_param
 from trio_mlx_http._common.tools import ToolCall
 from trio_mlx_http._common.turn import Ending, Event, Piece, Thought, run_turn
@@ -34,7 +37,34 @@ from trio_mlx_http._openai.schema import GenerationRequest, _get, _messages, _sa
 from trio_mlx_http._server.state import Access, ServerState
 from trio_mlx_http._settings import Settings
 
-__all__ = ["IGNORED", "REFUSED", "MessagesRequest", "count_tokens", "parse_messages", "respond"]
+__all__ = [
+    "HONOURED",
+    "IGNORED",
+    "REFUSED",
+    "MessagesRequest",
+    "count_tokens",
+    "parse_messages",
+    "respond",
+]
+
+#: Fields honoured (design/http.md says how).
+HONOURED = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "messages",
+        "system",
+        "stop_sequences",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_config",
+    }
+)
 
 #: Fields that cannot change the output: accepted and ignored.
 IGNORED = frozenset(
@@ -56,14 +86,17 @@ def _never(_value: Any) -> bool:
 #: Known fields the server does not support: each accepts only its default
 #: (or null); any other value is 400.
 REFUSED: dict[str, Callable[[Any], bool]] = {
-    "thinking": lambda v: isinstance(v, dict) and v.get("type") == "disabled",
-    "output_config": lambda v: v == {},
     "container": _never,
     "context_management": _never,
     "mcp_servers": lambda v: v == [],
     "diagnostics": _never,
     "speed": _never,
 }
+
+#: ``thinking.type`` -> the chat template's ``enable_thinking`` (None: the template's default).
+_THINKING = {"enabled": True, "disabled": False, "adaptive": None}
+#: ``output_config.effort`` values (accepted: see design/http.md).
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
 def _unsupported(name: str, detail: str = "") -> InvalidRequest:
@@ -228,10 +261,97 @@ def _one_call(body: Mapping[str, Any]) -> bool:
 
 
 def _check_fields(body: Mapping[str, Any]) -> None:
-    for name, is_default in REFUSED.items():
-        value = body.get(name)
-        if value is not None and not is_default(value):
+    """Refuse every field that is neither honoured nor harmless (``null`` is absent)."""
+    for name, value in body.items():
+        if value is None or name in HONOURED or name in IGNORED:
+            continue
+        is_default = REFUSED.get(name)
+        if is_default is None:
+            raise InvalidRequest(
+                f"unknown field {name!r:.80}: the server does not support it "
+                "(it is not ignored, since it might change the output)",
+                param=str(name)[:80],
+                code="unsupported_parameter",
+            )
+        if not is_default(value):
             raise _unsupported(name)
+
+
+@attrs.frozen
+class Thinking:
+    """The request's ``thinking``: the template switch, and whether to show the reasoning."""
+
+    #: ``enable_thinking`` for the chat template; None leaves the template's default.
+    enable: bool | None = None
+    #: ``display: "omitted"``: thinking blocks are sent with empty text.
+    omitted: bool = False
+    #: ``budget_tokens``: the reasoning ends once it has spent this many tokens.
+    budget: int | None = None
+
+
+def _thinking(body: Mapping[str, Any]) -> Thinking:
+    """``thinking``: ``enabled`` (a token budget), ``adaptive`` or ``disabled``.
+
+    The budget must lie below ``max_tokens``, as Anthropic requires; where the
+    model has reasoning markers, the reasoning block is ended once it is spent.
+    """
+    value = _get(body, "thinking", dict, "an object")
+    if value is None:
+        return Thinking()
+    kind = value.get("type")
+    if kind not in _THINKING:
+        raise InvalidRequest(
+            "thinking.type must be 'enabled', 'adaptive' or 'disabled'", param="thinking.type"
+        )
+    for key in value:
+        if key not in ("type", "budget_tokens", "display"):
+            raise _unsupported(f"thinking.{key}")
+    budget = value.get("budget_tokens")
+    if kind == "enabled":
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise InvalidRequest(
+                "thinking.budget_tokens must be a positive integer",
+                param="thinking.budget_tokens",
+            )
+        limit = body.get("max_tokens")
+        if isinstance(limit, int) and budget >= limit:
+            raise InvalidRequest(
+                f"thinking.budget_tokens ({budget}) must be less than max_tokens ({limit})",
+                param="thinking.budget_tokens",
+            )
+    elif budget is not None:
+        raise InvalidRequest(
+            f"thinking.budget_tokens goes with type 'enabled', not {kind!r}",
+            param="thinking.budget_tokens",
+        )
+    display = value.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise InvalidRequest(
+            "thinking.display must be 'summarized' or 'omitted'", param="thinking.display"
+        )
+    return Thinking(_THINKING[kind], omitted=display == "omitted", budget=budget)
+
+
+def _output_config(body: Mapping[str, Any]) -> None:
+    """``output_config``: ``effort`` accepted (design/http.md); ``format`` and the rest refused."""
+    config = _get(body, "output_config", dict, "an object") or {}
+    for key, value in config.items():
+        if value is None:
+            continue
+        if key != "effort":
+            raise _unsupported(f"output_config.{key}")
+        if value not in _EFFORTS:
+            raise InvalidRequest(
+                f"output_config.effort must be one of {', '.join(_EFFORTS)}",
+                param="output_config.effort",
+            )
+
+
+def _metadata(body: Mapping[str, Any]) -> None:
+    metadata = _get(body, "metadata", dict, "an object") or {}
+    user = metadata.get("user_id")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest("metadata.user_id must be a string", param="metadata.user_id")
 
 
 @attrs.frozen
@@ -242,6 +362,7 @@ class MessagesRequest:
     #: The last message is the assistant's own text: the answer continues it
     #: (Anthropic's "prefill") instead of starting a new turn.
     prefill: bool
+    thinking: Thinking = Thinking()
 
 
 def _is_prefill(body: Mapping[str, Any], conversation: list[dict[str, Any]]) -> bool:
@@ -259,6 +380,9 @@ def parse_messages(
 ) -> MessagesRequest:
     """Validate a ``/v1/messages`` body (``counting``: a ``count_tokens`` body, no max_tokens)."""
     _check_fields(body)
+    _output_config(body)
+    _metadata(body)
+    thinking = _thinking(body)
     model = _get(body, "model", str, "a string")
     if counting:
         body = {**body, "max_tokens": 1}
@@ -286,18 +410,19 @@ def parse_messages(
         stream=bool(_get(body, "stream", bool, "a boolean")),
         include_usage=False,
         tools=_tools(body),
-        chat_template_kwargs=_template_kwargs(body, settings),
+        chat_template_kwargs=_template_kwargs(thinking, settings),
         parallel_tool_calls=not _one_call(body),
         tool_choice=_tool_choice(body),
+        reasoning_budget=thinking.budget,
     )
-    return MessagesRequest(generation, _is_prefill(body, conversation))
+    return MessagesRequest(generation, _is_prefill(body, conversation), thinking)
 
 
-def _template_kwargs(body: Mapping[str, Any], settings: Settings) -> dict[str, Any] | None:
-    """The server's chat template arguments; ``thinking: disabled`` adds ``enable_thinking``."""
+def _template_kwargs(thinking: Thinking, settings: Settings) -> dict[str, Any] | None:
+    """The server's chat template arguments, ``enable_thinking`` set by ``thinking``."""
     kwargs = dict(settings.chat_template_args)
-    if body.get("thinking") is not None:  # _check_fields let only {"type": "disabled"} through
-        kwargs["enable_thinking"] = False
+    if thinking.enable is not None:
+        kwargs["enable_thinking"] = thinking.enable
     return kwargs or None
 
 
@@ -338,15 +463,37 @@ async def _prompt(state: ServerState, request: MessagesRequest) -> GenerationReq
         return generation
     # parse_messages put the chat there.
     messages = cast("list[dict[str, Any]]", generation.prompts[0])
-    tokens = await trio.to_thread.run_sync(
-        _continued,
-        state.engine.tokenizer,
-        messages,
-        generation.tools,
-        generation.chat_template_kwargs,
-        limiter=_RENDER_LIMITER,
-    )
+
+    def render() -> list[int]:
+        state.engine.refuse_oversized(messages, tools=generation.tools)
+        return _continued(
+            state.engine.tokenizer, messages, generation.tools, generation.chat_template_kwargs
+        )
+
+    tokens = await trio.to_thread.run_sync(render, limiter=_RENDER_LIMITER)
     return attrs.evolve(generation, prompts=(tokens,))
+
+
+#: What a stream sends while it has nothing else to say: Anthropic's own ``ping``.
+_PING = named_event("ping", {"type": "ping"})
+
+
+def _usage(prompt_tokens: int, ending: Ending | None) -> dict[str, Any]:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens the cache neither read nor wrote."""
+    if ending is None:  # message_start: the cache's part is known at the end
+        return {
+            "input_tokens": prompt_tokens,
+            "output_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "cache_creation_input_tokens": 0,
+        }
+    cache = cache_usage(ending.result)
+    return {
+        "input_tokens": cache.uncached(prompt_tokens),
+        "output_tokens": ending.result.completion_tokens,
+        "cache_read_input_tokens": cache.read,
+        "cache_creation_input_tokens": cache.written,
+    }
 
 
 def _stop_reason(ending: Ending) -> str:
@@ -382,6 +529,8 @@ class _Renderer:
     """Anthropic's shapes for one turn."""
 
     model: str
+    #: ``thinking.display: "omitted"``: thinking blocks carry no text.
+    omitted: bool = False
     id: str = attrs.field(factory=lambda: f"msg_{uuid.uuid4().hex}")
     #: Index of the next content block, and the kind of the open one ("text", "thinking").
     _blocks: int = attrs.field(default=0, init=False)
@@ -390,10 +539,7 @@ class _Renderer:
     def _message(
         self, content: list[dict[str, Any]], ending: Ending | None, input_tokens: int
     ) -> dict[str, Any]:
-        usage: dict[str, Any] = {"input_tokens": input_tokens, "output_tokens": 0}
-        if ending is not None:
-            usage["output_tokens"] = ending.result.completion_tokens
-            usage["cache_read_input_tokens"] = ending.result.cached_tokens
+        usage = _usage(input_tokens, ending)
         return {
             "id": self.id,
             "type": "message",
@@ -436,7 +582,7 @@ class _Renderer:
         if isinstance(piece, str):
             return self._streamed("text", piece)
         if isinstance(piece, Thought):
-            return self._streamed("thinking", piece.text)
+            return self._streamed("thinking", "" if self.omitted else piece.text)
         events = self._close()
         index = self._blocks
         self._blocks += 1
@@ -467,16 +613,15 @@ class _Renderer:
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": _stop_reason(ending), "stop_sequence": ending.stop_sequence},
-            "usage": {
-                "output_tokens": ending.result.completion_tokens,
-                "input_tokens": ending.result.prompt_tokens,
-                "cache_read_input_tokens": ending.result.cached_tokens,
-            },
+            "usage": _usage(ending.result.prompt_tokens, ending),
         }
         return [*events, ("message_delta", delta), ("message_stop", {"type": "message_stop"})]
 
     def failed(self, error: TrioMLXError) -> list[Event]:
         return [("error", anthropic_error_body(error))]
+
+    def keepalive(self) -> bytes:
+        return _PING
 
     def whole(self, pieces: Sequence[Piece], ending: Ending) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
@@ -484,7 +629,10 @@ class _Renderer:
             if isinstance(piece, ToolCall):
                 content.append(_tool_block(piece))
                 continue
-            kind, text = ("thinking", piece.text) if isinstance(piece, Thought) else ("text", piece)
+            if isinstance(piece, Thought):
+                kind, text = "thinking", "" if self.omitted else piece.text
+            else:
+                kind, text = "text", piece
             if content and content[-1]["type"] == kind:
                 content[-1][kind] += text
             else:
@@ -497,9 +645,13 @@ async def respond(
     state: ServerState, body: Mapping[str, Any], access: Access
 ) -> Response | dict[str, Any]:
     """Answer one ``POST /v1/messages``."""
-    request = await _prompt(state, parse_messages(body, state.settings))
+    parsed = parse_messages(body, state.settings)
+    request = await _prompt(state, parsed)
+    omitted = parsed.thinking.omitted
     try:
-        return await run_turn(state, request, _Renderer, access)
+        return await run_turn(
+            state, request, lambda model: _Renderer(model, omitted=omitted), access
+        )
     except InvalidGrammar as error:  # the tool-call grammar of a forced tool_choice
         raise grammar_param(error, "tool_choice") from None
 
@@ -509,7 +661,7 @@ async def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str,
     request = await _prompt(state, parse_messages(body, state.settings, counting=True))
     _model, request = _resolve_model(state, request)
     _check_tools(state, request.tools)
-    tokens = state.engine.encode(
+    tokens = await state.engine.tokenize(
         request.prompts[0], tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
     )
     return {"input_tokens": len(tokens)}

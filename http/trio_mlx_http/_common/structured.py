@@ -228,9 +228,14 @@ def after_reasoning(params: SamplingParams, tokenizer: Any, end: str) -> Samplin
 def grammar_param(error: InvalidRequest, source: str) -> InvalidRequest:
     """``error`` naming the request field (``source``) a constraint came from.
 
-    The engine names its own parameter (``json_schema``, ``grammar``).
+    The engine names its own parameter (``json_schema``, ``grammar``); an error
+    about another field that names the constraint (``stop``) has the name replaced.
     """
     if error.param not in ("json_schema", "regex", "grammar"):
+        for name in ("json_schema", "regex", "grammar"):
+            if f"with {name}" in error.message:
+                message = error.message.replace(f"with {name}", f"with {source}")
+                return type(error)(message, param=error.param, code=error.code)
         return error
     message = error.message
     if message.startswith(f"{error.param}: "):

@@ -19,6 +19,7 @@ from quart import Response
 
 from trio_mlx import GenerationResult, TrioMLXError
 from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.keepalive import next_delta
 from trio_mlx_http._common.reasoning import ReasoningSplitter
 from trio_mlx_http._common.tools import ToolCall, ToolCallExtractor
 from trio_mlx_http._errors import status_of
@@ -85,6 +86,10 @@ class Renderer(Protocol):
 
     def failed(self, error: TrioMLXError) -> list[Event]:
         """The events that end a stream which failed after admission."""
+        ...
+
+    def keepalive(self) -> bytes:
+        """What the stream sends after ``Settings.sse_keepalive`` seconds of silence."""
         ...
 
     def whole(self, pieces: Sequence[Piece], ending: Ending) -> dict[str, Any]:
@@ -163,7 +168,26 @@ async def _prepare(
     # and any constraint starts after a reasoning block the prompt opens.
     reasoning_end = markers[1] if markers is not None and opened else None
     request = _enforce_tool_choice(state, request, reasoning_end)
+    if request.reasoning_budget is not None and markers is not None:
+        request = _bound_reasoning(state, request, markers, opened)
     return model, request, splitter
+
+
+def _bound_reasoning(
+    state: ServerState, request: GenerationRequest, markers: tuple[str, str], opened: bool
+) -> GenerationRequest:
+    """The request's reasoning budget as the engine's: the markers as token ids."""
+    tokenizer = state.engine.tokenizer
+    ids = tuple(tuple(tokenizer.encode(m, add_special_tokens=False)) for m in markers)
+    if not all(ids):
+        return request  # a marker the tokenizer cannot spell: max_tokens bounds it
+    params = attrs.evolve(
+        request.params,
+        reasoning_budget=request.reasoning_budget,
+        reasoning_markers=(ids[0], ids[1]),
+        reasoning_opened=opened,
+    )
+    return attrs.evolve(request, params=params)
 
 
 async def run_turn(
@@ -227,8 +251,17 @@ async def _stream(
                     yield _frame(opening)
                 events: list[Event] = []
                 token_ids: list[int] = []
-                async for delta in stream:
+                interval = state.settings.sse_keepalive
+                while True:
+                    try:
+                        delta = await next_delta(stream, interval)
+                    except StopAsyncIteration:
+                        break
+                    if delta is None:
+                        yield renderer.keepalive()
+                        continue
                     token_ids.extend(delta.token_ids)
+                    access.tokens = len(token_ids)
                     for piece in splitter.feed(delta.text):
                         events += renderer.piece(piece)
                     if events:
@@ -247,6 +280,7 @@ async def _stream(
                 logger.warning("stream failed: %s", error.message)
                 state.metrics.failed(access.endpoint, "error")
                 status = status_of(error)
+                access.cut_by(error)
                 events = renderer.failed(error)
             if events:
                 yield _frame(events)

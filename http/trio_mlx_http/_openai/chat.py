@@ -30,7 +30,9 @@ from trio_mlx import (
     NotFound,
     TrioMLXError,
 )
+from trio_mlx_http._common import keepalive as _keepalive
 from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.keepalive import next_delta
 from trio_mlx_http._common.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from trio_mlx_http._common.structured import after_reasoning, grammar_param, tool_call_grammar
 from trio_mlx_http._common.tools import ToolCallExtractor
@@ -234,6 +236,8 @@ def _resolve_model(state: ServerState, request: GenerationRequest) -> tuple[str,
     name = request.model
     if name is None or name in state.model_names:
         return state.model_id, request
+    if name not in state.engine.adapters and state.serves(name):  # a pattern's name
+        return state.model_id, request
     if name in state.engine.adapters:
         if request.params.adapter not in (None, name):
             raise InvalidRequest(
@@ -257,22 +261,31 @@ def _clamp_max_tokens(state: ServerState, request: GenerationRequest) -> Generat
     return attrs.evolve(request, params=attrs.evolve(request.params, max_tokens=limit))
 
 
+#: Efforts that mean "do not think", for templates that switch thinking on and off.
+_NO_THINKING_EFFORTS = frozenset({"none", "minimal"})
+
+
 def _reasoning_effort(state: ServerState, request: GenerationRequest) -> GenerationRequest:
-    """``reasoning_effort`` goes to a chat template that reads it (gpt-oss's); else 400."""
+    """``reasoning_effort`` on the model's own reasoning switch.
+
+    A chat template that reads ``reasoning_effort`` (gpt-oss's) gets it as it
+    is; one that reads ``enable_thinking`` (Qwen3's and its kind) gets thinking
+    off for ``none``/``minimal`` and on for the others (unless the request's
+    ``chat_template_kwargs`` set it). A template with neither has no reasoning
+    to set: the effort is accepted and changes nothing (agents send it always).
+    """
     effort = request.reasoning_effort
     if effort is None:
         return request
     template = getattr(state.engine.tokenizer, "chat_template", None)
-    if not (isinstance(template, str) and "reasoning_effort" in template):
-        raise InvalidRequest(
-            f"the model {state.model_id!r} has no reasoning effort to set (its chat template "
-            "does not read reasoning_effort); for templates with enable_thinking send "
-            "chat_template_kwargs",
-            param="reasoning_effort",
-            code="unsupported_parameter",
-        )
-    kwargs = {"reasoning_effort": effort, **(request.chat_template_kwargs or {})}
-    return attrs.evolve(request, chat_template_kwargs=kwargs)
+    template = template if isinstance(template, str) else ""
+    own = request.chat_template_kwargs or {}
+    if "reasoning_effort" in template:
+        return attrs.evolve(request, chat_template_kwargs={"reasoning_effort": effort, **own})
+    if "enable_thinking" in template:
+        thinking = effort not in _NO_THINKING_EFFORTS
+        return attrs.evolve(request, chat_template_kwargs={"enable_thinking": thinking, **own})
+    return request
 
 
 def _check_tools(state: ServerState, tools: list[dict[str, Any]] | None) -> None:
@@ -350,6 +363,7 @@ async def _opens_reasoning(
         kwargs["tools"] = request.tools
 
     def render() -> str:
+        state.engine.refuse_oversized(messages, tools=request.tools)
         text = state.engine.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **kwargs
         )
@@ -357,6 +371,8 @@ async def _opens_reasoning(
 
     try:
         prompt = await trio.to_thread.run_sync(render)
+    except InvalidRequest:
+        raise
     except Exception:  # the engine reports a template that does not render
         return False
     return prompt_opens_reasoning(prompt, *markers)
@@ -641,10 +657,12 @@ async def _stream(
             ran_with.extend(stream.max_tokens for stream in streams)
             yield b""  # primed: all admitted
             results: list[GenerationResult | None] = [None] * len(streams)
+            sent = [0] * len(streams)  # tokens per choice, for the access log
             # Events ready together leave as one write (one ASGI send, one chunk
             # frame): a round's choices, the last chunks with usage and [DONE].
             # None waits for another: what is pending leaves before any wait.
             pending: list[bytes] = []
+            interval = state.settings.sse_keepalive
             try:
                 for index in range(len(streams)):
                     pending += fmt.start(index)
@@ -655,15 +673,18 @@ async def _stream(
                             yield b"".join(pending)
                             pending.clear()
                         try:
-                            delta = await anext(streams[index])
+                            while (delta := await next_delta(streams[index], interval)) is None:
+                                yield _keepalive.COMMENT
                         except StopAsyncIteration:
                             active.remove(index)
                             result = results[index] = streams[index].result
-                            access.tokens += result.completion_tokens
+                            sent[index] = result.completion_tokens
                             state.metrics.finished(access.endpoint, result)
                             pending += fmt.end(index, result)
                         else:
+                            sent[index] += len(delta.token_ids)
                             pending += fmt.delta(index, delta)
+                        access.tokens = sum(sent)
                     if pending and active:
                         yield b"".join(pending)
                         pending.clear()
@@ -671,6 +692,7 @@ async def _stream(
                 logger.warning("stream failed: %s", error.message)
                 state.metrics.failed(access.endpoint, "error")
                 status = status_of(error)
+                access.cut_by(error)
                 yield b"".join([*pending, _sse.event(error_body(error)), _sse.DONE])
                 return
         if request.include_usage:

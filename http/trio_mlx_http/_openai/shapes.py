@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from trio_mlx import GenerationResult, TokenLogprob
+from trio_mlx_http._common.cache_usage import cache_usage
 
 __all__ = [
     "Envelope",
@@ -105,7 +106,7 @@ def usage(results: Sequence[GenerationResult], n: int = 1) -> dict[str, Any]:
     firsts = results[::n]
     prompt_tokens = sum(r.prompt_tokens for r in firsts)
     completion_tokens = sum(r.completion_tokens for r in results)
-    cached = sum(r.cached_tokens for r in firsts)
+    cached = sum(cache_usage(r).read for r in firsts)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

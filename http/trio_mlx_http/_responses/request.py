@@ -4,8 +4,8 @@ The body becomes chat messages (``instructions`` first, then the stored
 conversation of ``previous_response_id``, then ``input``) and a
 :class:`GenerationRequest`. Every field is honoured, ignored because it cannot
 change the output (:data:`IGNORED`), or refused with 400
-``unsupported_parameter`` unless it holds its default (:data:`REFUSED`);
-design/http.md lists them.
+``unsupported_parameter``: a known one unless it holds its default
+(:data:`REFUSED`), an unknown one always; design/http.md lists them.
 """
 
 from __future__ import annotations
@@ -21,11 +21,34 @@ from trio_mlx_http._openai.schema import _EFFORTS, GenerationRequest, _get, _mes
 from trio_mlx_http._responses.store import ResponseStore
 from trio_mlx_http._settings import Settings
 
-__all__ = ["IGNORED", "REFUSED", "ResponsesRequest", "parse_responses"]
+__all__ = ["HONOURED", "IGNORED", "REFUSED", "ResponsesRequest", "parse_responses"]
 
+#: Fields honoured (design/http.md says how).
+HONOURED = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "text",
+        "stream",
+        "store",
+        "previous_response_id",
+        "metadata",
+        "reasoning",
+        "include",
+        "truncation",
+    }
+)
+
+#: Fields that cannot change the output: accepted and ignored.
 IGNORED = frozenset(
     {
-        "metadata",  # echoed back
         "user",
         "safety_identifier",
         "service_tier",
@@ -47,16 +70,31 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "background": lambda v: v is False,
     "conversation": _never,
     "prompt": _never,
-    "include": lambda v: v == [],
     "top_logprobs": lambda v: v == 0,
     "max_tool_calls": _never,
-    "truncation": lambda v: v == "disabled",
     "context_management": _never,
     "moderation": _never,
     "image": _never,
     "access_programs": _never,
     "background_options": _never,
 }
+
+#: ``include`` values accepted: ``reasoning.encrypted_content`` (nothing is
+#: encrypted: reasoning items come back whole, ``encrypted_content`` null) and
+#: the outputs of tools this server never runs (so there is nothing to add).
+_INCLUDES = frozenset(
+    {
+        "reasoning.encrypted_content",
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "message.input_image.image_url",
+    }
+)
+_SUMMARIES = ("auto", "concise", "detailed", "none")
+_VERBOSITIES = ("low", "medium", "high")
 
 
 def _unsupported(name: str, detail: str = "") -> InvalidRequest:
@@ -85,6 +123,10 @@ class ResponsesRequest:
     store: bool
     previous_response_id: str | None
     metadata: dict[str, str]
+    #: Echoed: ``truncation``, ``reasoning`` and ``text`` as the response reports them.
+    truncation: str = "disabled"
+    reasoning: dict[str, Any] = attrs.field(factory=lambda: {"effort": None, "summary": None})
+    text: dict[str, Any] = attrs.field(factory=lambda: {"format": {"type": "text"}})
 
 
 def _text_part(part: Any, where: str) -> str:
@@ -221,8 +263,10 @@ def _text_format(body: Mapping[str, Any]) -> dict[str, Any]:
     if text is None:
         return {}
     verbosity = text.get("verbosity")
-    if verbosity not in (None, "medium"):
-        raise _unsupported("text.verbosity", "only 'medium'")
+    if verbosity is not None and verbosity not in _VERBOSITIES:
+        raise InvalidRequest(
+            f"text.verbosity must be one of {', '.join(_VERBOSITIES)}", param="text.verbosity"
+        )
     fmt = text.get("format")
     if fmt is None:
         return {}
@@ -248,20 +292,35 @@ def _text_format(body: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def _reasoning(body: Mapping[str, Any]) -> str | None:
-    """``reasoning.effort`` (for a chat template that reads it); a summary is refused."""
+def _reasoning(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """``reasoning``: ``effort`` (on the model's reasoning switch) and ``summary``.
+
+    A summary is accepted, and none is written: the reasoning item carries the
+    whole reasoning text and an empty ``summary``.
+    """
     reasoning = _get(body, "reasoning", dict, "an object")
     if reasoning is None:
-        return None
-    for name in ("summary", "generate_summary"):
-        if reasoning.get(name) is not None:
-            raise _unsupported(f"reasoning.{name}", "the reasoning is returned whole")
+        return None, None
+    for key in reasoning:
+        if key not in ("effort", "summary", "generate_summary"):
+            raise _unsupported(f"reasoning.{key}")
+    summary = reasoning.get("summary", reasoning.get("generate_summary"))
+    if summary is not None and summary not in _SUMMARIES:
+        raise InvalidRequest(
+            f"reasoning.summary must be one of {', '.join(_SUMMARIES)}", param="reasoning.summary"
+        )
     effort = reasoning.get("effort")
     if effort is not None and effort not in _EFFORTS:
         raise InvalidRequest(
             f"reasoning.effort must be one of {', '.join(_EFFORTS)}", param="reasoning.effort"
         )
-    return effort if isinstance(effort, str) else None
+    return effort, summary
+
+
+def _verbosity(body: Mapping[str, Any]) -> str:
+    text = body.get("text")
+    verbosity = text.get("verbosity") if isinstance(text, dict) else None
+    return verbosity if isinstance(verbosity, str) else "medium"
 
 
 def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
@@ -283,10 +342,37 @@ def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _check_fields(body: Mapping[str, Any]) -> None:
-    for name, is_default in REFUSED.items():
-        value = body.get(name)
-        if value is not None and not is_default(value):
+    """Refuse every field that is neither honoured nor harmless (``null`` is absent)."""
+    for name, value in body.items():
+        if value is None or name in HONOURED or name in IGNORED:
+            continue
+        is_default = REFUSED.get(name)
+        if is_default is None:
+            raise InvalidRequest(
+                f"unknown field {name!r:.80}: the server does not support it "
+                "(it is not ignored, since it might change the output)",
+                param=str(name)[:80],
+                code="unsupported_parameter",
+            )
+        if not is_default(value):
             raise _unsupported(name)
+
+
+def _include(body: Mapping[str, Any]) -> None:
+    include = _get(body, "include", list, "a list of strings") or []
+    for value in include:
+        if value == "message.output_text.logprobs":
+            raise _unsupported("include", "log-probabilities are not returned here")
+        if value not in _INCLUDES:
+            raise InvalidRequest(f"include: unknown value {value!r:.80}", param="include")
+
+
+def _truncation(body: Mapping[str, Any]) -> str:
+    """``truncation``: "disabled" or "auto" (echoed; nothing is ever dropped, see design/http.md)."""
+    value = _get(body, "truncation", str, "a string")
+    if value not in (None, "auto", "disabled"):
+        raise InvalidRequest("truncation must be 'auto' or 'disabled'", param="truncation")
+    return value or "disabled"
 
 
 def _sampling_values(body: Mapping[str, Any], settings: Settings) -> tuple[Any, Any, Any]:
@@ -309,6 +395,9 @@ def parse_responses(
 ) -> ResponsesRequest:
     """Validate a ``/v1/responses`` body (``previous_response_id`` is looked up in ``store``)."""
     _check_fields(body)
+    _include(body)
+    truncation = _truncation(body)
+    effort, summary = _reasoning(body)
     structured = _text_format(body)
     model = _get(body, "model", str, "a string")
     instructions = _get(body, "instructions", str, "a string")
@@ -349,7 +438,7 @@ def parse_responses(
         include_usage=False,
         tools=chat_tools or None,
         chat_template_kwargs=dict(settings.chat_template_args) or None,
-        reasoning_effort=_reasoning(body),
+        reasoning_effort=effort,
         parallel_tool_calls=parsed_choice.parallel,
         tool_choice=parsed_choice,
     )
@@ -365,4 +454,7 @@ def parse_responses(
         store=True if keep is None else keep,
         previous_response_id=previous_id,
         metadata=metadata,
+        truncation=truncation,
+        reasoning={"effort": effort, "summary": summary},
+        text={"format": {"type": "text"}, "verbosity": _verbosity(body)},
     )

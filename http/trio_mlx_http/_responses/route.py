@@ -15,9 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import trio
 from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, NotFound, TrioMLXError
+from trio_mlx_http._common.cache_usage import cache_usage
+from trio_mlx_http._common.keepalive import COMMENT
 from trio_mlx_http._common.structured import grammar_param
 from trio_mlx_http._common.tools import ToolCall
 from trio_mlx_http._common.turn import Ending, Event, Piece, Thought, run_turn
@@ -32,7 +35,7 @@ def _usage(ending: Ending) -> dict[str, Any]:
     result = ending.result
     return {
         "input_tokens": result.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": result.cached_tokens},
+        "input_tokens_details": {"cached_tokens": cache_usage(result).read},
         "output_tokens": result.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": ending.reasoning_tokens},
         "total_tokens": result.prompt_tokens + result.completion_tokens,
@@ -119,14 +122,14 @@ class _Renderer:
             "output": list(self._output),
             "parallel_tool_calls": request.generation.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": request.reasoning,
             "store": request.store,
             "temperature": request.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": request.text,
             "tool_choice": request.tool_choice,
             "tools": request.tools,
             "top_p": request.top_p,
-            "truncation": "disabled",
+            "truncation": request.truncation,
             "usage": None if ending is None else _usage(ending),
             "metadata": request.metadata,
         }
@@ -281,6 +284,9 @@ class _Renderer:
     def failed(self, error: TrioMLXError) -> list[Event]:
         return [self._event("response.failed", response=self._response("failed", error=error))]
 
+    def keepalive(self) -> bytes:
+        return COMMENT
+
     # -- whole -----------------------------------------------------------
 
     def whole(self, pieces: Sequence[Piece], ending: Ending) -> dict[str, Any]:
@@ -302,7 +308,13 @@ async def respond(
     state: ServerState, body: Mapping[str, Any], access: Access
 ) -> Response | dict[str, Any]:
     """Answer one ``POST /v1/responses``."""
-    request = parse_responses(body, state.settings, state.responses)
+    if body.get("previous_response_id") is not None:
+        # The stored conversation is parsed from its JSON: off the loop, it may be large.
+        request = await trio.to_thread.run_sync(
+            parse_responses, body, state.settings, state.responses
+        )
+    else:
+        request = parse_responses(body, state.settings, state.responses)
     try:
         return await run_turn(
             state,
@@ -323,10 +335,10 @@ async def respond(
 
 def stored(state: ServerState, response_id: str) -> dict[str, Any]:
     """``GET /v1/responses/{id}``: a stored response's body."""
-    found = state.responses.get(response_id)
+    found = state.responses.body(response_id)
     if found is None:
         raise NotFound(f"no stored response {response_id!r}", param="response_id")
-    return found.body
+    return found
 
 
 def delete(state: ServerState, response_id: str) -> dict[str, Any]:

@@ -108,6 +108,10 @@ def _state() -> ServerState:
     return state
 
 
+def _is_pattern(name: str) -> bool:
+    return any(c in name for c in "*?[")
+
+
 def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
     """Build the OpenAI-compatible app around a running engine."""
     settings = settings or Settings()
@@ -127,9 +131,20 @@ def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
         texts=TokenTexts(engine.tokenizer),
         model_id=settings.model_name or engine.model_id,
         model_names=frozenset(
-            {settings.model_name or engine.model_id, engine.model_id, *settings.model_aliases}
+            {
+                settings.model_name or engine.model_id,
+                engine.model_id,
+                *settings.model_aliases,
+                *(n for n in settings.served_model_names if not _is_pattern(n)),
+            }
         ),
         vocab_size=len(engine.tokenizer.get_vocab()),
+        listed_names=tuple(
+            name
+            for name in dict.fromkeys(settings.served_model_names)
+            if not _is_pattern(name) and name != (settings.model_name or engine.model_id)
+        ),
+        model_patterns=tuple(n for n in settings.served_model_names if _is_pattern(n)),
     )
     app.extensions["trio_mlx"] = state
     install_error_handlers(app)
@@ -194,7 +209,7 @@ def _install_hooks(app: QuartTrio, state: ServerState) -> None:
         if origin is not None:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Allow-Headers"] = (
-                "Authorization, Content-Type, x-api-key, anthropic-version"
+                "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
             )
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
         if state.draining or (response.status_code >= 400 and _has_body(request)):
@@ -257,7 +272,8 @@ def _model_card(state: ServerState, model_id: str, parent: str | None = None) ->
 
 def _model_cards(state: ServerState) -> list[dict[str, Any]]:
     # Mounted adapters are models of their own: send their name as "model".
-    return [_model_card(state, state.model_id)] + [
+    names = [state.model_id, *state.listed_names]
+    return [_model_card(state, name) for name in names] + [
         _model_card(state, name, parent=state.model_id) for name in state.engine.adapters
     ]
 
@@ -270,8 +286,12 @@ def _install_models(app: QuartTrio) -> None:
     @app.get("/v1/models/<path:model_id>")
     async def get_model(model_id: str) -> dict[str, Any]:
         state = _state()
+        if model_id in state.listed_names:
+            return _model_card(state, model_id)
         if model_id in state.model_names:
             return _model_card(state, state.model_id)
+        if model_id not in state.engine.adapters and state.serves(model_id):  # a pattern's
+            return _model_card(state, model_id)
         for card in _model_cards(state):
             if card["id"] == model_id:
                 return card
@@ -382,6 +402,16 @@ def _install_service(app: QuartTrio) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(_state().metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+    @app.route("/v1/v1/<path:rest>", methods=["GET", "POST", "DELETE"])
+    async def doubled_prefix(rest: str) -> Response:
+        # Anthropic's client adds /v1 itself; a base URL ending in /v1 lands here.
+        host = request.host_url.rstrip("/")
+        raise NotFound(
+            f"no route /v1/v1/{rest:.80}: the base URL has /v1 twice. Anthropic's client "
+            f"adds /v1 itself: give it {host}; OpenAI's clients take {host}/v1",
+            code="wrong_base_url",
+        )
 
     @app.get("/openapi.json")
     async def openapi_json() -> dict[str, Any]:

@@ -33,12 +33,16 @@ _GAUGES = {
     "mlx_cache_memory": "Bytes MLX keeps in freed buffers for reuse.",
     "mlx_peak_memory": "Highest active MLX memory since the process started, in bytes.",
     "prompt_cache_bytes": "Bytes the prompt cache counts for its entries.",
+    "kv_memory_budget": "Bytes the requests' KV caches may hold at worst (the admission budget).",
+    "kv_memory_reserved": "Worst-case KV bytes of the running and parked requests.",
 }
 #: Gauges whose exported name differs from the statistics field (Prometheus' unit suffix).
 _GAUGE_NAMES = {
     "mlx_active_memory": "mlx_active_memory_bytes",
     "mlx_cache_memory": "mlx_cache_memory_bytes",
     "mlx_peak_memory": "mlx_peak_memory_bytes",
+    "kv_memory_budget": "kv_memory_budget_bytes",
+    "kv_memory_reserved": "kv_memory_reserved_bytes",
 }
 #: Engine statistics exported as counters (name in statistics -> help).
 _COUNTERS = {
@@ -84,6 +88,7 @@ class _EngineCollector:
         prompt.add_metric(["cached"], stats.cached_prompt_tokens)
         prompt.add_metric(["computed"], max(0, stats.prompt_tokens - stats.cached_prompt_tokens))
         yield prompt
+        yield from _prompt_cache(stats)
         yield _by_lane(
             "trio_mlx_engine_requests",
             "Engine requests ended, by lane and outcome.",
@@ -113,6 +118,48 @@ class _EngineCollector:
         for member in type(current):
             state.add_metric([member.value.lower()], float(member is current))
         yield state
+
+
+def _prompt_cache(stats: EngineStatistics) -> Iterable[Metric]:
+    """The prompt cache's entries, lookups and disk tier (nothing when it is off)."""
+    cache = stats.prompt_cache
+    if cache is None:
+        return
+    yield GaugeMetricFamily(
+        "trio_mlx_prompt_cache_entries", "Prompt cache entries held in memory.", value=cache.entries
+    )
+    lookups = CounterMetricFamily(
+        "trio_mlx_prompt_cache_lookups",
+        "Prompt cache lookups, by whether a cached prefix was served.",
+        labels=["result"],
+    )
+    lookups.add_metric(["hit"], cache.hits)
+    lookups.add_metric(["miss"], cache.misses)
+    yield lookups
+    yield CounterMetricFamily(
+        "trio_mlx_prompt_cache_reused_tokens",
+        "Prompt tokens served from the prompt cache.",
+        value=cache.tokens_reused,
+    )
+    yield GaugeMetricFamily(
+        "trio_mlx_prompt_cache_disk_entries",
+        "This model's entries in the prompt cache's disk folder.",
+        value=cache.disk_entries,
+    )
+    yield GaugeMetricFamily(
+        "trio_mlx_prompt_cache_disk_bytes",
+        "Bytes of entries in the prompt cache's disk folder.",
+        value=cache.disk_bytes,
+    )
+    disk = CounterMetricFamily(
+        "trio_mlx_prompt_cache_disk_operations",
+        "Prompt cache disk entries read back, written, and skipped as missing or corrupt.",
+        labels=["operation"],
+    )
+    disk.add_metric(["read"], cache.disk_hits)
+    disk.add_metric(["write"], cache.disk_writes)
+    disk.add_metric(["skip"], cache.disk_failures)
+    yield disk
 
 
 #: The prefill stall bound's readings (``serve --prefill-stall``), exported once measured.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 
 import attrs
 
-from trio_mlx import Engine
+from trio_mlx import Engine, EngineClosed, TrioMLXError
 from trio_mlx_http._openai.shapes import TokenTexts
 from trio_mlx_http._responses.store import ResponseStore
 from trio_mlx_http._server.metrics import Metrics
@@ -37,6 +38,10 @@ class ServerState:
     model_names: frozenset[str]
     #: Token ids at or above this are not in the vocabulary.
     vocab_size: int
+    #: Names listed in ``/v1/models`` after ``model_id`` (``--served-model-name``).
+    listed_names: tuple[str, ...] = ()
+    #: Shell-style patterns (``claude-*``): a name matching one answers to the model.
+    model_patterns: tuple[str, ...] = ()
     started: int = attrs.field(factory=lambda: int(time.time()))
     #: Adapters mounted over HTTP: name -> path relative to ``--adapter-dir``.
     adapter_paths: dict[str, str] = attrs.field(factory=dict)
@@ -45,6 +50,12 @@ class ServerState:
     draining: bool = False
     #: Stored Responses API responses, for ``previous_response_id`` (bounded, LRU).
     responses: ResponseStore = attrs.field(factory=ResponseStore)
+
+    def serves(self, name: str) -> bool:
+        """Whether ``name`` names the served model (exactly, or by a pattern)."""
+        return name in self.model_names or any(
+            fnmatch.fnmatchcase(name, pattern) for pattern in self.model_patterns
+        )
 
 
 @attrs.define(eq=False)
@@ -56,17 +67,29 @@ class Access:
     method: str
     path: str
     started: float = attrs.field(factory=time.perf_counter)
-    #: Tokens generated for this request.
+    #: Tokens generated for this request (for a stream: those sent so far).
     tokens: int = 0
     #: Set when a streaming body will write the line itself, at its end.
     by_body: bool = False
+    #: Why a stream that had answered 200 ended early: ``shutdown`` (the engine
+    #: closed, e.g. at the graceful deadline) or the error's code.
+    cut: str | None = None
+
+    def cut_by(self, error: TrioMLXError) -> None:
+        """Record that ``error`` ended this request's stream after its 200 went out."""
+        self.cut = "shutdown" if isinstance(error, EngineClosed) else error.code or "error"
 
     def done(self, status: int) -> None:
-        """Log the request and count it."""
+        """Log the request and count it.
+
+        A cut stream is counted under ``status`` (the error's) but logged as the
+        200 the client got, with the tokens it was sent and ``cut=`` why it ended.
+        """
         elapsed = time.perf_counter() - self.started
         self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
         if self.endpoint in GENERATION_ENDPOINTS:
             self.state.metrics.duration.labels(self.endpoint).observe(elapsed)
+        logged, cut = (200, f" cut={self.cut}") if self.cut else (status, "")
         access_logger.info(
-            "%s %s %d tokens=%d %.3fs", self.method, self.path, status, self.tokens, elapsed
+            "%s %s %d tokens=%d %.3fs%s", self.method, self.path, logged, self.tokens, elapsed, cut
         )
