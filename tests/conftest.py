@@ -23,6 +23,18 @@ settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` run only where MLX's CUDA backend is (the GPU lane)."""
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs MLX's CUDA backend (tools/gpu_tests.sh)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight llama directory that ``mlx_lm.load`` loads (built once per run)."""

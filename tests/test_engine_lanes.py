@@ -11,6 +11,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import InvalidRequest, NotFound, SamplingParams
+from trio_mlx._accel import settings as _cuda_settings
 from trio_mlx._core.gate import choose_lane
 
 # --- the gate: one test per reason -----------------------------------------------------
@@ -117,6 +118,10 @@ async def test_serial_greedy_equals_batch_greedy(tiny_model_path: Path) -> None:
 
 
 @pytest.mark.model
+@pytest.mark.skipif(
+    _cuda_settings.on_cuda(),
+    reason="MLX's CUDA backend has no quantized attention for the tiny model's head size 32",
+)
 async def test_kv_bits_request_runs_serially_to_max_tokens(tiny_model_path: Path) -> None:
     async with trio_mlx.open_engine(tiny_model_path) as engine:
         completion = await engine.complete(
@@ -127,6 +132,22 @@ async def test_kv_bits_request_runs_serially_to_max_tokens(tiny_model_path: Path
         assert engine.statistics().requests["serial:finished"] == 1
     assert completion.result.lane == "serial"
     assert len(completion.token_ids) == 10
+
+
+@pytest.mark.model
+async def test_kv_bits_is_refused_up_front_where_cuda_has_no_kernel(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        # On CUDA for real on the GPU lane; elsewhere, once loaded, the backend check says CUDA.
+        monkeypatch.setattr(_cuda_settings, "on_cuda", lambda cuda=None: True)
+        with pytest.raises(
+            InvalidRequest, match="no quantized attention kernel for its head size 32"
+        ):
+            await engine.complete(PROMPT, SamplingParams(max_tokens=4, kv_bits=8, kv_group_size=32))
+        plain = await engine.complete(PROMPT, SamplingParams(max_tokens=4))
+        assert engine.statistics().requests.get("serial:failed", 0) == 0
+    assert len(plain.token_ids) == 4
 
 
 @pytest.mark.model

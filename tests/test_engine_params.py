@@ -127,7 +127,9 @@ async def test_prompt_cache_skips_a_prefix_shorter_than_the_lanes_threshold(
 ) -> None:
     params = SamplingParams(max_tokens=6, logit_bias=NO_EOS)
     async with trio_mlx.open_engine(tiny_model_path) as engine:
-        # On the CPU any prefix is reused (a prefilled token costs compute there).
+        # The CPU's threshold, on any backend: any prefix is reused (a
+        # prefilled token costs compute there).
+        engine._loaded.lane.cache_min_prefix = 1
         await engine.complete(PROMPT, params)
         reused = await engine.complete(PROMPT + " over the lazy dog", params)
         # The GPU's threshold: a short shared prefix is prefilled instead of fetched.

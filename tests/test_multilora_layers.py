@@ -115,3 +115,11 @@ def test_a_bfloat16_layer_keeps_its_dtype_with_float32_adapters(method: str) -> 
     assert y.dtype == mx.bfloat16
     assert mx.array_equal(y[1], base[1]).item()  # the base row: the base layer's output
     assert not mx.array_equal(y[0], base[0]).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ["gather", "sorted"])
+def test_on_cuda_the_gathering_methods_are_built_dense(method: str) -> None:
+    # MLX's CUDA gather_mm faults on these shapes (examples/upstream/gather_mm_cuda.py).
+    stack = AdapterStack.build(_Net().module, [("a", 1, _lora(1, 4, [0], 2.0))], method)
+    assert stack.method == "dense"

@@ -193,8 +193,11 @@ def keep_memory(
         blocks = [mx.zeros((1 << 30,), dtype=mx.uint8) for _ in range(gib)]
         mx.eval(blocks)
         del blocks
-        mx.clear_cache()  # past MLX's cache, into the pool, which now keeps them
+        # On CUDA a buffer returns to MLX's cache only once the stream that used
+        # it is done: wait for that first, or clearing finds the cache empty and
+        # the GiB stay in it rather than in the pool.
         mx.synchronize()
+        mx.clear_cache()  # past MLX's cache, into the pool, which now keeps them
     mx.set_cache_limit(MLX_CACHE_BYTES)
     done = {
         "devices": float(devices),

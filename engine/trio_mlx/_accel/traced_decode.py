@@ -260,8 +260,18 @@ def build(model: Any) -> TracedDecode | None:
     request.
     """
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+    # A model with other caches (sliding window, linear attention, convolution
+    # state) never batches into BatchKVCaches only: an expected case, said once.
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)} - {"KVCache"})
+    if kinds:
+        logger.info(
+            "the traced decode step is off for this model: it traces KVCache layers only, "
+            "and the model also has %s",
+            ", ".join(kinds),
+        )
+        return None
     try:
         traced = TracedDecode(model)
         padding = [0, 2, 5]

@@ -32,6 +32,13 @@ per-step cost of each is measured by ``python -m bench.suite --only multilora``)
 Decode steps are small: on the measured CPU and model, the number of ops per
 layer mattered more than the flops, which is why ``gather`` is the default.
 
+On MLX's CUDA backend (0.32) ``mx.gather_mm`` faults on small shapes: a
+misaligned address (a sticky error: the process's GPU context is lost) for
+bfloat16 at ranks under 8 and float32 with 6 output columns, and an invalid
+argument once captured in a CUDA graph (``examples/upstream/gather_mm_cuda.py``
+reproduces it). There ``dense`` is the default and ``gather`` and ``sorted``
+are built as ``dense`` (:func:`method_for_device`).
+
 A forward call whose rows are all base sets no plan and the layer is the base
 layer plus one attribute read. Outside those calls the model carries its base
 modules only (the serial lane and the base checksum see the plain model).
@@ -47,11 +54,31 @@ from typing import Any
 
 import attrs
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "AdapterLayers", "AdapterStack", "RowPlan"]
+__all__ = [
+    "DEFAULT_METHOD",
+    "METHODS",
+    "AdapterLayers",
+    "AdapterStack",
+    "RowPlan",
+    "method_for_device",
+]
 
 #: How a multi-LoRA layer computes its rows' updates (see the module's notes).
 METHODS = ("grouped", "gather", "sorted", "dense")
 DEFAULT_METHOD = "gather"
+#: The methods that call ``mx.gather_mm``: not on CUDA (see the module's notes).
+_GATHERING = ("gather", "sorted")
+
+
+def method_for_device(method: str) -> str:
+    """``method``, or ``dense`` where it would call MLX's CUDA ``gather_mm``."""
+    import mlx.core as mx
+
+    if method in _GATHERING and mx.default_device() != mx.cpu and mx.cuda.is_available():
+        return "dense"
+    return method
+
+
 #: Row plans a stack keeps (a decode batch and a few prefill groups at a time).
 _PLANS_KEPT = 8
 
@@ -298,6 +325,7 @@ class AdapterStack:
         global _CLASS
         if _CLASS is None:
             _CLASS = _multi_lora_class()
+        method = method_for_device(method)
         stack = cls(method=method)
         stack.slots = {name: slot for slot, (name, _, _) in enumerate(adapters, start=1)}
         stack.mounts = {name: mount for name, mount, _ in adapters}

@@ -15,6 +15,7 @@ from typing import Any, TypeVar, cast
 import attrs
 import trio
 
+from trio_mlx._accel import settings as _cuda_settings
 from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
@@ -46,6 +47,11 @@ from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
 from trio_mlx._start.settings import EngineSettings
 
 __all__ = ["Engine", "open_engine"]
+
+#: The smallest head size MLX's CUDA quantized attention (kv_bits) has a kernel
+#: for: with 32 every ``quantized_matmul`` says "No implementation for problem
+#: shape" (mlx-cuda 0.32.4; 64 runs), so such a request is refused up front.
+CUDA_KV_BITS_MIN_HEAD = 64
 
 T = TypeVar("T")
 
@@ -837,6 +843,13 @@ class Engine:
             raise InvalidRequest(
                 f"kv_group_size {group} does not divide the model's head size {head_dim}",
                 param="kv_group_size",
+            )
+        if head_dim < CUDA_KV_BITS_MIN_HEAD and _cuda_settings.on_cuda():
+            raise InvalidRequest(
+                f"kv_bits is not supported for this model on CUDA: MLX has no quantized "
+                f"attention kernel for its head size {head_dim} (it needs "
+                f"{CUDA_KV_BITS_MIN_HEAD} or more)",
+                param="kv_bits",
             )
 
     async def _shutdown(self, grace_period: float) -> None:

@@ -33,6 +33,7 @@ from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._memory import KVProfile, default_limit
 from trio_mlx._params import SamplingParams
 from trio_mlx._start import kv_measure
+from trio_mlx._start import model_fixes as _model_fixes
 from trio_mlx._start import warmup as _cuda_warmup
 from trio_mlx._start.settings import EngineSettings
 
@@ -248,6 +249,7 @@ def load(
         set_chat_template(tokenizer, settings.chat_template)
     if settings.adapter_path is not None:
         fuse_lora(model)
+    _model_fixes.install(model)  # before any batched call
     # sibling projections: one matmul per group; CUDA only: the padded batch's decode
     # attention fused
     _fused_projections.install(model, settings.switches)
