@@ -26,8 +26,8 @@ from trio_mlx._core.arbiter import (
     State,
     Step,
     Wait,
-    replace_block,
 )
+from trio_mlx._core.arbiter_diagram import replace_block
 
 DESIGN_DOC = Path(__file__).parent.parent / "design" / "arbiter.md"
 

@@ -231,10 +231,10 @@ class _HeldCheck:
 async def test_health_is_answered_while_a_huge_tool_call_body_is_refused(
     tool_model_path: Path, monkeypatch: pytest.MonkeyPatch, route: str
 ) -> None:
-    import trio_mlx._core.engine
+    import trio_mlx._core.prompts
 
-    held = _HeldCheck(trio_mlx._core.engine.rendered_bytes)
-    monkeypatch.setattr(trio_mlx._core.engine, "rendered_bytes", held)
+    held = _HeldCheck(trio_mlx._core.prompts.rendered_bytes)
+    monkeypatch.setattr(trio_mlx._core.prompts, "rendered_bytes", held)
     order: list[str] = []
     async with (
         live_server(tool_model_path) as server,

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -21,9 +21,8 @@ from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
 from trio_mlx._core.gate import LaneName, choose_lane
-from trio_mlx._core.prompt_size import rendered_bytes, utf8_size
+from trio_mlx._core.prompts import Prompt, PromptEncoder, too_long
 from trio_mlx._core.request import EngineStatistics, Request
-from trio_mlx._core.stable_prefix import StablePrefix
 from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
@@ -55,49 +54,11 @@ CUDA_KV_BITS_MIN_HEAD = 64
 
 T = TypeVar("T")
 
-Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 #: Greedy decoding of up to 256 tokens.
 DEFAULT_PARAMS = SamplingParams()
-#: Prompts (characters, or token ids) up to this size are tokenized on the event loop.
-_INLINE_PROMPT = 1024
 #: Temperatures below this are greedy decoding (1 / 1e-30 still fits float32).
 _TEMPERATURE_FLOOR = 1e-30
-#: Prompts tokenized at once in threads (fast tokenizers release the GIL).
-_TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
-#: Chat template arguments the engine sets itself; ``chat_template_kwargs`` may not.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
-)
-
-
-def _too_long(what: str, limit: int) -> InvalidRequest:
-    return InvalidRequest(
-        f"{what}, more than the model's context of {limit}",
-        param="prompt",
-        code="context_length_exceeded",
-    )
-
-
-def _small(prompt: Any, tools: Sequence[Any] | None) -> bool:
-    """Whether tokenizing ``prompt`` costs less than a thread hop."""
-    if not isinstance(prompt, str | list | tuple) or len(prompt) > _INLINE_PROMPT:
-        return False
-    if not prompt or not isinstance(prompt[0], Mapping):
-        return True
-    if tools or len(prompt) > 32:
-        return False
-    # Only flat messages (strings for values: no tool calls, no content parts)
-    # of a few characters in all; anything else renders in a thread.
-    chars = 0
-    for message in prompt:
-        if not isinstance(message, Mapping):
-            return False
-        for value in message.values():
-            if not isinstance(value, str | None):
-                return False
-            chars += len(value or "")
-    return chars <= _INLINE_PROMPT
 
 
 def _mlx_memory() -> tuple[int, int, int]:
@@ -346,18 +307,22 @@ class Engine:
     _loaded: Loaded
     _registry: AdapterRegistry
     _actor: Actor
-    _encode_limiter: trio.CapacityLimiter = attrs.field(
-        init=False, factory=lambda: trio.CapacityLimiter(_TOKENIZE_THREADS)
-    )
-    #: The longest vocabulary entry, in UTF-8 bytes: no token covers more input.
-    _max_token_bytes: int = attrs.field(init=False, default=0)
     #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
     grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
     _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
     #: The byte bound of the compiled grammars kept (see :func:`open_engine`).
     grammar_cache_bytes: int = attrs.field(init=False, default=DEFAULT_GRAMMAR_CACHE_BYTES)
     _compile_gate: CompileGate = attrs.field(init=False, factory=CompileGate)
-    _stable: StablePrefix | None = attrs.field(init=False, default=None)
+    _prompts: PromptEncoder = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        vocab = self._loaded.config.get("vocab_size")
+        self._prompts = PromptEncoder(
+            self._loaded.tokenizer,
+            self.context_length,
+            vocab if isinstance(vocab, int) else None,
+            stable_prefixes=self._loaded.prompt_cache is not None,
+        )
 
     @property
     def tokenizer(self) -> Any:
@@ -418,65 +383,7 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
-        return self._encode(prompt, tools, chat_template_kwargs)[0]
-
-    def _encode(
-        self,
-        prompt: Prompt,
-        tools: Sequence[Any] | None,
-        chat_template_kwargs: Mapping[str, Any] | None,
-    ) -> tuple[list[int], int | None]:
-        """:meth:`encode`'s tokens and, for a chat, its stable prefix's length
-        (the prompt cache's checkpoint: :mod:`trio_mlx._core.stable_prefix`)."""
-        tokenizer = self._loaded.tokenizer
-        checkpoint = None
-        if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
-            self.refuse_oversized(prompt, tools=tools)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty", param="prompt")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidRequest(
-                    "the prompt is not valid Unicode (a lone surrogate?)", param="prompt"
-                ) from None
-            bos = tokenizer.bos_token
-            tokens = list(
-                tokenizer.encode(
-                    prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
-                )
-            )
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty", param="prompt")
-            if all(isinstance(m, Mapping) for m in prompt):
-                tokens = self._chat(prompt, tools, chat_template_kwargs)
-                if self._loaded.prompt_cache is not None:
-                    checkpoint = self._stable_prefix.find(
-                        cast(Sequence[Mapping[str, Any]], prompt),
-                        tools,
-                        dict(chat_template_kwargs or {}),
-                        tokens,
-                    )
-            else:
-                tokens = self._token_ids(prompt)
-        else:
-            raise InvalidRequest(
-                "the prompt must be a string, token ids or chat messages", param="prompt"
-            )
-        if not tokens:
-            raise InvalidRequest("the prompt tokenizes to nothing", param="prompt")
-        limit = self.context_length
-        if limit is not None and len(tokens) > limit:
-            raise _too_long(f"the prompt has {len(tokens)} tokens", limit)
-        return tokens, checkpoint
-
-    @property
-    def _stable_prefix(self) -> StablePrefix:
-        if self._stable is None:
-            self._stable = StablePrefix(self._loaded.tokenizer)
-        return self._stable
+        return self._prompts.encode(prompt, tools, chat_template_kwargs)[0]
 
     async def tokenize(
         self,
@@ -492,18 +399,7 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
-        return (await self._tokenize(prompt, tools, chat_template_kwargs))[0]
-
-    async def _tokenize(
-        self,
-        prompt: Prompt,
-        tools: Sequence[Any] | None,
-        chat_template_kwargs: Mapping[str, Any] | None,
-    ) -> tuple[list[int], int | None]:
-        encode = partial(self._encode, prompt, tools, chat_template_kwargs)
-        if _small(prompt, tools):
-            return encode()
-        return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
+        return (await self._prompts.tokenize(prompt, tools, chat_template_kwargs))[0]
 
     def refuse_oversized(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> None:
         """Refuse, before rendering or tokenizing, a prompt that cannot fit the context.
@@ -511,79 +407,11 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` (``context_length_exceeded``);
         :meth:`encode` calls it first, and so should anything else that renders
         a chat template (it walks the whole chat: call it off the event loop).
-
-        No token covers more UTF-8 bytes than its vocabulary entry has, so a
-        text of more bytes than the longest entry times the context has too
-        many tokens; and chat templates mark every message with at least one
-        token, so a chat has at least as many tokens as messages. For a chat
-        the text counted is every string value the template renders: message
-        contents and content parts, tool calls, tool results, and the tool
-        definitions (:func:`~trio_mlx._core.prompt_size.rendered_bytes`). What is
-        really rendered and tokenized is thus at most about ``context x
-        longest entry`` bytes, whatever the body size.
+        The bound is in bytes: no token covers more UTF-8 bytes than its
+        vocabulary's longest entry, and every string value a chat template
+        renders is counted (tool calls, tool results, tool definitions).
         """
-        limit = self.context_length
-        if limit is None:
-            return
-        if not self._max_token_bytes:
-            vocab = self._loaded.tokenizer.get_vocab()
-            longest = max(
-                (len(entry.encode("utf-8", "surrogatepass")) for entry in vocab), default=1
-            )
-            self._max_token_bytes = max(1, longest)
-        cap = limit * self._max_token_bytes
-        if isinstance(prompt, str):
-            size = utf8_size(prompt)
-        elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping):
-            if len(prompt) > limit:
-                raise _too_long(f"the chat has {len(prompt)} messages", limit)
-            size = rendered_bytes(tools or (), cap, keys=True)
-            size += rendered_bytes(prompt, cap - size)
-        else:
-            if len(prompt) > limit:
-                raise _too_long(f"the prompt has {len(prompt)} tokens", limit)
-            return
-        if size > cap:
-            raise _too_long(f"the prompt's {size} bytes are more tokens", limit)
-
-    def _chat(
-        self,
-        messages: Sequence[Any],
-        tools: Sequence[Any] | None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        kwargs: dict[str, Any] = dict(template_kwargs or {})
-        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise InvalidRequest(
-                f"chat_template_kwargs may not set {', '.join(reserved)}",
-                param="chat_template_kwargs",
-            )
-        kwargs.update(add_generation_prompt=True, tokenize=True)
-        if tools:
-            kwargs["tools"] = list(tools)
-        try:
-            tokens = self._loaded.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], **kwargs
-            )
-        except Exception as exc:
-            raise InvalidRequest(
-                f"cannot apply the chat template: {exc}", param="messages"
-            ) from None
-        return list(tokens)
-
-    def _token_ids(self, ids: Sequence[Any]) -> list[int]:
-        vocab = self._loaded.config.get("vocab_size")
-        tokens = []
-        for token in ids:
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise InvalidRequest(f"{token!r} is not a token id", param="prompt")
-            if isinstance(vocab, int) and token >= vocab:
-                raise InvalidRequest(
-                    f"token id {token} is outside the vocabulary ({vocab})", param="prompt"
-                )
-            tokens.append(token)
-        return tokens
+        self._prompts.refuse_oversized(prompt, tools=tools)
 
     def generate(
         self,
@@ -712,7 +540,7 @@ class Engine:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
         # the prompt: off the event loop, a few prompts at a time.
-        tokens, checkpoint = await self._tokenize(prompt, tools, template_kwargs)
+        tokens, checkpoint = await self._prompts.tokenize(prompt, tools, template_kwargs)
         params = self._fit_context(len(tokens), params)
         params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
@@ -751,7 +579,7 @@ class Engine:
             return params
         room = limit - prompt_tokens
         if room < 1:
-            raise _too_long(
+            raise too_long(
                 f"the prompt has {prompt_tokens} tokens, leaving no room to generate", limit
             )
         return attrs.evolve(params, max_tokens=room)
