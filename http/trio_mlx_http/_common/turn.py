@@ -287,8 +287,4 @@ async def _stream(
         if status == 499:  # every event written: a whole stream
             status = 200
     finally:
-        # Refused at admission, the handler answers with the error and logs it.
-        if admitted:
-            if status == 499:
-                state.metrics.failed(access.endpoint, "disconnected")
-            access.done(status)
+        access.stream_ended(status, admitted=admitted)

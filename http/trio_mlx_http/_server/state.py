@@ -79,6 +79,16 @@ class Access:
         """Record that ``error`` ended this request's stream after its 200 went out."""
         self.cut = "shutdown" if isinstance(error, EngineClosed) else error.code or "error"
 
+    def stream_ended(self, status: int, *, admitted: bool) -> None:
+        """A streamed body's last word: ``status`` 499 (not every event written) counts
+        as a disconnect. A stream refused at admission is not logged here: the
+        handler answers with the error and logs it."""
+        if not admitted:
+            return
+        if status == 499:
+            self.state.metrics.failed(self.endpoint, "disconnected")
+        self.done(status)
+
     def done(self, status: int) -> None:
         """Log the request and count it.
 
