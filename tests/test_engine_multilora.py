@@ -14,6 +14,7 @@ import trio_mlx
 from engine_helpers import NO_EOS, make_adapter, wait_until
 from trio_mlx import AdapterConflict, NotFound, SamplingParams, default_adapter_path
 from trio_mlx._adapters.multilora import METHODS, method_for_device
+from trio_mlx.testing import adapter_registry
 
 pytestmark = pytest.mark.model
 
@@ -87,10 +88,10 @@ async def test_eight_rows_over_three_adapters_and_the_base_equal_each_run_alone(
         assert len(outputs) == 2  # each of these prompts runs under two different adapters
     results: dict[int, list[int]] = {}
     async with trio_mlx.open_engine(max_batch=8, prompt_cache_bytes=0) as engine:
-        engine._registry.method = method  # every way to compute the stacked layers
+        adapter_registry(engine).method = method  # every way to compute the stacked layers
         await _mount_all(engine, adapters)
         # On CUDA the gathering methods are built as dense (see _adapters/multilora.py).
-        assert engine._registry.stack.method == method_for_device(method)
+        assert adapter_registry(engine).stack.method == method_for_device(method)
         before = engine.statistics()
 
         async def one(i: int) -> None:
@@ -238,8 +239,8 @@ async def test_a_dora_adapter_runs_in_the_serial_lane_and_a_lora_one_in_the_batc
     async with trio_mlx.open_engine() as engine:
         await engine.mount_adapter("dora", dora)
         await engine.mount_adapter("wide", adapters["wide"])
-        assert engine._registry.serial_reason("dora") == "a dora adapter"
-        assert engine._registry.serial_reason("wide") is None
+        assert adapter_registry(engine).serial_reason("dora") == "a dora adapter"
+        assert adapter_registry(engine).serial_reason("wide") is None
         on_dora = await engine.complete(PROMPTS[0], _params("dora"))
         on_wide = await engine.complete(PROMPTS[0], _params("wide"))
         stats = engine.statistics()

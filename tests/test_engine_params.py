@@ -12,6 +12,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, PROMPT
 from trio_mlx import SamplingParams
+from trio_mlx.testing import batch_lane
 
 pytestmark = pytest.mark.model
 
@@ -129,11 +130,11 @@ async def test_prompt_cache_skips_a_prefix_shorter_than_the_lanes_threshold(
     async with trio_mlx.open_engine(tiny_model_path) as engine:
         # The CPU's threshold, on any backend: any prefix is reused (a
         # prefilled token costs compute there).
-        engine._loaded.lane.cache_min_prefix = 1
+        batch_lane(engine).cache_min_prefix = 1
         await engine.complete(PROMPT, params)
         reused = await engine.complete(PROMPT + " over the lazy dog", params)
         # The GPU's threshold: a short shared prefix is prefilled instead of fetched.
-        engine._loaded.lane.cache_min_prefix = 64
+        batch_lane(engine).cache_min_prefix = 64
         await engine.complete(PROMPT + " and", params)
         skipped = await engine.complete(PROMPT + " and the quick dog", params)
     assert reused.result.cached_tokens > 0

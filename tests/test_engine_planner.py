@@ -25,6 +25,7 @@ from trio_mlx import SamplingParams
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._start.loading import CPU_PREFILL_BUDGET, GPU_PREFILL_BUDGET
+from trio_mlx.testing import batch_lane, step_planner
 
 pytestmark = [pytest.mark.model]
 
@@ -65,9 +66,9 @@ async def _measure_steps(engine: trio_mlx.Engine) -> None:
         seen = 0
         async for delta in stream:
             seen += len(delta.token_ids)
-            if seen >= 6 and engine._actor.planner._token_s is None:
+            if seen >= 6 and engine.statistics().prompt_token_seconds is None:
                 await engine.complete(PROMPTS[2] * 3, SamplingParams(max_tokens=1))
-    assert engine._actor.planner._token_s is not None, "the stall bound is exercised"
+    assert engine.statistics().prompt_token_seconds is not None, "the stall bound is exercised"
 
 
 async def _check_schedule(
@@ -131,7 +132,7 @@ async def _check_schedule(
         stats = engine.statistics()
         dead = trio_mlx.testing.dead_rows(engine)
         if any(op[0] >= 0 for op in ops):  # a row ran: the traced step was built, or not
-            assert (engine._loaded.lane.traced is not None) is traced
+            assert (batch_lane(engine).traced is not None) is traced
     for i, (prompt, size, _cancel, _delay) in enumerate(ops):
         if prompt < 0:
             continue
@@ -661,12 +662,12 @@ async def test_a_prefill_setting_reaches_the_lane_and_is_checked(
     tiny_model_path: Path, name: str, value: int, on_cpu: int | None, on_gpu: int | None
 ) -> None:
     async with trio_mlx.open_engine(tiny_model_path, **{name: value}) as engine:
-        assert getattr(engine._loaded.lane, name) == value
+        assert getattr(batch_lane(engine), name) == value
     import mlx.core as mx
 
     default = on_cpu if mx.default_device() == mx.cpu else on_gpu
     async with trio_mlx.open_engine(tiny_model_path) as engine:
-        assert getattr(engine._loaded.lane, name) == default
+        assert getattr(batch_lane(engine), name) == default
     for bad in (0, -5, 2.5, True):
         with pytest.raises(trio_mlx.InvalidRequest, match=name):
             async with trio_mlx.open_engine(tiny_model_path, **{name: bad}):
@@ -725,9 +726,9 @@ def test_a_plans_chunk_still_lets_arrivals_share_a_pass_within_the_lane_budget(
 
 async def test_the_prefill_stall_reaches_the_planner_and_is_checked(tiny_model_path: Path) -> None:
     async with trio_mlx.open_engine(tiny_model_path, prefill_stall=2.5) as engine:
-        assert engine._actor.planner.prefill_stall == 2.5
+        assert step_planner(engine).prefill_stall == 2.5
     async with trio_mlx.open_engine(tiny_model_path) as engine:
-        assert engine._actor.planner.prefill_stall is None
+        assert step_planner(engine).prefill_stall is None
     for bad in (1, 0.5, -2, True, "2"):
         with pytest.raises(trio_mlx.InvalidRequest, match="prefill_stall"):
             async with trio_mlx.open_engine(tiny_model_path, prefill_stall=bad):  # type: ignore[arg-type]

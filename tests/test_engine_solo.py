@@ -19,6 +19,7 @@ from engine_helpers import NO_EOS, PROMPT
 from trio_mlx import SamplingParams
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx.testing import batch_lane
 
 PROMPTS = ["Hello world", "The quick brown fox", " ".join([PROMPT] * 6)]
 
@@ -139,7 +140,7 @@ async def test_the_switch_reaches_the_lane(
     for value, expected in (("0", False), ("1", True)):
         monkeypatch.setenv("TRIO_MLX_SOLO_DECODE", value)
         async with trio_mlx.open_engine(tiny_model_path, max_batch=2) as engine:
-            assert engine._loaded.lane.solo_decode is expected
+            assert batch_lane(engine).solo_decode is expected
 
 
 @pytest.mark.parametrize(("ours", "theirs"), [(5, 300), (300, 5), (7, 7)], ids=str)

@@ -15,7 +15,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, make_adapter
 from trio_mlx import SamplingParams
-from trio_mlx.testing import FAMILIES, make_random_model
+from trio_mlx.testing import FAMILIES, batch_lane, make_random_model
 
 pytestmark = pytest.mark.model
 
@@ -82,7 +82,7 @@ NEVER_TRIMMED = {"qwen3_next", "lfm2"}
 async def test_a_repeated_prompt_reuses_the_cache_with_the_same_answer(family: Path) -> None:
     prompt = PROMPTS[2] if family.name in SLIDING else LONG
     async with trio_mlx.open_engine(family) as engine:
-        engine._loaded.lane.cache_min_prefix = 1  # the CPU's threshold, on any backend
+        batch_lane(engine).cache_min_prefix = 1  # the CPU's threshold, on any backend
         first = await engine.complete(prompt, GREEDY)
         again = await engine.complete(prompt, GREEDY)
     assert again.token_ids == first.token_ids

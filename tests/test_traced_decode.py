@@ -22,6 +22,7 @@ from trio_mlx import SamplingParams
 from trio_mlx._accel import traced_decode as traced_decode
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx.testing import batch_lane
 
 pytestmark = [pytest.mark.model]
 
@@ -150,7 +151,7 @@ async def test_the_setting_turns_the_traced_step_on_and_the_default_follows_the_
     caplog.set_level(logging.INFO, logger="trio_mlx")
     async with trio_mlx.open_engine(tiny_model_path, max_batch=4) as engine:
         assert ("traced once per batch shape" in caplog.text) is on, "start-up logs it"
-        lane = engine._loaded.lane
+        lane = batch_lane(engine)
         assert (lane.traced is not None) is on
         params = SamplingParams(max_tokens=16, logit_bias=NO_EOS)
         results = [await engine.complete(p, params) for p in PROMPTS[:2]]
@@ -178,7 +179,7 @@ async def _two_rows_after(model_path: Path, job: Any) -> tuple[list[list[int]], 
     lane's traced step before and after. No prompt cache: the rows after the job
     have the shapes the traced step met before it (a new shape is traced anew)."""
     async with trio_mlx.open_engine(model_path, max_batch=4, prompt_cache_bytes=0) as engine:
-        lane = engine._loaded.lane
+        lane = batch_lane(engine)
         await _two_rows(engine)
         before = lane.traced
         steps = before.traced_steps if before is not None else 0
@@ -217,7 +218,7 @@ async def _adapter_and_base_rows(model_path: Path, adapter: Path) -> tuple[list[
             for i, stream in enumerate((a, b)):
                 async for delta in stream:
                     got[i].extend(delta.token_ids)
-        return got, engine._loaded.lane.traced
+        return got, batch_lane(engine).traced
 
 
 async def test_rows_under_adapters_decode_with_their_layers_not_the_traced_base(

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from trio_mlx import Engine
 
 __all__ = [
+    "adapter_registry",
+    "batch_lane",
+    "step_planner",
     "CHAT_TEMPLATE",
     "FAMILIES",
     "SPECIAL_TOKENS",
@@ -49,6 +52,24 @@ def dead_rows(engine: Engine) -> int:
     engine idle, ``statistics().batch_rows == 0``), as the planner tests do.
     """
     return engine._loaded.lane.dead_rows
+
+
+def batch_lane(engine: Engine) -> Any:
+    """The engine's batch lane (``trio_mlx._lanes.batch.BatchLane``), for tests that read
+    or set its knobs: only while no step is in flight (the engine idle)."""
+    return engine._loaded.lane
+
+
+def step_planner(engine: Engine) -> Any:
+    """The engine's step planner (``trio_mlx._core.planner.StepPlanner``), for tests
+    that read or set its knobs between steps."""
+    return engine._actor.planner
+
+
+def adapter_registry(engine: Engine) -> Any:
+    """The engine's adapter registry (``trio_mlx._adapters.registry.AdapterRegistry``),
+    for tests that pick its stacking method or ask why an adapter runs serially."""
+    return engine._registry
 
 
 def with_context(source: Path, target: Path, context: int) -> Path:
