@@ -18,16 +18,16 @@ if TYPE_CHECKING:
     from trio_mlx import Engine
 
 __all__ = [
-    "adapter_registry",
-    "batch_lane",
-    "step_planner",
     "CHAT_TEMPLATE",
     "FAMILIES",
     "SPECIAL_TOKENS",
+    "adapter_registry",
+    "batch_lane",
     "corpus_text",
     "dead_rows",
     "make_random_llama",
     "make_random_model",
+    "step_planner",
     "train_tokenizer",
     "with_context",
     "write_tokenizer",
