@@ -429,6 +429,42 @@ async def test_an_abandoned_compile_gives_its_slot_back_and_abandoned_ones_are_b
     assert await gate.run(lambda: "quick", seconds=600, param="json_schema") == "quick"
 
 
+async def test_one_clients_compiles_hold_one_slot_and_leave_the_other_to_others() -> None:
+    import threading
+
+    from trio_mlx._core.compile_gate import CompileGate
+
+    gate = CompileGate(slots=2)
+    release = threading.Event()
+    order: list[str] = []
+
+    def compile_for(name: str) -> str:
+        order.append(name)
+        release.wait(timeout=60)
+        return name
+
+    results: dict[str, str] = {}
+
+    async def run(name: str, client: str) -> None:
+        results[name] = await gate.run(
+            partial(compile_for, name), seconds=600, param="json_schema", client=client
+        )
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a1", "a")
+            await wait_until(lambda: order == ["a1"])
+            nursery.start_soon(run, "a2", "a")  # waits for a's own slot ...
+            await wait_until(lambda: gate._clients["a"][1] == [2])
+            nursery.start_soon(run, "b1", "b")  # ... while b takes the other one
+            await wait_until(lambda: order == ["a1", "b1"])
+            assert gate.statistics().running == 2
+            release.set()
+    assert order == ["a1", "b1", "a2"]
+    assert results == {"a1": "a1", "a2": "a2", "b1": "b1"}
+    assert not gate._clients  # no client's slot outlives its compiles
+
+
 @pytest.mark.parametrize(
     "constraint", [{"json_schema": {"type": "object"}}, {"regex": "a+"}, {"grammar": "start: /a+/"}]
 )

@@ -7,12 +7,18 @@ request is refused at once and its slot handed to the next compile, while the
 thread runs on. So that abandoned compiles cannot pile up without bound, at
 most ``max_abandoned`` of them may be running; past that, new compiles are
 refused (:class:`~trio_mlx.EngineOverloaded`, retry later) until one ends.
+
+Fairness: a compile that names its client takes that client's own slot first
+(``per_client`` of them, one by default), so one client's flood of new schemas
+holds at most that many of the ``slots`` and the others stay open to everyone
+else; its own compiles wait for each other, within their deadlines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import TypeVar
 
 import attrs
@@ -43,6 +49,12 @@ class CompileGate:
 
     slots: int = 2
     max_abandoned: int = 4
+    #: Slots one client may hold at once (see the module's notes).
+    per_client: int = 1
+    #: Each client's own slots and how many of its compiles use them (dropped at 0).
+    _clients: dict[Hashable, tuple[trio.CapacityLimiter, list[int]]] = attrs.field(
+        init=False, factory=dict
+    )
     _limiter: trio.CapacityLimiter = attrs.field(init=False)
     _threads: trio.CapacityLimiter = attrs.field(init=False)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
@@ -64,12 +76,38 @@ class CompileGate:
             running=self._limiter.borrowed_tokens, abandoned=abandoned, refused=self._refused
         )
 
-    async def run(self, compile: Callable[[], T], *, seconds: float, param: str) -> T:
+    @contextlib.asynccontextmanager
+    async def _client_slot(self, client: Hashable | None) -> AsyncIterator[None]:
+        """Hold one of ``client``'s own slots (none: no client named)."""
+        if client is None:
+            yield
+            return
+        limiter, users = self._clients.setdefault(
+            client, (trio.CapacityLimiter(self.per_client), [0])
+        )
+        users[0] += 1
+        try:
+            async with limiter:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._clients[client]
+
+    async def run(
+        self,
+        compile: Callable[[], T],
+        *,
+        seconds: float,
+        param: str,
+        client: Hashable | None = None,
+    ) -> T:
         """``compile()`` in a worker thread, refused with ``InvalidGrammar`` past ``seconds``.
 
-        The wait for a slot counts toward ``seconds``. On time out (or when the
-        caller is cancelled) the slot is released at once; the thread is left
-        to finish and counted as abandoned until it does.
+        The wait for a slot (``client``'s own first, if named) counts toward
+        ``seconds``. On time out (or when the caller is cancelled) the slot is
+        released at once; the thread is left to finish and counted as abandoned
+        until it does.
         """
         with self._lock:
             if self._abandoned >= self.max_abandoned:
@@ -100,7 +138,7 @@ class CompileGate:
 
         try:
             with trio.move_on_after(seconds):
-                async with self._limiter:
+                async with self._client_slot(client), self._limiter:
                     return await trio.to_thread.run_sync(
                         work, abandon_on_cancel=True, limiter=self._threads
                     )

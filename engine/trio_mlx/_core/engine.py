@@ -6,7 +6,7 @@ import contextlib
 import importlib.util
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -420,15 +420,18 @@ class Engine:
         *,
         tools: Sequence[Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        client: Hashable | None = None,
     ) -> GenerationStream:
         """Stream one completion: ``async with engine.generate(...) as stream: async for delta in stream``.
 
         Submission errors raise on entering the block (InvalidRequest,
         NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
-        Leaving the block early cancels the request.
+        Leaving the block early cancels the request. ``client`` (any hashable,
+        e.g. a server's client address) shares grammar compiles fairly: one
+        client's compiles hold at most one compile slot at a time.
         """
         return GenerationStream(
-            partial(self._submit, prompt, params, tools, chat_template_kwargs),
+            partial(self._submit, prompt, params, tools, chat_template_kwargs, client),
             self._actor.cancel_nowait,
         )
 
@@ -439,13 +442,14 @@ class Engine:
         *,
         tools: Sequence[Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        client: Hashable | None = None,
     ) -> Completion:
-        """Generate a whole completion and return it."""
+        """Generate a whole completion and return it (``client``: see :meth:`generate`)."""
         texts: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         async with self.generate(
-            prompt, params, tools=tools, chat_template_kwargs=chat_template_kwargs
+            prompt, params, tools=tools, chat_template_kwargs=chat_template_kwargs, client=client
         ) as stream:
             async for delta in stream:
                 texts.append(delta.text)
@@ -533,6 +537,7 @@ class Engine:
         params: SamplingParams,
         tools: Any,
         template_kwargs: Mapping[str, Any] | None = None,
+        client: Hashable | None = None,
     ) -> Request:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
@@ -545,7 +550,7 @@ class Engine:
         params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
         params = self._sampler_safe(params)
-        constraint = await self._constraint(params) if params.constrained else None
+        constraint = await self._constraint(params, client) if params.constrained else None
         adapter_reason = None
         if params.adapter is not None:
             self._refuse_distributed("LoRA adapters", "adapter")
@@ -600,7 +605,9 @@ class Engine:
             return params
         return attrs.evolve(params, max_tokens=room)
 
-    async def _constraint(self, params: SamplingParams) -> Constraint | None:
+    async def _constraint(
+        self, params: SamplingParams, client: Hashable | None = None
+    ) -> Constraint | None:
         """Compile the request's schema, regex or grammar in a worker thread, bounded in time."""
         param = next(
             n for n in ("json_schema", "regex", "grammar") if getattr(params, n) is not None
@@ -622,7 +629,10 @@ class Engine:
                 code="structured_output_unavailable",
             )
         return await self._compile_gate.run(
-            partial(compiler.compile, params), seconds=self.grammar_timeout, param=param
+            partial(compiler.compile, params),
+            seconds=self.grammar_timeout,
+            param=param,
+            client=client,
         )
 
     def _refuse_distributed(self, what: str, param: str | None = None) -> None:

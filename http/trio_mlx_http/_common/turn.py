@@ -212,6 +212,7 @@ async def run_turn(
         request.params,
         tools=request.tools,
         chat_template_kwargs=request.chat_template_kwargs,
+        client=access.client,
     )
     result = completion.result
     access.tokens = result.completion_tokens
@@ -242,6 +243,7 @@ async def _stream(
             request.params,
             tools=request.tools,
             chat_template_kwargs=request.chat_template_kwargs,
+            client=access.client,
         ) as stream:
             admitted = True
             yield b""  # primed: admitted

@@ -533,9 +533,9 @@ async def _respond(
         jobs = [prompt for prompt in request.prompts for _ in range(per_prompt)]
         # Ranking needs every candidate's logprobs; they are dropped again if not asked for.
         ranked = attrs.evolve(request, params=attrs.evolve(request.params, logprobs=True))
-        completions = await _complete_all(state, ranked, jobs)
+        completions = await _complete_all(state, ranked, jobs, access.client)
     else:
-        completions = await _complete_all(state, request, jobs)
+        completions = await _complete_all(state, request, jobs, access.client)
     access.tokens = sum(c.result.completion_tokens for c in completions)
     for completion in completions:
         state.metrics.finished(access.endpoint, completion.result)
@@ -584,13 +584,14 @@ def _best(
 
 
 async def _complete_all(
-    state: ServerState, request: GenerationRequest, jobs: Sequence[Prompt]
+    state: ServerState, request: GenerationRequest, jobs: Sequence[Prompt], client: str | None
 ) -> list[Completion]:
     """One engine request per choice, run together; the first error wins and cancels the rest."""
     engine = state.engine
     options: dict[str, Any] = {
         "tools": request.tools,
         "chat_template_kwargs": request.chat_template_kwargs,
+        "client": client,
     }
     if len(jobs) == 1:
         return [await engine.complete(jobs[0], request.params, **options)]
@@ -649,6 +650,7 @@ async def _stream(
                         request.params,
                         tools=request.tools,
                         chat_template_kwargs=request.chat_template_kwargs,
+                        client=access.client,
                     )
                 )
                 for prompt in jobs

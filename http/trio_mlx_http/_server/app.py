@@ -193,7 +193,9 @@ def _install_hooks(app: QuartTrio, state: ServerState) -> None:
     async def start() -> None:
         g.trio_mlx = state
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        g.access = Access(state, rule, request.method, request.path)
+        g.access = Access(
+            state, rule, request.method, request.path, client=request.remote_addr or None
+        )
         if request.method == "OPTIONS" or request.path in _PUBLIC:
             return
         key = state.settings.api_key

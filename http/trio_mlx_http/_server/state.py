@@ -74,6 +74,8 @@ class Access:
     #: Why a stream that had answered 200 ended early: ``shutdown`` (the engine
     #: closed, e.g. at the graceful deadline) or the error's code.
     cut: str | None = None
+    #: Who sent it (the peer's address): the engine shares grammar compiles fairly by it.
+    client: str | None = None
 
     def cut_by(self, error: TrioMLXError) -> None:
         """Record that ``error`` ended this request's stream after its 200 went out."""
