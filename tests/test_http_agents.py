@@ -122,7 +122,7 @@ async def _chat(server: LiveServer, fixture: dict[str, Any], stream: bool) -> di
     return {"finish_reason": finishes[0]}
 
 
-def _check(api: str, answer: dict[str, Any]) -> None:
+def check_answer(api: str, answer: dict[str, Any]) -> None:
     """Well-formed in the API's own terms (the clients' types parsed it already)."""
     if api == "messages":
         assert answer["stop_reason"] in ("end_turn", "max_tokens", "tool_use"), answer
@@ -150,7 +150,7 @@ async def test_an_agent_request_gets_a_well_formed_answer(
     server = servers[bool(fixture["body"].get("tools"))]
     for stream in (False, True):
         answer = await SEND[fixture["api"]](server, fixture, stream)
-        _check(fixture["api"], answer)
+        check_answer(fixture["api"], answer)
 
 
 async def test_served_names_are_listed_and_patterns_answer(tiny_model_path: Path) -> None:

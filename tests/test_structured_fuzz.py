@@ -150,7 +150,7 @@ def compiler(tiny_model: Any) -> Any:
     return GrammarCompiler(tokenizer)
 
 
-def _compile_or_refuse(compiler: Any, schema: Any) -> None:
+def check_compiles_or_is_refused(compiler: Any, schema: Any) -> None:
     try:
         params = SamplingParams(json_schema=schema)
     except InvalidRequest:
@@ -170,14 +170,14 @@ def _compile_or_refuse(compiler: Any, schema: Any) -> None:
 def test_generated_schemas_compile_or_are_refused_as_invalid_grammar(
     compiler: Any, schema: dict[str, Any]
 ) -> None:
-    _compile_or_refuse(compiler, schema)
+    check_compiles_or_is_refused(compiler, schema)
 
 
 @pytest.mark.parametrize("index", range(len(ADVERSARIAL)))
 def test_adversarial_schemas_compile_or_are_refused_as_invalid_grammar(
     compiler: Any, index: int
 ) -> None:
-    _compile_or_refuse(compiler, ADVERSARIAL[index])
+    check_compiles_or_is_refused(compiler, ADVERSARIAL[index])
 
 
 @pytest.mark.parametrize(
