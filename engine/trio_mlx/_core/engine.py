@@ -321,7 +321,11 @@ class Engine:
             self._loaded.tokenizer,
             self.context_length,
             vocab if isinstance(vocab, int) else None,
-            stable_prefixes=self._loaded.prompt_cache is not None,
+            # Only where the lanes keep checkpoints: a plain KVCache model's
+            # end-of-generation entry is cut back instead, so its stable
+            # prefix would be rendered for nothing.
+            stable_prefixes=self._loaded.prompt_cache is not None
+            and bool(self._loaded.lane.prompt_checkpoints),
         )
 
     @property

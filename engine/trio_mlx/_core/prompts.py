@@ -75,7 +75,7 @@ class PromptEncoder:
     context_length: int | None
     #: The model's vocabulary size, for token-id prompts (None: unknown).
     vocab_size: int | None
-    #: Whether a chat's stable prefix is looked for (the engine has a prompt cache).
+    #: Whether a chat's stable prefix is looked for (the lanes keep prompt-cache checkpoints).
     stable_prefixes: bool
     _encode_limiter: trio.CapacityLimiter = attrs.field(
         init=False, factory=lambda: trio.CapacityLimiter(_TOKENIZE_THREADS)
