@@ -27,6 +27,7 @@ from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, TrioMLXError
 from trio_mlx_http._common.cache_usage import cache_usage
+from trio_mlx_http._common.content import joined_text
 from trio_mlx_http._common.sse import named_event
 from trio_mlx_http._common.structured import ToolChoice, grammar_param
 from trio_mlx_http._common.tools import ToolCall
@@ -124,11 +125,7 @@ def _block_text(block: Any, where: str) -> str:
 
 def _text(content: Any, where: str) -> str:
     """A string, or the joined text of a list of text blocks."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(_block_text(block, f"{where}[{i}]") for i, block in enumerate(content))
-    raise InvalidRequest(f"{where} must be a string or a list of text blocks", param=where)
+    return joined_text(content, where, _block_text, "text blocks")
 
 
 def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from trio_mlx import InvalidRequest
+from trio_mlx_http._common.content import joined_text
 from trio_mlx_http._common.structured import ToolChoice, parse_response_format
 from trio_mlx_http._openai.schema import _EFFORTS, GenerationRequest, _get, _messages, _sampling
 from trio_mlx_http._responses.store import ResponseStore
@@ -143,11 +144,8 @@ def _text_part(part: Any, where: str) -> str:
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(_text_part(part, f"{where}[{i}]") for i, part in enumerate(content))
-    raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
+    """A string, or the joined text of a list of text parts."""
+    return joined_text(content, where, _text_part, "text parts")
 
 
 def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
