@@ -186,7 +186,7 @@ async def test_news_ends_an_endless_burst(tiny_model_path: Path) -> None:
     """With no step or time limit on bursts, submissions, cancels and jobs still get in."""
     endless = {"burst_steps": 1_000_000, "burst_seconds": 1_000.0}
     async with trio_mlx.open_engine(
-        tiny_model_path, prompt_cache_bytes=0, drain_timeout=0.0, _tune=endless
+        tiny_model_path, prompt_cache_bytes=0, drain_timeout=0.0, **endless
     ) as engine:
         seen: list[int] = []
         with trio.fail_after(30):
@@ -210,6 +210,6 @@ async def test_news_ends_an_endless_burst(tiny_model_path: Path) -> None:
 
 
 async def test_tuning_an_unknown_field_is_refused(tiny_model_path: Path) -> None:
-    with pytest.raises(TypeError, match="no tunable field 'burst_step'"):
-        async with trio_mlx.open_engine(tiny_model_path, _tune={"burst_step": 1}):
+    with pytest.raises(TypeError, match="unexpected keyword arguments: burst_step"):
+        async with trio_mlx.open_engine(tiny_model_path, burst_step=1):
             pass  # pragma: no cover - the engine does not start

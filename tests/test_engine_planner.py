@@ -104,7 +104,7 @@ async def _check_schedule(
         "traced_decode": traced,
     }
     async with trio_mlx.open_engine(
-        model, max_batch=6, max_queue=16, drain_timeout=0.005, min_batch_steps=1, _tune=tune
+        model, max_batch=6, max_queue=16, drain_timeout=0.005, min_batch_steps=1, **tune
     ) as engine:
         if stall is not None:
             await _measure_steps(engine)
@@ -177,7 +177,7 @@ async def test_arrivals_while_rows_decode_are_admitted_as_one_group(
     params = SamplingParams(max_tokens=LONGEST, logit_bias=NO_EOS)
     tune = {"admit_group": 4, "admit_fraction": 1, **HOLD}
     async with trio_mlx.open_engine(
-        tiny_model_path, max_batch=9, prompt_cache_bytes=0, _tune=tune
+        tiny_model_path, max_batch=9, prompt_cache_bytes=0, **tune
     ) as engine:
         outputs: dict[int, list[int]] = {}
 
@@ -745,7 +745,7 @@ async def test_an_arrival_held_for_its_group_does_not_cut_the_burst(tiny_model_p
         "burst_seconds": 3600.0,
     }
     async with trio_mlx.open_engine(
-        tiny_model_path, max_batch=8, prompt_cache_bytes=0, _tune=tune
+        tiny_model_path, max_batch=8, prompt_cache_bytes=0, **tune
     ) as engine:
         long = SamplingParams(max_tokens=2000, logit_bias=NO_EOS)
         async with trio.open_nursery() as nursery:
@@ -995,3 +995,38 @@ def test_the_slow_step_log_names_the_kernel_modules_mlx_compiled_during_the_step
     assert kernels_compiled(2000.0) == f"1 kernel modules compiled: fused_{'x' * 54}"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "absent"))
     assert kernels_compiled(0.0) == "no kernel compiled"
+
+
+#: Each scheduler bound, a value it takes and values it refuses.
+BOUNDS: list[tuple[str, Any, tuple[Any, ...]]] = [
+    ("burst_steps", 3, (0, 1.5, None)),
+    ("burst_seconds", 0.5, (-1, "1", True)),
+    ("admit_group", 5, (0, 2.0)),
+    ("admit_fraction", 2, (0, None)),
+    ("admit_wait_steps", 0, (-1, None)),
+    ("admit_wait_seconds", 0.0, (-0.1, None)),
+    ("prefill_floor", 8, (0, None)),
+    ("timing_lag", 0, (-1, None)),
+    ("removal_delay", 3, (-1, 1.0)),
+    ("removal_fraction", 0, (-1, None)),
+    ("prefill_width_multiple", 4, (0, None)),
+    ("traced_decode", False, (1, "yes")),
+    ("decision_hook", print, (1, "hook")),
+]
+
+
+def test_a_bad_scheduler_bound_is_refused_naming_it() -> None:
+    for name, good, bads in BOUNDS:
+        assert getattr(trio_mlx.EngineSettings(**{name: good}), name) == good
+        for bad in bads:
+            with pytest.raises(trio_mlx.InvalidRequest, match=name) as caught:
+                trio_mlx.EngineSettings(**{name: bad})
+            assert caught.value.param == name
+
+
+async def test_the_scheduler_bounds_reach_the_planner_and_the_lane(tiny_model_path: Path) -> None:
+    chosen = {name: good for name, good, _ in BOUNDS if name != "decision_hook"}
+    async with trio_mlx.open_engine(tiny_model_path, **chosen) as engine:
+        planner, lane = step_planner(engine), batch_lane(engine)
+        for name, value in chosen.items():
+            assert getattr(planner if hasattr(planner, name) else lane, name) == value, name

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -36,6 +36,8 @@ from trio_mlx._start import kv_measure
 from trio_mlx._start import model_fixes as _model_fixes
 from trio_mlx._start import warmup as _cuda_warmup
 from trio_mlx._start.settings import EngineSettings
+
+T = TypeVar("T")
 
 logger = logging.getLogger("trio_mlx")
 
@@ -226,7 +228,10 @@ def load(
         channel = _distributed.Channel(group)
         # Every rank takes rank 0's settings: they shape the collectives (and a
         # refusal below must end every rank, not leave the followers waiting).
-        settings = channel.share(settings, limit=_distributed.start_timeout())
+        # (The decision hook is rank 0's own: a callable does not travel.)
+        settings = channel.share(
+            attrs.evolve(settings, decision_hook=None), limit=_distributed.start_timeout()
+        )
         if settings.adapter_path is not None:
             raise InvalidRequest(
                 "distributed mode does not support LoRA adapters",
@@ -278,12 +283,17 @@ def load(
         long_prompt_chunk=settings.long_prompt_chunk,
         # On the CPU every dead row leaves at the end of its step, and any cached
         # prefix is reused: a prefilled token costs real compute there.
-        removal_delay=16 if grouping else 0,
+        removal_delay=_either(settings.removal_delay, 16 if grouping else 0),
+        removal_fraction=settings.removal_fraction,
         cache_min_prefix=64 if grouping else 1,
+        prefill_width_multiple=settings.prefill_width_multiple,
         solo_decode=settings.switches.get("TRIO_MLX_SOLO_DECODE", "1") != "0",
         # One process only: every rank would have to trace and check alike.
         traced_decode=channel is None
-        and _traced_decode.wanted(settings.switches, cuda=_cuda_settings.on_cuda()),
+        and _either(
+            settings.traced_decode,
+            _traced_decode.wanted(settings.switches, cuda=_cuda_settings.on_cuda()),
+        ),
     )
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))
@@ -318,6 +328,11 @@ def load(
         kv_profile,
         kv_default,
     )
+
+
+def _either(chosen: T | None, default: T) -> T:
+    """A setting's value: the one chosen, else the device's default."""
+    return default if chosen is None else chosen
 
 
 def set_chat_template(tokenizer: Any, template: str) -> None:
