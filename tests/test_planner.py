@@ -13,7 +13,7 @@ import pytest
 from trio_mlx import SamplingParams
 from trio_mlx._core.arbiter import State
 from trio_mlx._core.planner import StepPlanner
-from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx.testing import RowSpec, StepPlan
 
 ADMITTING = State.ADMITTING
 
