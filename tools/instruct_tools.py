@@ -272,27 +272,27 @@ def _pad(
 
 @attrs.frozen(kw_only=True)
 class ToolConfig:
-    """Every knob of a tool-tuning run; the defaults are the best run's (run 2)."""
+    """Every knob of a tool-tuning run; the defaults are the shipped run's."""
 
     out: Path = attrs.field(converter=Path)
     seed: int = 0
-    steps: int = 240
+    steps: int = 4000
     warmup: int = 20
-    learning_rate: float = 4e-4
+    learning_rate: float = 1e-3
     weight_decay: float = 0.01
     dropout: float = 0.1
     seq_len: int = 256
     #: Rows per batch of each kind: call, result, no_tool, qa_tools, qa, docs.
-    rows: tuple[int, ...] = (4, 3, 2, 1, 5, 1)
+    rows: tuple[int, ...] = (8, 6, 2, 2, 10, 4)
     #: Loss weight of a call's topic tokens (the fixed opening weighs 1).
     focus: float = 1.0
-    eval_every: int = 50
+    eval_every: int = 100
     #: Topics kept out of every tool row (the score's topics).
-    held_out_topics: int = 12
+    held_out_topics: int = 0
     #: What a call's ``topic`` holds: ``subject`` (the words asked about, copied from
     #: the request) or ``title`` (the topic's documentation title).
     call_topic: str = attrs.field(
-        default="subject", validator=attrs.validators.in_(("subject", "title"))
+        default="title", validator=attrs.validators.in_(("subject", "title"))
     )
     stop_after: int | None = None
 
@@ -372,7 +372,7 @@ def _validation(
     tool_topics: Sequence[Topic],
     all_topics: Sequence[Topic],
     length: int,
-    call_topic: str = "subject",
+    call_topic: str = "title",
 ) -> list[tuple[Any, Any]]:
     """Calls, second turns and plain answers in the validation phrasings."""
     rows = []
@@ -402,7 +402,7 @@ def _generate(model: Any, tokenizer: Any, messages: list[dict[str, Any]],
 
 
 def tool_score(
-    model: Any, tokenizer: Any, held: Sequence[Topic], call_topic: str = "subject"
+    model: Any, tokenizer: Any, held: Sequence[Topic], call_topic: str = "title"
 ) -> dict[str, Any]:
     """Held-out phrasings on held-out topics: call rate, second-turn answers, no-tool answers."""
     rows: list[dict[str, Any]] = []
@@ -416,8 +416,8 @@ def tool_score(
             call = parse_call(said)
             arguments = call.get("arguments") if call else None
             asked = arguments.get("topic") if isinstance(arguments, dict) else None
-            said = subject if call_topic == "subject" else topic.title
-            turn = _second_turn(request, topic, said)
+            given = subject if call_topic == "subject" else topic.title
+            turn = _second_turn(request, topic, given)
             second = _generate(model, tokenizer, turn, [LOOKUP_TOOL], 80)
             plain = _generate(model, tokenizer, user, None, 80)
             rows.append({
@@ -435,7 +435,7 @@ def tool_score(
 
     def rate(key: str) -> dict[str, Any]:
         hits = sum(bool(r[key]) for r in rows)
-        return {"hits": hits, "asked": count, "share": round(hits / count, 3)}
+        return {"hits": hits, "asked": count, "share": round(hits / max(count, 1), 3)}
 
     keys = ("well_formed", "right_topic", "exact_title", "answer_named", "answer_title",
             "no_tool_named", "no_tool_called")  # fmt: skip
