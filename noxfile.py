@@ -202,6 +202,16 @@ def instruct_default_model(session: nox.Session) -> None:
     session.run("python", "-m", "tools.instruct", *session.posargs, env=_model_env())
 
 
+@nox.session(python=PYTHON, name="tool-tune-default-model")
+def tool_tune_default_model(session: nox.Session) -> None:
+    """Teach the bundled model the ``lookup`` tool in place (``python -m tools.instruct_tools``).
+
+    Run after ``instruct-default-model``. Options after ``--`` go to the tool.
+    """
+    _install(session, "train")
+    session.run("python", "-m", "tools.instruct_tools", *session.posargs, env=_model_env())
+
+
 @nox.session(python=PYTHON, name="train-adapter")
 def train_adapter(session: nox.Session) -> None:
     """Re-train the bundled "shout" LoRA adapter in place on the bundled default model."""
