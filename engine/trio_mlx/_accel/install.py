@@ -30,8 +30,6 @@ from trio_mlx._accel import settings as cuda_settings
 
 __all__ = ["DevicePaths", "DeviceSettings", "install", "on_cuda", "prepare"]
 
-on_cuda = cuda_settings.on_cuda
-
 
 class DeviceSettings(Protocol):
     """What the device paths read of the engine's settings."""
@@ -50,6 +48,11 @@ class DevicePaths:
     solo_decode: bool
     #: Trace decode steps once per batch shape (see :mod:`.traced_decode`).
     traced_decode: bool
+
+
+def on_cuda(cuda: bool | None = None) -> bool:
+    """``cuda`` if given (the tests' override), else whether MLX's CUDA backend is available."""
+    return cuda_settings.on_cuda(cuda)
 
 
 def prepare(settings: DeviceSettings) -> None:

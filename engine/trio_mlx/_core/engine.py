@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from trio_mlx._accel.install import on_cuda
+from trio_mlx._accel import install as _accel
 from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
@@ -687,7 +687,7 @@ class Engine:
                 f"kv_group_size {group} does not divide the model's head size {head_dim}",
                 param="kv_group_size",
             )
-        if head_dim < CUDA_KV_BITS_MIN_HEAD and on_cuda():
+        if head_dim < CUDA_KV_BITS_MIN_HEAD and _accel.on_cuda():
             raise InvalidRequest(
                 f"kv_bits is not supported for this model on CUDA: MLX has no quantized "
                 f"attention kernel for its head size {head_dim} (it needs "
