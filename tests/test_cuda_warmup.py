@@ -9,10 +9,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from trio_mlx import SamplingParams
-from trio_mlx._lanes.batch import BatchLane
-from trio_mlx._lanes.prompt_cache import PromptCache
-from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._start import warmup as _cuda_warmup
+from trio_mlx.testing import BatchLane, PromptCache, RowSpec, StepPlan
 
 
 class CountingModel:

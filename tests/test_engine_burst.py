@@ -1,4 +1,5 @@
-"""Decode bursts: a Step's worker call may run several decode steps, never past news."""
+"""Decode bursts: a Step's worker call may run several decode steps, never past news
+(the lane's own bursts are tested in ``test_batch_lane.py``)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,9 @@ from hypothesis import strategies as st
 import trio_mlx
 from engine_helpers import NO_EOS, wait_until
 from trio_mlx import SamplingParams, TokenLogprob
-from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.output import RowEvent, RowOutput, merge_events
-from trio_mlx._lanes.records import RowSpec, StepPlan
 
 pytestmark = pytest.mark.model
-
-
-def _lane(tiny_model: tuple[Any, Any]) -> BatchLane:
-    model, tokenizer = tiny_model
-    return BatchLane(model, tokenizer, max_batch=4)
-
-
-def _spec(row_id: int, tokenizer: Any, max_tokens: int) -> RowSpec:
-    prompt = tuple(tokenizer.encode(f"Hello number {row_id}"))
-    return RowSpec(row_id, prompt, SamplingParams(max_tokens=max_tokens, logit_bias=NO_EOS))
 
 
 def test_merge_events_joins_a_rows_events_in_order() -> None:
@@ -108,72 +97,6 @@ def test_an_eos_alone_ends_the_row_with_no_token_and_empty_logprobs(
     assert event == RowEvent(1, "", (), () if logprobs else None, "stop", None, 1)
 
 
-def _first_tokens(lane: BatchLane, specs: list[RowSpec]) -> dict[int, list[int]]:
-    """Insert rows and single-step through their prefill; return their first tokens."""
-    ids: dict[int, list[int]] = {spec.id: [] for spec in specs}
-    events = lane.step(StepPlan(specs)).events
-    while True:
-        for event in events:
-            ids[event.id].extend(event.token_ids)
-        if all(ids.values()):
-            return ids
-        events = lane.step().events
-
-
-def test_a_burst_yields_the_same_tokens_as_single_steps(tiny_model: tuple[Any, Any]) -> None:
-    tokenizer = tiny_model[1]
-    single, burst = _lane(tiny_model), _lane(tiny_model)
-    specs = [_spec(i, tokenizer, 40) for i in (1, 2)]
-    expected = _first_tokens(single, specs)
-    first = burst.step(StepPlan(specs, steps=16), seconds=60.0)
-    # The burst runs through the prefill and stops at the step of the first tokens.
-    assert 1 <= first.steps < 16
-    assert {e.id: list(e.token_ids) for e in first.events} == expected
-    ids = {e.id: list(e.token_ids) for e in first.events}
-    for _ in range(10):
-        for event in single.step().events:
-            expected[event.id].extend(event.token_ids)
-    result = burst.step(StepPlan(steps=10), seconds=60.0)
-    assert result.steps == 10
-    # One event per row for the whole burst.
-    assert sorted(e.id for e in result.events) == [1, 2]
-    for event in result.events:
-        assert len(event.token_ids) == 10
-        assert event.generated == 11
-        ids[event.id].extend(event.token_ids)
-    assert ids == expected
-
-
-def test_a_burst_stops_at_a_finished_row(tiny_model: tuple[Any, Any]) -> None:
-    tokenizer = tiny_model[1]
-    lane = _lane(tiny_model)
-    _first_tokens(lane, [_spec(1, tokenizer, 4), _spec(2, tokenizer, 40)])
-    result = lane.step(StepPlan(steps=16), seconds=60.0)
-    assert result.steps == 3
-    by_id = {e.id: e for e in result.events}
-    assert by_id[1].finish_reason == "length"
-    assert by_id[1].generated == 4
-    assert len(by_id[1].token_ids) == 3
-    assert by_id[2].finish_reason is None
-    assert len(by_id[2].token_ids) == 3
-
-
-def test_a_burst_stops_when_interrupted_or_out_of_time(tiny_model: tuple[Any, Any]) -> None:
-    tokenizer = tiny_model[1]
-    lane = _lane(tiny_model)
-    _first_tokens(lane, [_spec(1, tokenizer, 100)])
-    assert lane.step(StepPlan(steps=16), seconds=60.0, interrupt=lambda: True).steps == 1
-    calls: list[int] = []
-
-    def after_three() -> bool:
-        calls.append(1)
-        return len(calls) >= 3
-
-    assert lane.step(StepPlan(steps=16), seconds=60.0, interrupt=after_three).steps == 3
-    assert lane.step(StepPlan(steps=16), seconds=0.0).steps == 1
-    assert lane.step(StepPlan(steps=5), seconds=60.0).steps == 5
-
-
 async def _endless_row(engine: trio_mlx.Engine, seen: list[int], *, task_status: Any) -> None:
     params = SamplingParams(max_tokens=100_000, logit_bias=NO_EOS)
     async with engine.generate("Hello world", params) as stream:
@@ -186,7 +109,7 @@ async def test_news_ends_an_endless_burst(tiny_model_path: Path) -> None:
     """With no step or time limit on bursts, submissions, cancels and jobs still get in."""
     endless = {"burst_steps": 1_000_000, "burst_seconds": 1_000.0}
     async with trio_mlx.open_engine(
-        tiny_model_path, prompt_cache_bytes=0, drain_timeout=0.0, _tune=endless
+        tiny_model_path, prompt_cache_bytes=0, drain_timeout=0.0, **endless
     ) as engine:
         seen: list[int] = []
         with trio.fail_after(30):
@@ -210,6 +133,6 @@ async def test_news_ends_an_endless_burst(tiny_model_path: Path) -> None:
 
 
 async def test_tuning_an_unknown_field_is_refused(tiny_model_path: Path) -> None:
-    with pytest.raises(TypeError, match="no tunable field 'burst_step'"):
-        async with trio_mlx.open_engine(tiny_model_path, _tune={"burst_step": 1}):
+    with pytest.raises(TypeError, match="unexpected keyword arguments: burst_step"):
+        async with trio_mlx.open_engine(tiny_model_path, burst_step=1):
             pass  # pragma: no cover - the engine does not start

@@ -95,11 +95,14 @@ async def test_rows_that_fit_alone_but_not_together_run_one_after_the_other(
     tiny_model_path: Path, profile: KVProfile
 ) -> None:
     log: list[tuple[Any, Any]] = []
-    hook = {"decision_hook": lambda decision, after: log.append((decision, after))}
+
+    def hook(decision: Any, after: Any) -> None:
+        log.append((decision, after))
+
     # Each row holds 300 tokens at worst (512 with the cache's steps): one fits, two do not.
     limit = profile.row_bytes(512)
     async with trio_mlx.open_engine(
-        tiny_model_path, kv_memory_bytes=limit, prompt_cache_bytes=0, _tune=hook
+        tiny_model_path, kv_memory_bytes=limit, prompt_cache_bytes=0, decision_hook=hook
     ) as engine:
         with trio.fail_after(120):
             done = await _run_in_order(engine, [(10, 290), (10, 290)])
@@ -117,12 +120,15 @@ async def test_a_waiting_large_row_is_not_jumped_by_a_newer_small_one(
     tiny_model_path: Path, profile: KVProfile
 ) -> None:
     log: list[tuple[Any, Any]] = []
-    hook = {"decision_hook": lambda decision, after: log.append((decision, after))}
+
+    def hook(decision: Any, after: Any) -> None:
+        log.append((decision, after))
+
     # Rows of 512 tokens at worst, a large one of 1,024: two small rows fit, the large
     # one fits only alone. The newer small row would fit beside the first, yet waits.
     limit = profile.row_bytes(1024)
     async with trio_mlx.open_engine(
-        tiny_model_path, kv_memory_bytes=limit, prompt_cache_bytes=0, _tune=hook
+        tiny_model_path, kv_memory_bytes=limit, prompt_cache_bytes=0, decision_hook=hook
     ) as engine:
         with trio.fail_after(180):
             done = await _run_in_order(engine, [(10, 290), (10, 700), (10, 290)])

@@ -66,9 +66,17 @@ def _idle(stats: trio_mlx.EngineStatistics) -> bool:
 async def _check_scenario(model: Path, adapter: Path, ops: list[tuple[Any, ...]]) -> None:
     outcomes: dict[int, list[str]] = {i: [] for i in range(len(ops))}
     log: list[tuple[Any, Any]] = []
-    hook = {"decision_hook": lambda decision, after: log.append((decision, after))}
+
+    def hook(decision: Any, after: Any) -> None:
+        log.append((decision, after))
+
     async with trio_mlx.open_engine(
-        model, max_batch=MAX_BATCH, max_queue=6, drain_timeout=0.01, min_batch_steps=2, _tune=hook
+        model,
+        max_batch=MAX_BATCH,
+        max_queue=6,
+        drain_timeout=0.01,
+        min_batch_steps=2,
+        decision_hook=hook,
     ) as engine:
 
         async def run(i: int, kind: str, size: int, cancel: int | None, delay: float) -> None:

@@ -13,7 +13,7 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, wait_until
 from trio_mlx import EngineOverloaded, SamplingParams
-from trio_mlx._core.actor import Actor
+from trio_mlx._core.parking import Parking
 
 pytestmark = pytest.mark.model
 
@@ -302,14 +302,15 @@ async def test_a_cancel_between_the_park_decision_and_the_park_is_a_parked_row_c
     # about 1 run in 5 under load). Fault injection lands it there every time.
     params = SamplingParams(max_tokens=60, logit_bias=NO_EOS)
     victim: list[Any] = []
-    actor_park = Actor._park
+    park = Parking.park
 
-    async def park_after_a_cancel(actor: Actor, ids: tuple[int, ...]) -> None:
-        if victim and victim[0].id in ids:
-            actor.cancel_nowait(victim.pop())
-        await actor_park(actor, ids)
+    async def park_after_a_cancel(parking: Parking) -> None:
+        if victim:
+            stream = victim.pop()
+            stream._cancel(stream._request)
+        await park(parking)
 
-    monkeypatch.setattr(Actor, "_park", park_after_a_cancel)
+    monkeypatch.setattr(Parking, "park", park_after_a_cancel)
     async with trio_mlx.open_engine(
         tiny_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_cache_bytes=0
     ) as engine:
@@ -319,7 +320,7 @@ async def test_a_cancel_between_the_park_decision_and_the_park_is_a_parked_row_c
         async def row(i: int) -> None:
             async with engine.generate(PROMPTS[i], params) as stream:
                 if i == 0:
-                    victim.append(stream._request)
+                    victim.append(stream)
                 ids: list[int] = []
                 with contextlib.suppress(trio_mlx.TrioMLXError):
                     async for delta in stream:

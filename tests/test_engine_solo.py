@@ -17,9 +17,7 @@ import pytest
 import trio_mlx
 from engine_helpers import NO_EOS, PROMPT
 from trio_mlx import SamplingParams
-from trio_mlx._lanes.batch import BatchLane
-from trio_mlx._lanes.records import RowSpec, StepPlan
-from trio_mlx.testing import batch_lane
+from trio_mlx.testing import BatchLane, PromptCache, RowSpec, StepPlan, batch_lane
 
 PROMPTS = ["Hello world", "The quick brown fox", " ".join([PROMPT] * 6)]
 
@@ -85,8 +83,6 @@ def test_a_row_alone_decodes_over_plain_caches_and_its_tokens_do_not_change(
 def test_a_row_alone_is_stored_in_the_prompt_cache_and_reused_exactly(
     tiny_model: tuple[Any, Any],
 ) -> None:
-    from trio_mlx._lanes.prompt_cache import PromptCache
-
     model, tokenizer = tiny_model
     lane = BatchLane(model, tokenizer, max_batch=4, prompt_cache=PromptCache(1 << 30))
     lane.cache_min_prefix = 1

@@ -13,7 +13,7 @@ import pytest
 from trio_mlx import SamplingParams
 from trio_mlx._core.arbiter import State
 from trio_mlx._core.planner import StepPlanner
-from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx.testing import RowSpec, StepPlan
 
 ADMITTING = State.ADMITTING
 
@@ -189,8 +189,8 @@ def test_a_prefill_paid_a_step_or_two_late_is_still_measured_right(lag: int) -> 
     planner.stepped(8, 1)
     planner.timed(_steps(lag, chunks=16))
     # A decode step that paid for an earlier prefill does not count as one.
-    assert planner._decode_s == pytest.approx(0.010)
-    assert planner._token_s == pytest.approx(0.0002, rel=0.15)
+    assert planner.decode_seconds == pytest.approx(0.010)
+    assert planner.token_seconds == pytest.approx(0.0002, rel=0.15)
     assert planner.prefill_chunk() in range(88, 112, 8)  # 2 x 10 ms / 0.2 ms = 100
 
 
@@ -199,15 +199,15 @@ def test_a_prefill_paid_later_than_the_stated_lag_slows_the_decode_estimate() ->
     planner = StepPlanner(lambda: 16, lambda: 4096, prefill_stall=3.0, timing_lag=0)
     planner.stepped(8, 1)
     planner.timed(_steps(2, chunks=16))
-    assert planner._decode_s is not None
-    assert planner._decode_s > 0.0105
+    assert planner.decode_seconds is not None
+    assert planner.decode_seconds > 0.0105
 
 
 def test_a_window_faster_than_decoding_counts_its_prompt_tokens_as_free() -> None:
     planner = StepPlanner(lambda: 16, lambda: 4096, prefill_stall=3.0, timing_weight=1.0)
     planner.stepped(8, 1)
     planner.timed([(0, 0.010)] * 3 + [(100, 0.001)])
-    assert planner._token_s == 0.0
+    assert planner.token_seconds == 0.0
     assert planner.prefill_chunk() is None, "nothing to size a chunk from"
 
 

@@ -17,9 +17,8 @@ import pytest
 
 from engine_helpers import NO_EOS
 from trio_mlx import SamplingParams
-from trio_mlx._lanes.batch import BatchLane
-from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._lanes.structured import GrammarCompiler, unpack_bitmask
+from trio_mlx.testing import BatchLane, RowSpec, StepPlan
 
 _S = {"type": "string", "maxLength": 8}
 SCHEMAS: list[dict[str, Any]] = [

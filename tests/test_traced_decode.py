@@ -20,9 +20,7 @@ import trio_mlx
 from engine_helpers import NO_EOS, PROMPT
 from trio_mlx import SamplingParams
 from trio_mlx._accel import traced_decode as traced_decode
-from trio_mlx._lanes.batch import BatchLane
-from trio_mlx._lanes.records import RowSpec, StepPlan
-from trio_mlx.testing import batch_lane
+from trio_mlx.testing import BatchLane, RowSpec, StepPlan, batch_lane
 
 pytestmark = [pytest.mark.model]
 

@@ -1,6 +1,9 @@
 """Builders for small model directories that ``mlx_lm.load`` loads like any
-mlx-community model: for tests, benchmarks and the default-model trainer; and
-:func:`dead_rows`, the one look inside a running engine that tests need.
+mlx-community model: for tests, benchmarks and the default-model trainer; the
+looks inside a running engine that tests need (:func:`dead_rows`,
+:func:`batch_lane`, :func:`step_planner`, :func:`adapter_registry`); and the
+batch lane's own types (:class:`BatchLane`, :class:`RowSpec`, :class:`StepPlan`,
+:class:`PromptCache`), for tests that drive a lane without an engine.
 
 Everything here is seeded and deterministic. The tokenizer is a byte-level BPE
 trained with the ``tokenizers`` library (a dependency of mlx-lm through
@@ -14,6 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.records import RowSpec, StepPlan
+
 if TYPE_CHECKING:
     from trio_mlx import Engine
 
@@ -21,6 +28,10 @@ __all__ = [
     "CHAT_TEMPLATE",
     "FAMILIES",
     "SPECIAL_TOKENS",
+    "BatchLane",
+    "PromptCache",
+    "RowSpec",
+    "StepPlan",
     "adapter_registry",
     "batch_lane",
     "corpus_text",
@@ -54,9 +65,9 @@ def dead_rows(engine: Engine) -> int:
     return engine._loaded.lane.dead_rows
 
 
-def batch_lane(engine: Engine) -> Any:
-    """The engine's batch lane (``trio_mlx._lanes.batch.BatchLane``), for tests that read
-    or set its knobs: only while no step is in flight (the engine idle)."""
+def batch_lane(engine: Engine) -> BatchLane:
+    """The engine's batch lane, for tests that read or set its knobs: only while no
+    step is in flight (the engine idle)."""
     return engine._loaded.lane
 
 

@@ -15,12 +15,13 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from trio_mlx._accel import settings as _cuda_settings
+from trio_mlx._accel import install as _accel
 from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
 from trio_mlx._core.gate import LaneName, choose_lane
+from trio_mlx._core.planner import StepPlanner
 from trio_mlx._core.prompts import Prompt, PromptEncoder, too_long
 from trio_mlx._core.request import EngineStatistics, Request
 from trio_mlx._core.stream import GenerationStream
@@ -73,8 +74,6 @@ def _mlx_memory() -> tuple[int, int, int]:
 async def open_engine(
     model: str | os.PathLike[str] | None = None,
     settings: EngineSettings | None = None,
-    *,
-    _tune: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Engine]:
     """Load a model on a dedicated MLX thread and serve it for the block's duration.
@@ -139,10 +138,9 @@ async def open_engine(
     with :class:`~trio_mlx.InvalidRequest`, and ``max_tokens`` is cut to the
     room one request has (``None``: half of MLX's memory limit less the weights,
     less ``prompt_cache_bytes``; see ``design/engine.md``).
-    ``_tune`` is for tests and benchmarks, not a stable API: it sets public
-    fields of the actor (``decision_hook``), of its step planner (burst and
-    grouped-admission bounds) or of the batch lane (removal bounds) by name
-    before the engine starts.
+    The remaining settings tune the scheduler's inner bounds (burst length,
+    grouped admission, row removal, traced decode, a decision hook for tests);
+    :class:`~trio_mlx.EngineSettings` says what each does.
 
     Leaving the block stops admission, lets in-flight work finish within
     ``grace_period`` seconds, ends the rest with
@@ -173,7 +171,6 @@ async def open_engine(
                 Path(path).name,
                 loader,
                 settings,
-                _tune,
             )
         except Exception as exc:
             error = load_error(path, exc) or exc
@@ -196,7 +193,6 @@ async def _serve(
     model_id: str,
     load: Callable[[], Loaded],
     settings: EngineSettings,
-    tune: Mapping[str, Any] | None,
     *,
     task_status: trio.TaskStatus[Engine],
 ) -> None:
@@ -213,17 +209,15 @@ async def _serve(
             attrs.evolve(policy, memory=budget),
             worker,
             loaded.lane,
+            _planner(settings, loaded),
             serial_work=partial(_serial_work, loaded, registry),
             adapters=lambda: registry.names,
+            decision_hook=settings.decision_hook,
             max_unread=settings.max_unread_tokens,
         )
         engine = Engine(model_id, loaded, registry, actor)
         engine.grammar_timeout = float(settings.grammar_timeout)
         engine.grammar_cache_bytes = settings.grammar_cache_bytes
-        if not loaded.grouping:
-            actor.planner.admit_group = 1  # the CPU admits arrivals at once (Loaded.grouping)
-        actor.planner.prefill_stall = settings.prefill_stall
-        _apply_tuning(tune or {}, actor, actor.planner, loaded.lane)
         worker.on_death = actor.on_worker_death
         try:
             async with trio.open_nursery() as nursery:
@@ -251,16 +245,23 @@ def _settings(settings: EngineSettings | None, overrides: Mapping[str, Any]) -> 
     return attrs.evolve(settings, **overrides) if settings else EngineSettings(**overrides)
 
 
-def _apply_tuning(tune: Mapping[str, Any], *targets: Any) -> None:
-    """Set each public field named in ``tune`` on the first of ``targets`` that has it."""
-    for name, value in tune.items():
-        owner = next(
-            (t for t in targets if not name.startswith("_") and name in attrs.fields_dict(type(t))),
-            None,
-        )
-        if owner is None:
-            raise TypeError(f"open_engine(_tune=...): no tunable field {name!r}")
-        setattr(owner, name, value)
+def _planner(settings: EngineSettings, loaded: Loaded) -> StepPlanner:
+    """The actor's step planner, bounded by ``settings`` and reading the lane's caps live."""
+    lane = loaded.lane
+    return StepPlanner(
+        lambda: lane.prefill_batch_size,
+        lambda: lane.prefill_budget,
+        burst_steps=settings.burst_steps,
+        burst_seconds=settings.burst_seconds,
+        # The CPU admits arrivals at once (see Loaded.grouping).
+        admit_group=settings.admit_group or (16 if loaded.grouping else 1),
+        admit_fraction=settings.admit_fraction,
+        admit_wait_steps=settings.admit_wait_steps,
+        admit_wait_seconds=settings.admit_wait_seconds,
+        prefill_stall=settings.prefill_stall,
+        prefill_floor=settings.prefill_floor,
+        timing_lag=settings.timing_lag,
+    )
 
 
 def _serial_work(
@@ -686,7 +687,7 @@ class Engine:
                 f"kv_group_size {group} does not divide the model's head size {head_dim}",
                 param="kv_group_size",
             )
-        if head_dim < CUDA_KV_BITS_MIN_HEAD and _cuda_settings.on_cuda():
+        if head_dim < CUDA_KV_BITS_MIN_HEAD and _accel.on_cuda():
             raise InvalidRequest(
                 f"kv_bits is not supported for this model on CUDA: MLX has no quantized "
                 f"attention kernel for its head size {head_dim} (it needs "

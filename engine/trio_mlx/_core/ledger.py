@@ -2,7 +2,7 @@
 
 The actor decides and carries decisions out; the :class:`Ledger` keeps the records
 those decisions read and change: the live requests, the tokens delivered to each
-outbox, the counters :meth:`~trio_mlx._core.actor.Actor.statistics` reports, and
+outbox, the lane's rows, the counters :meth:`~trio_mlx._core.actor.Actor.statistics` reports, and
 whether the engine is idle. Trio thread only, like the actor.
 """
 
@@ -30,6 +30,8 @@ class Ledger:
 
     #: A request whose unread output passes this is cancelled (None: no limit).
     max_unread: int | None = None
+    #: The rows the batch lane holds after its last step or discard.
+    batch_rows: int = attrs.field(init=False, default=0)
     _requests: dict[int, Request] = attrs.field(init=False, factory=dict)
     _counts: Counter[str] = attrs.field(init=False, factory=Counter)
     _adapter_counts: Counter[str] = attrs.field(init=False, factory=Counter)

@@ -19,11 +19,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._accel import decode_attention as _decode_attention
-from trio_mlx._accel import fused_projections as _fused_projections
-from trio_mlx._accel import pool as _cuda_pool
-from trio_mlx._accel import settings as _cuda_settings
-from trio_mlx._accel import traced_decode as _traced_decode
+from trio_mlx._accel import install as _accel
 from trio_mlx._dist import leader as _distributed
 from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.batch import BatchLane
@@ -214,8 +210,7 @@ def load(
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
-    _cuda_settings.apply()  # before any attention call: MLX reads them once
-    _cuda_pool.keep_memory(settings.switches)  # before the model's buffers: memory stays mapped
+    _accel.prepare(settings)
     lane_type: type[BatchLane] = BatchLane
     channel = None
     result: Any  # (model, tokenizer, config)
@@ -226,7 +221,10 @@ def load(
         channel = _distributed.Channel(group)
         # Every rank takes rank 0's settings: they shape the collectives (and a
         # refusal below must end every rank, not leave the followers waiting).
-        settings = channel.share(settings, limit=_distributed.start_timeout())
+        # (The decision hook is rank 0's own: a callable does not travel.)
+        settings = channel.share(
+            attrs.evolve(settings, decision_hook=None), limit=_distributed.start_timeout()
+        )
         if settings.adapter_path is not None:
             raise InvalidRequest(
                 "distributed mode does not support LoRA adapters",
@@ -250,10 +248,7 @@ def load(
     if settings.adapter_path is not None:
         fuse_lora(model)
     _model_fixes.install(model)  # before any batched call
-    # sibling projections: one matmul per group; CUDA only: the padded batch's decode
-    # attention fused
-    _fused_projections.install(model, settings.switches)
-    _decode_attention.install(model, settings.switches)
+    device = _accel.install(model, settings, distributed=channel is not None)
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     kv_profile = kv_measure.measure(model, warm[0])
@@ -278,12 +273,14 @@ def load(
         long_prompt_chunk=settings.long_prompt_chunk,
         # On the CPU every dead row leaves at the end of its step, and any cached
         # prefix is reused: a prefilled token costs real compute there.
-        removal_delay=16 if grouping else 0,
+        removal_delay=(16 if grouping else 0)
+        if settings.removal_delay is None
+        else settings.removal_delay,
+        removal_fraction=settings.removal_fraction,
         cache_min_prefix=64 if grouping else 1,
-        solo_decode=settings.switches.get("TRIO_MLX_SOLO_DECODE", "1") != "0",
-        # One process only: every rank would have to trace and check alike.
-        traced_decode=channel is None
-        and _traced_decode.wanted(settings.switches, cuda=_cuda_settings.on_cuda()),
+        prefill_width_multiple=settings.prefill_width_multiple,
+        solo_decode=device.solo_decode,
+        traced_decode=device.traced_decode,
     )
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))

@@ -11,7 +11,7 @@ read from the environment here, once, when the settings are built
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -68,28 +68,33 @@ def _int_at_least(low: int, *, optional: bool = False) -> Any:
     return check
 
 
-def _number_above(low: float, *, optional: bool = False) -> Any:
+def _number(low: float, *, above: bool = False, optional: bool = False) -> Any:
+    """A number > ``low`` (``above``) or >= ``low``; None too when ``optional``."""
+    relation = ">" if above else ">="
+
     def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value is None and optional:
             return
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > low:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (value > low if above else value >= low)
+        ):
             raise InvalidRequest(
-                f"{_name(attribute)} must be a number > {low:g}", param=_name(attribute)
+                f"{_name(attribute)} must be a number {relation} {low:g}", param=_name(attribute)
             )
 
     return check
 
 
-def _number_at_least(low: float, *, optional: bool = False) -> Any:
-    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is None and optional:
-            return
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < low:
-            raise InvalidRequest(
-                f"{_name(attribute)} must be a number >= {low:g}", param=_name(attribute)
-            )
+def _flag(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequest(f"{_name(attribute)} must be true or false", param=_name(attribute))
 
-    return check
+
+def _hook(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not callable(value):
+        raise InvalidRequest(f"{_name(attribute)} must be callable", param=_name(attribute))
 
 
 def _adapter_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
@@ -119,15 +124,44 @@ def _path(value: str | os.PathLike[str] | None) -> str | None:
 
 @attrs.frozen(kw_only=True)
 class EngineSettings:
-    """How an engine loads its model and shares the GPU (see :func:`~trio_mlx.open_engine`
-    for what each setting does)."""
+    """How an engine loads its model and shares the GPU.
+
+    :func:`~trio_mlx.open_engine` says what the first settings do, from
+    ``adapter_path`` to ``kv_memory_bytes``. The rest tune the scheduler's inner
+    bounds; their defaults are the measured ones (``design/engine.md``,
+    ``design/performance.md``), and tests and the bench set them to force a case:
+
+    - ``burst_steps``, ``burst_seconds``: the most decode steps one step call
+      may run in plain decoding, and its time budget in seconds.
+    - ``admit_group``, ``admit_fraction``, ``admit_wait_steps``,
+      ``admit_wait_seconds`` (grouped admission): while rows decode, admitted
+      rows wait until there are ``admit_group`` of them (at most the prefill
+      batch, nor ``1/admit_fraction`` of the decoding rows), or the first has
+      waited that many decode steps or seconds. ``admit_group`` ``None``: 16 on
+      a GPU, 1 on the CPU (arrivals admitted at once).
+    - ``prefill_floor``: the smallest chunk ``prefill_stall`` may set, in tokens.
+    - ``timing_lag``: steps after one that prefilled that may still pay for it
+      (a GPU runs prefill queued), so do not count as decode-only in the timings.
+    - ``removal_delay``, ``removal_fraction``: finished and cancelled rows leave
+      the batch once the oldest has been dead ``removal_delay`` decode steps, or
+      once there are ``live / removal_fraction`` of them (0: never by count).
+      ``removal_delay`` ``None``: 16 on a GPU, 0 on the CPU.
+    - ``prefill_width_multiple``: experimental, off (1): every prefill pass is
+      right-padded to a multiple of this width, so that passes repeat a few
+      shapes; it did not lower a long prompt's worst step on the H200.
+    - ``traced_decode``: decode steps traced once per batch shape
+      (``trio_mlx._accel.traced_decode``); ``None``: the
+      ``TRIO_MLX_TRACED_DECODE`` switch, on by default on CUDA only. Never in
+      distributed mode.
+    - ``decision_hook``: called on the Trio thread with each arbiter decision
+      and the arbiter's statistics after it (tests record them); not sent to
+      the other ranks of a distributed group.
+    """
 
     adapter_path: str | None = attrs.field(default=None, converter=_path, validator=_adapter_folder)
     max_batch: int = attrs.field(default=8, validator=_int_at_least(1))
     max_queue: int = attrs.field(default=256, validator=_int_at_least(0))
-    drain_timeout: float | None = attrs.field(
-        default=1.0, validator=_number_at_least(0, optional=True)
-    )
+    drain_timeout: float | None = attrs.field(default=1.0, validator=_number(0, optional=True))
     min_batch_steps: int = attrs.field(default=8, validator=_int_at_least(0))
     prompt_cache_bytes: int = attrs.field(
         default=DEFAULT_PROMPT_CACHE_BYTES, validator=_int_at_least(0)
@@ -139,7 +173,7 @@ class EngineSettings:
     prompt_cache_disk_bytes: int = attrs.field(
         default=DEFAULT_PROMPT_CACHE_DISK_BYTES, validator=_int_at_least(0)
     )
-    grace_period: float = attrs.field(default=5.0, validator=_number_at_least(0))
+    grace_period: float = attrs.field(default=5.0, validator=_number(0))
     prefill_step_size: int = attrs.field(default=2048, validator=_int_at_least(1))
     prefill_batch_size: int = attrs.field(default=16, validator=_int_at_least(1))
     prefill_budget: int | None = attrs.field(
@@ -149,11 +183,11 @@ class EngineSettings:
         default=None, validator=_int_at_least(1, optional=True)
     )
     prefill_stall: float | None = attrs.field(
-        default=None, validator=_number_above(1, optional=True)
+        default=None, validator=_number(1, above=True, optional=True)
     )
     parallel: str = attrs.field(default="auto", validator=_parallel)
     chat_template: str | None = attrs.field(default=None, validator=_template)
-    grammar_timeout: float = attrs.field(default=COMPILE_TIMEOUT, validator=_number_above(0))
+    grammar_timeout: float = attrs.field(default=COMPILE_TIMEOUT, validator=_number(0, above=True))
     grammar_cache_bytes: int = attrs.field(
         default=DEFAULT_GRAMMAR_CACHE_BYTES, validator=_int_at_least(0)
     )
@@ -163,6 +197,21 @@ class EngineSettings:
     max_loras: int | None = attrs.field(default=8, validator=_int_at_least(1, optional=True))
     kv_memory_bytes: int | None = attrs.field(
         default=None, validator=_int_at_least(1, optional=True)
+    )
+    burst_steps: int = attrs.field(default=16, validator=_int_at_least(1))
+    burst_seconds: float = attrs.field(default=0.02, validator=_number(0))
+    admit_group: int | None = attrs.field(default=None, validator=_int_at_least(1, optional=True))
+    admit_fraction: int = attrs.field(default=8, validator=_int_at_least(1))
+    admit_wait_steps: int = attrs.field(default=32, validator=_int_at_least(0))
+    admit_wait_seconds: float = attrs.field(default=0.25, validator=_number(0))
+    prefill_floor: int = attrs.field(default=32, validator=_int_at_least(1))
+    timing_lag: int = attrs.field(default=2, validator=_int_at_least(0))
+    removal_delay: int | None = attrs.field(default=None, validator=_int_at_least(0, optional=True))
+    removal_fraction: int = attrs.field(default=8, validator=_int_at_least(0))
+    prefill_width_multiple: int = attrs.field(default=1, validator=_int_at_least(1))
+    traced_decode: bool | None = attrs.field(default=None, validator=_flag)
+    decision_hook: Callable[[Any, Any], None] | None = attrs.field(
+        default=None, validator=_hook, eq=False, repr=False
     )
     #: The ``TRIO_MLX_*`` device-path switches (:data:`SWITCHES`), read from the
     #: environment when the settings are built unless given.

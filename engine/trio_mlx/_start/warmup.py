@@ -53,7 +53,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from trio_mlx._accel import settings as _cuda_settings
+from trio_mlx._accel import install as _accel
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._params import SamplingParams
@@ -161,7 +161,7 @@ def warm_up(
     environ = os.environ if environ is None else environ
     if environ.get("TRIO_MLX_CUDA_WARMUP", "0") != "1":
         return {}
-    if not _cuda_settings.on_cuda(cuda):
+    if not _accel.on_cuda(cuda):
         return {}
     done: dict[str, float] = {}
     start = time.perf_counter()
