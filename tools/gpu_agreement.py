@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import trio
@@ -76,7 +77,8 @@ def _mlx_lm_answers(path: Path, asked: Sequence[str], tokens: int) -> list[str]:
     from mlx_lm import generate, load
     from mlx_lm.sample_utils import make_sampler
 
-    model, tokenizer, *_ = load(str(path))
+    model, wrapper, *_ = load(str(path))
+    tokenizer: Any = wrapper
     answers = []
     for question in asked:
         prompt = tokenizer.apply_chat_template(
