@@ -62,6 +62,7 @@ from trio_mlx._core.routing import StepRouter
 from trio_mlx._core.snapshot import engine_statistics
 from trio_mlx._core.worker import Worker
 from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.embed import EmbedLane, embed_then_step
 from trio_mlx._lanes.records import StepResult
 
 __all__ = ["Actor"]
@@ -85,6 +86,8 @@ class Actor:
     ranks: int = 1
     #: A request whose unread output passes this is cancelled (None: no limit).
     max_unread: int | None = None
+    #: Runs the embedding inputs a step carries (None: the engine serves no embeddings).
+    embedder: EmbedLane | None = None
     _arbiter: Arbiter = attrs.field(init=False)
     #: The live requests and the counts of the ended ones.
     _books: Ledger = attrs.field(init=False)
@@ -273,12 +276,14 @@ class Actor:
         # Cleared right after the decision (on this thread, with no checkpoint
         # in between): any later ring ends the burst at the next step.
         self._news.clear()
-        call = partial(
+        call: Callable[[], StepResult] = partial(
             self.lane.step,
             plan,
             seconds=self.planner.burst_seconds,
             interrupt=self._news.is_set,
         )
+        if plan.embeds and self.embedder is not None:
+            call = partial(embed_then_step, self.embedder, plan, call)
         self.worker.submit(call, self._step_finished)
 
     def _step_finished(self, result: outcome.Outcome[StepResult]) -> None:

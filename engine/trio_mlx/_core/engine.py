@@ -20,10 +20,11 @@ from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
+from trio_mlx._core.embedder import EmbedWork, check_dimensions, configured_pooling, finish
 from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.planner import StepPlanner
 from trio_mlx._core.prompts import Prompt, PromptEncoder, too_long
-from trio_mlx._core.request import EngineStatistics, Request
+from trio_mlx._core.request import EngineStatistics, Request, failure
 from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
@@ -32,6 +33,7 @@ from trio_mlx._errors import (
     InvalidRequest,
     NotFound,
 )
+from trio_mlx._lanes.embed import EmbedLane, hidden_model
 from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import RowSpec
 from trio_mlx._lanes.serial import run_serial
@@ -42,7 +44,7 @@ from trio_mlx._lanes.structured import (
     GrammarCompiler,
 )
 from trio_mlx._memory import KVBudget
-from trio_mlx._params import Completion, SamplingParams, TokenLogprob
+from trio_mlx._params import Completion, Embeddings, SamplingParams, TokenLogprob
 from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
 from trio_mlx._start.settings import EngineSettings
 
@@ -159,6 +161,9 @@ async def open_engine(
         named = re.match(r"'(\w+)'", message)
         raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
     path = resolve_model(model)
+    if settings.embedding_pooling is None and os.path.isdir(path):
+        pooling = await trio.to_thread.run_sync(configured_pooling, path)
+        settings = attrs.evolve(settings, embedding_pooling=pooling)
     loader = partial(load, path, settings)
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
@@ -214,8 +219,9 @@ async def _serve(
             adapters=lambda: registry.names,
             decision_hook=settings.decision_hook,
             max_unread=settings.max_unread_tokens,
+            embedder=EmbedLane(loaded.model, settings.embedding_pooling or "last"),
         )
-        engine = Engine(model_id, loaded, registry, actor)
+        engine = Engine(model_id, loaded, registry, actor, settings)
         engine.grammar_timeout = float(settings.grammar_timeout)
         engine.grammar_cache_bytes = settings.grammar_cache_bytes
         worker.on_death = actor.on_worker_death
@@ -261,6 +267,8 @@ def _planner(settings: EngineSettings, loaded: Loaded) -> StepPlanner:
         prefill_stall=settings.prefill_stall,
         prefill_floor=settings.prefill_floor,
         timing_lag=settings.timing_lag,
+        embed_share=settings.embedding_share,
+        embed_tokens=settings.embedding_batch_tokens,
     )
 
 
@@ -308,6 +316,7 @@ class Engine:
     _loaded: Loaded
     _registry: AdapterRegistry
     _actor: Actor
+    _settings: EngineSettings = attrs.field(factory=EngineSettings)
     #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
     grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
     _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
@@ -467,6 +476,88 @@ class Engine:
             tuple(logprobs) if params.logprobs else None,
             stream.result,
         )
+
+    @property
+    def embedding_pooling(self) -> str | None:
+        """How :meth:`embed` pools (``last``, ``mean``, ``cls``); None: no embeddings."""
+        if self._loaded.channel is not None or hidden_model(self._loaded.model) is None:
+            return None
+        return self._settings.embedding_pooling
+
+    async def embed(
+        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None
+    ) -> Embeddings:
+        """Embed each input (text, or token ids): its pooled final hidden state, unit length.
+
+        The inputs run as prefill-only rows of the batch (the arbiter admits the
+        request as one row), several per padded pass, beside the chat rows:
+        while those decode, passes take at most ``embedding_share`` of the
+        steps. ``dimensions`` keeps the first that many values and normalizes
+        again (allowed with ``embedding_matryoshka``). Raises
+        :class:`~trio_mlx.InvalidRequest` (``param="input"``) for no inputs,
+        more than ``max_embedding_inputs``, an empty or over-long input or one
+        of another type, and ``embeddings_unsupported`` when the model has no
+        pooling configured (``embedding_pooling``).
+        """
+        if self.embedding_pooling is None:
+            raise InvalidRequest(
+                "this model serves no embeddings: it configures no pooling (start the "
+                "engine with embedding_pooling to pool its hidden states)",
+                param="model",
+                code="embeddings_unsupported",
+            )
+        hidden = self._loaded.config.get("hidden_size")
+        check_dimensions(
+            dimensions,
+            supported=self._settings.embedding_matryoshka,
+            width=hidden if isinstance(hidden, int) else None,
+        )
+        if isinstance(inputs, str | bytes) or not isinstance(inputs, Sequence) or not inputs:
+            raise InvalidRequest("input must be a non-empty list of inputs", param="input")
+        limit = self._settings.max_embedding_inputs
+        if len(inputs) > limit:
+            raise InvalidRequest(
+                f"{len(inputs)} inputs, more than the {limit} one request may have",
+                param="input",
+                code="too_many_inputs",
+            )
+        if self._actor.closed:
+            raise EngineClosed("the engine is closed")
+        tokens = [await self._embed_tokens(i, item) for i, item in enumerate(inputs)]
+        request_id = self._actor.new_id()
+        work = EmbedWork(request_id, tuple(tuple(t) for t in tokens))
+        request = Request(request_id, LaneName.EMBED, embed=work)
+        await self._actor.submit(request)
+        try:
+            await request.done.wait()
+        except BaseException:
+            self._actor.cancel_nowait(request)
+            raise
+        for event in request.outbox.take():
+            if event.error is not None:
+                raise failure(event.error)
+        if not work.complete:
+            raise EngineClosed("the engine closed before the embeddings were computed")
+        return Embeddings(
+            tuple(tuple(finish(v, dimensions).tolist()) for v in work.vectors),
+            tuple(len(t) for t in tokens),
+        )
+
+    async def _embed_tokens(self, index: int, item: Any) -> list[int]:
+        """One embedding input's tokens; an error names the input."""
+        if not isinstance(item, str) and not (
+            isinstance(item, Sequence)
+            and not isinstance(item, bytes)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        ):
+            raise InvalidRequest(
+                f"input {index} must be a string or a list of token ids", param="input"
+            )
+        try:
+            return (await self._prompts.tokenize(item, None, None))[0]
+        except InvalidRequest as exc:
+            message = exc.message.replace("the prompt", f"input {index}")
+            raise InvalidRequest(message, param="input", code=exc.code) from None
 
     async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
         """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""

@@ -44,6 +44,14 @@ Two decisions live here:
   streams' gap p99 while a long prompt arrives falls by half or more (X = 3:
   2.4-2.7x their ITL p50 in one run, 3.4-8.7x in another, against 8.3-9.8x),
   for 10-20% of the closed-loop tok/s.
+- *Embeddings* (:meth:`StepPlanner.embed_batch`). An embedding request's
+  inputs ride on steps as one padded prefill-only pass of at most
+  ``embed_tokens`` (rows x longest; one longer input goes alone) before the
+  decode step. While rows decode, a pass is carried when the embeddings'
+  credit allows: it starts at one pass and each decode step adds
+  ``embed_share / (1 - embed_share)``, so passes are at most that share of
+  the steps (0.1: one per nine decode steps) and the first comes at once; an
+  idle lane, a drain or a waiting job carry a pass every step.
 - *Burst length* (:meth:`StepPlanner.next_step`). In plain decoding (the
   arbiter ADMITTING, no job waiting) a step call may run up to
   ``burst_steps`` decode steps within ``burst_seconds``; the lane stops it
@@ -64,7 +72,8 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from trio_mlx._core.arbiter import State
-from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._core.embedder import EmbedWork
+from trio_mlx._lanes.records import EmbedInput, RowSpec, StepPlan
 
 __all__ = ["StepPlanner"]
 
@@ -104,6 +113,15 @@ class StepPlanner:
     #: ... and a prompt token's cost is measured over this many recent steps, so
     #: that a prefill paid a step or two late still falls inside the window.
     timing_window: int = 8
+    #: The share of steps embedding passes may take while rows decode (0, 1] ...
+    embed_share: float = attrs.field(
+        default=0.1, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)]
+    )
+    #: ... and the padded tokens (rows x longest input) of one pass.
+    embed_tokens: int = attrs.field(default=2048, validator=attrs.validators.ge(1))
+    #: Embedding requests with inputs no step carried yet, in arrival order.
+    _embeds: list[EmbedWork] = attrs.field(init=False, factory=list)
+    _embed_credit: float = attrs.field(init=False, default=1.0)
     #: Seconds of a decode step that prefills nothing, and seconds a prompt token adds
     #: to a step (moving averages of the lane's timings; None until measured).
     _decode_s: float | None = attrs.field(init=False, default=None)
@@ -184,6 +202,47 @@ class StepPlanner:
             self._drop_resume(row_id)  # a parked row still holds its slot: removed too
             self._removes.append(row_id)
 
+    def embed(self, work: EmbedWork) -> None:
+        """An admitted (or resumed) embedding request's inputs join coming steps."""
+        if work.unplanned and work not in self._embeds:
+            self._embeds.append(work)
+
+    def drop_embed(self, row_id: int) -> bool:
+        """Take an embedding request out (parked, cancelled); False when it was not queued."""
+        kept = [work for work in self._embeds if work.id != row_id]
+        dropped = len(kept) < len(self._embeds)
+        self._embeds = kept
+        return dropped
+
+    def embed_batch(
+        self, state: State, jobs_waiting: bool, *, joining: bool = False
+    ) -> list[EmbedInput]:
+        """The embedding inputs the next step carries (none while the share is spent);
+        ``joining``: the step inserts or resumes rows."""
+        if not self._embeds:
+            return []
+        idle = not (self._lane_live or self._inserts or self._resumes or joining)
+        busy = state is State.ADMITTING and not jobs_waiting and not idle
+        if busy and self._embed_credit < 1.0:
+            return []
+        if busy:
+            self._embed_credit -= 1.0
+        batch: list[EmbedInput] = []
+        width = 0
+        for work in self._embeds:
+            while work.unplanned:
+                tokens = work.inputs[work.planned]
+                wider = max(width, len(tokens))
+                if batch and (len(batch) + 1) * wider > self.embed_tokens:
+                    break
+                batch.append(EmbedInput(work.id, work.planned, tokens))
+                width = wider
+                work.planned += 1
+            if work.unplanned:
+                break
+        self._embeds = [work for work in self._embeds if work.unplanned]
+        return batch
+
     def take_removes(self) -> list[int]:
         """The rows to remove, for a discard outside a step."""
         removes, self._removes = self._removes, []
@@ -195,6 +254,9 @@ class StepPlanner:
         """A step call ran ``steps`` decode steps; ``decoding`` rows are live in the lane."""
         self._lane_live = decoding
         self._held_steps += steps
+        share = self.embed_share
+        gain = steps * share / (1.0 - share) if share < 1.0 else 1.0
+        self._embed_credit = min(1.0, self._embed_credit + gain)
 
     def timed(self, timings: Iterable[tuple[int, float]]) -> None:
         """The lane's (prompt tokens, seconds) for each decode step it ran (``StepResult.timings``)."""
@@ -298,4 +360,5 @@ class StepPlanner:
         if self.burst_steps > 1 and state is State.ADMITTING and not jobs_waiting:
             steps = self.burst_steps
         self._last_chunk = self.prefill_chunk()
-        return StepPlan(inserts, resumes, removes, steps, self._last_chunk)
+        embeds = self.embed_batch(state, jobs_waiting, joining=bool(inserts or resumes))
+        return StepPlan(inserts, resumes, removes, steps, self._last_chunk, embeds)
