@@ -161,7 +161,7 @@ async def open_engine(
         named = re.match(r"'(\w+)'", message)
         raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
     path = resolve_model(model)
-    if settings.embedding_pooling is None and os.path.isdir(path):
+    if settings.embedding_pooling is None:  # a Hub id has no folder: no pooling read
         pooling = await trio.to_thread.run_sync(configured_pooling, path)
         settings = attrs.evolve(settings, embedding_pooling=pooling)
     loader = partial(load, path, settings)

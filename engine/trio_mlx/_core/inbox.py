@@ -115,13 +115,13 @@ class Inbox:
     def _refusal(self, rejection: Rejection, spec: RowSpec | None) -> Exception:
         if rejection is Rejection.CLOSED:
             return EngineClosed("the engine is closed")
-        if rejection is Rejection.TOO_LARGE and spec is None:
-            return InvalidRequest(
-                "an input is too long for the engine's KV memory budget",
-                param="input",
-                code="kv_memory_exceeded",
-            )
         if rejection is Rejection.TOO_LARGE:
+            if spec is None:  # an embedding request: its longest input
+                return InvalidRequest(
+                    "an input is too long for the engine's KV memory budget",
+                    param="input",
+                    code="kv_memory_exceeded",
+                )
             assert self.policy.memory is not None
             return too_large(spec, self.policy.memory)
         return EngineOverloaded(
