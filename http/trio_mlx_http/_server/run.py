@@ -47,6 +47,10 @@ def _engine_settings(args: argparse.Namespace) -> trio_mlx.EngineSettings:
         "prefill_budget",
         "long_prompt_chunk",
         "prefill_stall",
+        "embedding_pooling",
+        "embedding_matryoshka",
+        "embedding_share",
+        "max_embedding_inputs",
     ):
         value = getattr(args, name, None)
         if value is not None:
