@@ -323,3 +323,53 @@ async def test_a_cancelled_embedding_leaves_the_engine_serving(
     assert result.token_counts == (len(tokens_of(tiny_model, TEXTS[0])),)
     stats = engine.statistics()
     assert stats.running_rows == stats.queued_rows == 0
+
+
+async def test_embeddings_parked_for_a_job_resume_and_stay_exact(
+    tiny_model_path: Path, tiny_model: tuple[Any, Any]
+) -> None:
+    import trio_mlx
+
+    from engine_helpers import PROMPT
+
+    inputs = [f"{TEXTS[i % 4]} {i}" for i in range(24)]
+    want = [reference(tiny_model, tokens_of(tiny_model, text), "last") for text in inputs]
+    decisions: list[Any] = []
+    params = trio_mlx.SamplingParams(max_tokens=64, logit_bias=NO_EOS)
+    async with trio_mlx.open_engine(
+        tiny_model_path,
+        embedding_pooling="last",
+        embedding_batch_tokens=32,  # a few inputs a pass: the request spans many steps
+        drain_timeout=0.0,  # a job parks the running rows at once
+        min_batch_steps=1,
+        decision_hook=lambda decision, _: decisions.append(decision),
+    ) as engine:
+        alone = (await engine.complete(PROMPT, params)).token_ids
+        results: dict[str, Any] = {}
+
+        async def chat() -> None:
+            results["chat"] = (await engine.complete(PROMPT, params)).token_ids
+
+        async def embed() -> None:
+            results["embed"] = await engine.embed(inputs)
+
+        async def job() -> None:
+            while engine.statistics().running_rows < 2:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            results["job"] = await engine.run_exclusive(lambda model, tokenizer: "ran")
+
+        with trio.fail_after(300):  # a hang guard
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(chat)
+                nursery.start_soon(embed)
+                nursery.start_soon(job)
+        stats = engine.statistics()
+    assert results["job"] == "ran"
+    assert results["chat"] == alone
+    for got, expected in zip(results["embed"].vectors, want, strict=True):
+        np.testing.assert_allclose(np.array(got), expected, atol=ATOL)
+    # The job parked the chat row and the embedding request together, and both resumed.
+    parks = [d.ids for d in decisions if type(d).__name__ == "Park"]
+    assert any(len(ids) == 2 for ids in parks), parks
+    assert any(type(d).__name__ == "Resume" for d in decisions)
+    assert stats.requests["embed:finished"] == 1
