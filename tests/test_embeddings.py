@@ -236,11 +236,11 @@ async def test_pooling_comes_from_the_sentence_transformers_files(
         np.testing.assert_allclose(vector, want, atol=ATOL)
 
 
-async def _chat(client: openai.AsyncOpenAI, prompt: str) -> str:
+async def _chat(client: openai.AsyncOpenAI, prompt: str, max_tokens: int = 400) -> str:
     stream = await client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
-        max_tokens=120,
+        max_tokens=max_tokens,
         temperature=0.0,
         logit_bias={str(k): v for k, v in NO_EOS.items()},  # type: ignore[misc]
         stream=True,
@@ -329,7 +329,6 @@ async def test_embeddings_parked_for_a_job_resume_and_stay_exact(
     tiny_model_path: Path, tiny_model: tuple[Any, Any]
 ) -> None:
     import trio_mlx
-
     from engine_helpers import PROMPT
 
     inputs = [f"{TEXTS[i % 4]} {i}" for i in range(24)]

@@ -282,7 +282,7 @@ class Actor:
             seconds=self.planner.burst_seconds,
             interrupt=self._news.is_set,
         )
-        if plan.embeds and self.embedder is not None:
+        if self.embedder is not None:  # times every step: the embeddings' share reads it
             call = partial(embed_then_step, self.embedder, plan, call)
         self.worker.submit(call, self._step_finished)
 

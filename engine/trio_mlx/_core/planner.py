@@ -47,11 +47,14 @@ Two decisions live here:
 - *Embeddings* (:meth:`StepPlanner.embed_batch`). An embedding request's
   inputs ride on steps as one padded prefill-only pass of at most
   ``embed_tokens`` (rows x longest; one longer input goes alone) before the
-  decode step. While rows decode, a pass is carried when the embeddings'
-  credit allows: it starts at one pass and each decode step adds
-  ``embed_share / (1 - embed_share)``, so passes are at most that share of
-  the steps (0.1: one per nine decode steps) and the first comes at once; an
-  idle lane, a drain or a waiting job carry a pass every step.
+  decode step. While rows decode, passes take at most ``embed_share`` of the
+  MLX thread's time: a credit in seconds, which each step call adds its
+  seconds x ``share / (1 - share)`` to while embeddings wait and each pass
+  takes its own seconds from, is spent when a pass goes (a pass is carried
+  while it is not negative; it banks nothing while no embedding waits, so
+  the first pass goes at once). Counting steps instead let a 512-token pass
+  per nine decode steps of a tiny model take most of the time (chat at
+  0.38x). An idle lane, a drain or a waiting job carry a pass every step.
 - *Burst length* (:meth:`StepPlanner.next_step`). In plain decoding (the
   arbiter ADMITTING, no job waiting) a step call may run up to
   ``burst_steps`` decode steps within ``burst_seconds``; the lane stops it
@@ -113,15 +116,19 @@ class StepPlanner:
     #: ... and a prompt token's cost is measured over this many recent steps, so
     #: that a prefill paid a step or two late still falls inside the window.
     timing_window: int = 8
-    #: The share of steps embedding passes may take while rows decode (0, 1] ...
+    #: The share of the time embedding passes may take while rows decode (0, 1] ...
     embed_share: float = attrs.field(
         default=0.1, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)]
     )
     #: ... and the padded tokens (rows x longest input) of one pass.
-    embed_tokens: int = attrs.field(default=2048, validator=attrs.validators.ge(1))
+    #: None: the lane's prefill budget (a pass stalls the streams no longer than a prefill).
+    embed_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
     #: Embedding requests with inputs no step carried yet, in arrival order.
     _embeds: list[EmbedWork] = attrs.field(init=False, factory=list)
-    _embed_credit: float = attrs.field(init=False, default=1.0)
+    #: Seconds of passes the embeddings may still take (see the module's notes).
+    _embed_credit: float = attrs.field(init=False, default=0.0)
     #: Seconds of a decode step that prefills nothing, and seconds a prompt token adds
     #: to a step (moving averages of the lane's timings; None until measured).
     _decode_s: float | None = attrs.field(init=False, default=None)
@@ -223,17 +230,15 @@ class StepPlanner:
             return []
         idle = not (self._lane_live or self._inserts or self._resumes or joining)
         busy = state is State.ADMITTING and not jobs_waiting and not idle
-        if busy and self._embed_credit < 1.0:
+        if busy and self._embed_credit < 0.0 and self.embed_share < 1.0:
             return []
-        if busy:
-            self._embed_credit -= 1.0
         batch: list[EmbedInput] = []
-        width = 0
+        width, room = 0, self.embed_tokens or self.budget_cap() or 2048
         for work in self._embeds:
             while work.unplanned:
                 tokens = work.inputs[work.planned]
                 wider = max(width, len(tokens))
-                if batch and (len(batch) + 1) * wider > self.embed_tokens:
+                if batch and (len(batch) + 1) * wider > room:
                     break
                 batch.append(EmbedInput(work.id, work.planned, tokens))
                 width = wider
@@ -250,13 +255,17 @@ class StepPlanner:
 
     # --- what the lane did ---
 
-    def stepped(self, decoding: int, steps: int) -> None:
-        """A step call ran ``steps`` decode steps; ``decoding`` rows are live in the lane."""
+    def stepped(
+        self, decoding: int, steps: int, *, seconds: float = 0.0, embed_seconds: float = 0.0
+    ) -> None:
+        """A step call ran ``steps`` decode steps in ``seconds`` (and an embedding pass in
+        ``embed_seconds``); ``decoding`` rows are live in the lane."""
         self._lane_live = decoding
         self._held_steps += steps
         share = self.embed_share
-        gain = steps * share / (1.0 - share) if share < 1.0 else 1.0
-        self._embed_credit = min(1.0, self._embed_credit + gain)
+        if share < 1.0:
+            credit = self._embed_credit + seconds * share / (1.0 - share) - embed_seconds
+            self._embed_credit = credit if self._embeds else min(credit, 0.0)
 
     def timed(self, timings: Iterable[tuple[int, float]]) -> None:
         """The lane's (prompt tokens, seconds) for each decode step it ran (``StepResult.timings``)."""

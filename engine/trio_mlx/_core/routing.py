@@ -47,7 +47,9 @@ class StepRouter:
             step = result.unwrap()
             events = step.events
             self.books.batch_rows = step.rows
-            self.planner.stepped(step.decoding, step.steps)
+            self.planner.stepped(
+                step.decoding, step.steps, seconds=step.seconds, embed_seconds=step.embed_seconds
+            )
             self.planner.timed(step.timings)
             for row_id, cached in step.cached.items():
                 request = self.books.get(row_id)

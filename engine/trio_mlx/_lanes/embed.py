@@ -14,6 +14,7 @@ tokens only; normalizing and truncating are the caller's
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,6 +95,16 @@ class EmbedLane:
 
 
 def embed_then_step(lane: EmbedLane, plan: StepPlan, step: Callable[[], StepResult]) -> StepResult:
-    """Forward the plan's embedding inputs, then run the batch lane's step (MLX thread)."""
+    """Forward the plan's embedding inputs, then run the batch lane's step, timing both
+    (MLX thread; the pass reads its vectors back, so its time is spent, not queued)."""
+    start = time.perf_counter()
     vectors = lane.forward(plan.embeds)
-    return attrs.evolve(step(), embeddings=tuple(vectors))
+    middle = time.perf_counter()
+    result = step()
+    end = time.perf_counter()
+    return attrs.evolve(
+        result,
+        embeddings=tuple(vectors),
+        seconds=end - middle,
+        embed_seconds=middle - start if plan.embeds else 0.0,
+    )

@@ -107,3 +107,7 @@ class StepResult:
     timings: tuple[tuple[int, float], ...] = ()
     #: The pooled vectors of the plan's embedding inputs.
     embeddings: tuple[EmbedVector, ...] = ()
+    #: Seconds of the step call without its embedding pass, and of the pass (both
+    #: 0 where the engine serves no embeddings): what the embeddings' share reads.
+    seconds: float = 0.0
+    embed_seconds: float = 0.0

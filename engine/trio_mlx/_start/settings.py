@@ -173,7 +173,8 @@ class EngineSettings:
       ``embedding_matryoshka`` (``dimensions`` truncation allowed),
       ``embedding_share`` (the most of the steps embedding passes take while
       rows decode), ``max_embedding_inputs`` (inputs per request) and
-      ``embedding_batch_tokens`` (padded tokens of one pass): see
+      ``embedding_batch_tokens`` (padded tokens of one pass; None: the
+      prefill budget, so a pass stalls the streams no longer than a prefill): see
       ``Engine.embed``.
     - ``decision_hook``: called on the Trio thread with each arbiter decision
       and the arbiter's statistics after it (tests record them); not sent to
@@ -224,7 +225,9 @@ class EngineSettings:
     embedding_matryoshka: bool = attrs.field(default=False, validator=_flag)
     embedding_share: float = attrs.field(default=0.1, validator=_share)
     max_embedding_inputs: int = attrs.field(default=2048, validator=_int_at_least(1))
-    embedding_batch_tokens: int = attrs.field(default=2048, validator=_int_at_least(1))
+    embedding_batch_tokens: int | None = attrs.field(
+        default=None, validator=_int_at_least(1, optional=True)
+    )
     burst_steps: int = attrs.field(default=16, validator=_int_at_least(1))
     burst_seconds: float = attrs.field(default=0.02, validator=_number(0))
     admit_group: int | None = attrs.field(default=None, validator=_int_at_least(1, optional=True))
