@@ -79,7 +79,8 @@ _COMMON: dict[str, Any] = {
         "input_tokens": 32,
         "max_tokens": 64,
         "prompt_len": 32,
-        "seconds": 8.0,
+        "seconds": 5.0,
+        "rounds": 3,
     },
     # The agent part's session (bench.suite.agent_trace.AgentSize): about 8k tokens of
     # system prompt on a CPU, 24k on a GPU; tool results of 500-3,000 tokens.

@@ -9,6 +9,9 @@ phases of ``seconds`` each, one after the other:
 * **chat alone**: N closed-loop greedy streams of ``max_tokens``: tok/s;
 * **together**: both at once: each rate again, and its ratio to the phase alone.
 
+``rounds`` rounds of the three, interleaved; the best round of each phase counts
+(together: the round with the best chat tok/s).
+
 The goal (issue: "chat tok/s kept >= 0.85x" beside the embeddings): the chat
 ratio. What the share trades is visible across ``shares``.
 """
@@ -80,9 +83,16 @@ async def _run(job: dict[str, Any]) -> None:
                         "seconds": elapsed,
                     }
 
-                alone_embed = await phase(True, False)
-                alone_chat = await phase(False, True)
-                together = await phase(True, True)
+                # Rounds of the three phases, interleaved; the best of each counts (a
+                # shared machine's load only ever slows a phase down).
+                runs: dict[str, list[dict[str, float]]] = {"e": [], "c": [], "t": []}
+                for _ in range(job.get("rounds", 1)):
+                    runs["e"].append(await phase(True, False))
+                    runs["c"].append(await phase(False, True))
+                    runs["t"].append(await phase(True, True))
+                alone_embed = max(runs["e"], key=lambda r: r["embeddings_s"])
+                alone_chat = max(runs["c"], key=lambda r: r["chat_tok_s"])
+                together = max(runs["t"], key=lambda r: r["chat_tok_s"])
                 emit(
                     {
                         "job": "embed",
@@ -112,7 +122,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "",
         f"{s['clients']} closed-loop embedding clients, {s['inputs']} inputs of "
         f"{s['input_tokens']} tokens a request; N greedy chat streams of {s['max_tokens']} "
-        f"tokens; {s['seconds']:g} s a phase. Goal: chat tok/s beside embeddings >= 0.85x.",
+        f"tokens; {s['seconds']:g} s a phase, best of {s.get('rounds', 1)} interleaved rounds. Goal: chat tok/s beside embeddings >= 0.85x.",
         "",
         "| N | share | embeddings/s alone | beside chat | chat tok/s alone | beside embeddings "
         "| chat ratio |",

@@ -260,6 +260,8 @@ class Actor:
 
     def _ends_burst(self, request: Request, now: float) -> bool:
         """Whether a submission ends the burst in flight (see StepPlanner.ends_burst)."""
+        if request.lane is LaneName.EMBED:
+            return self.planner.embed_due(self._arbiter.state, self._arbiter.jobs_waiting)
         if request.lane is not LaneName.BATCH:
             return True
         return self.planner.ends_burst(

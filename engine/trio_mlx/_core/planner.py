@@ -221,6 +221,12 @@ class StepPlanner:
         self._embeds = kept
         return dropped
 
+    def embed_due(self, state: State, jobs_waiting: bool) -> bool:
+        """Whether an embedding request arriving now could have a pass at the next step
+        (else its submission need not end the burst in flight)."""
+        busy = state is State.ADMITTING and not jobs_waiting and self._lane_live > 0
+        return not busy or self._embed_credit >= 0.0 or self.embed_share >= 1.0
+
     def embed_batch(
         self, state: State, jobs_waiting: bool, *, joining: bool = False
     ) -> list[EmbedInput]:
