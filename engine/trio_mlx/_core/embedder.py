@@ -1,4 +1,5 @@
-"""Embeddings' pure parts: the pooling a model asks for, normalizing, truncation, progress.
+"""Embeddings' parts outside the MLX thread: the pooling a model asks for, the inputs'
+checks, normalizing, truncation, a request's progress.
 
 How a model pools: the ``embedding_pooling`` setting when given, else what a
 sentence-transformers folder says (``modules.json`` names its ``Pooling``
@@ -15,6 +16,7 @@ inputs (Trio thread only).
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,14 @@ import attrs
 
 from trio_mlx._errors import InvalidRequest
 
-__all__ = ["EmbedWork", "check_dimensions", "configured_pooling", "finish", "normalize"]
+__all__ = [
+    "EmbedWork",
+    "check_dimensions",
+    "configured_pooling",
+    "embed_tokens",
+    "finish",
+    "normalize",
+]
 
 _MODES = {
     "pooling_mode_lasttoken": "last",
@@ -83,6 +92,39 @@ def check_dimensions(dimensions: int | None, *, supported: bool, width: int | No
         raise InvalidRequest(
             f"dimensions {dimensions} is more than the model's {width}", param="dimensions"
         )
+
+
+async def embed_tokens(
+    inputs: Any,
+    limit: int,
+    tokenize: Callable[..., Awaitable[tuple[list[int], Any]]],
+) -> list[list[int]]:
+    """Each input's tokens through ``tokenize`` (the engine's prompt encoder); every
+    refusal names ``input``: no inputs, more than ``limit``, a bad, empty or over-long one."""
+    if isinstance(inputs, str | bytes) or not isinstance(inputs, Sequence) or not inputs:
+        raise InvalidRequest("input must be a non-empty list of inputs", param="input")
+    if len(inputs) > limit:
+        raise InvalidRequest(
+            f"{len(inputs)} inputs, more than the {limit} one request may have",
+            param="input",
+            code="too_many_inputs",
+        )
+    tokens = []
+    for index, item in enumerate(inputs):
+        if not isinstance(item, str) and not (
+            isinstance(item, Sequence)
+            and not isinstance(item, bytes)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        ):
+            raise InvalidRequest(
+                f"input {index} must be a string or a list of token ids", param="input"
+            )
+        try:
+            tokens.append((await tokenize(item, chat_template_kwargs=None))[0])
+        except InvalidRequest as exc:
+            message = exc.message.replace("the prompt", f"input {index}")
+            raise InvalidRequest(message, param="input", code=exc.code) from None
+    return tokens
 
 
 @attrs.define(eq=False)

@@ -20,7 +20,13 @@ from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
-from trio_mlx._core.embedder import EmbedWork, check_dimensions, configured_pooling, finish
+from trio_mlx._core.embedder import (
+    EmbedWork,
+    check_dimensions,
+    configured_pooling,
+    embed_tokens,
+    finish,
+)
 from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.planner import StepPlanner
 from trio_mlx._core.prompts import Prompt, PromptEncoder, too_long
@@ -499,6 +505,7 @@ class Engine:
         of another type, and ``embeddings_unsupported`` when the model has no
         pooling configured (``embedding_pooling``).
         """
+        self._refuse_distributed("embeddings", "input")
         if self.embedding_pooling is None:
             raise InvalidRequest(
                 "this model serves no embeddings: it configures no pooling (start the "
@@ -512,18 +519,10 @@ class Engine:
             supported=self._settings.embedding_matryoshka,
             width=hidden if isinstance(hidden, int) else None,
         )
-        if isinstance(inputs, str | bytes) or not isinstance(inputs, Sequence) or not inputs:
-            raise InvalidRequest("input must be a non-empty list of inputs", param="input")
         limit = self._settings.max_embedding_inputs
-        if len(inputs) > limit:
-            raise InvalidRequest(
-                f"{len(inputs)} inputs, more than the {limit} one request may have",
-                param="input",
-                code="too_many_inputs",
-            )
+        tokens = await embed_tokens(inputs, limit, partial(self._prompts.tokenize, tools=None))
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
-        tokens = [await self._embed_tokens(i, item) for i, item in enumerate(inputs)]
         request_id = self._actor.new_id()
         work = EmbedWork(request_id, tuple(tuple(t) for t in tokens))
         request = Request(request_id, LaneName.EMBED, embed=work)
@@ -542,22 +541,6 @@ class Engine:
             tuple(tuple(finish(v, dimensions).tolist()) for v in work.vectors),
             tuple(len(t) for t in tokens),
         )
-
-    async def _embed_tokens(self, index: int, item: Any) -> list[int]:
-        """One embedding input's tokens; an error names the input."""
-        if not isinstance(item, str) and not (
-            isinstance(item, Sequence)
-            and not isinstance(item, bytes)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
-        ):
-            raise InvalidRequest(
-                f"input {index} must be a string or a list of token ids", param="input"
-            )
-        try:
-            return (await self._prompts.tokenize(item, None, None))[0]
-        except InvalidRequest as exc:
-            message = exc.message.replace("the prompt", f"input {index}")
-            raise InvalidRequest(message, param="input", code=exc.code) from None
 
     async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
         """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""
