@@ -31,6 +31,13 @@ if [ $# -eq 0 ]; then
     tests/test_model_families.py tests/test_structured.py tests/test_structured_mask.py \
     tests/test_foundation.py tests/test_blas.py
 fi
+# The optimized BLAS preloaded as `nox -s tests` does (the tests check it is).
+eval "$(python3 -c 'import os, shlex
+from trio_mlx._start.blas import preload_env
+env = preload_env(dict(os.environ))
+for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "MKL_INTERFACE_LAYER"):
+    if env.get(k):
+        print(f"export {k}={shlex.quote(env[k])}")')"
 logs=$(mktemp -d)
 commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 {
