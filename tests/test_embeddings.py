@@ -372,3 +372,19 @@ async def test_embeddings_parked_for_a_job_resume_and_stay_exact(
     assert any(len(ids) == 2 for ids in parks), parks
     assert any(type(d).__name__ == "Resume" for d in decisions)
     assert stats.requests["embed:finished"] == 1
+
+
+def test_the_embedding_flags_reach_the_engine() -> None:
+    from trio_mlx_http._cli import build_parser
+    from trio_mlx_http._server.run import _engine_settings
+
+    flags = ["--embedding-pooling", "mean", "--embedding-matryoshka"]
+    flags += ["--embedding-share", "0.25", "--max-embedding-inputs", "7"]
+    settings = _engine_settings(build_parser().parse_args(["serve", *flags]))
+    assert settings.embedding_pooling == "mean"
+    assert settings.embedding_matryoshka is True
+    assert settings.embedding_share == 0.25
+    assert settings.max_embedding_inputs == 7
+    default = _engine_settings(build_parser().parse_args(["serve"]))
+    assert (default.embedding_pooling, default.embedding_matryoshka) == (None, False)
+    assert default.embedding_share == 0.1

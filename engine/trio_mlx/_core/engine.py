@@ -66,6 +66,8 @@ T = TypeVar("T")
 
 #: Greedy decoding of up to 256 tokens.
 DEFAULT_PARAMS = SamplingParams()
+#: Embedding results with more floats than this are built in a thread.
+_INLINE_FLOATS = 65_536
 #: Temperatures below this are greedy decoding (1 / 1e-30 still fits float32).
 _TEMPERATURE_FLOOR = 1e-30
 
@@ -498,7 +500,7 @@ class Engine:
         The inputs run as prefill-only rows of the batch (the arbiter admits the
         request as one row), several per padded pass, beside the chat rows:
         while those decode, passes take at most ``embedding_share`` of the
-        steps. ``dimensions`` keeps the first that many values and normalizes
+        MLX thread's time. ``dimensions`` keeps the first that many values and normalizes
         again (allowed with ``embedding_matryoshka``). Raises
         :class:`~trio_mlx.InvalidRequest` (``param="input"``) for no inputs,
         more than ``max_embedding_inputs``, an empty or over-long input or one
@@ -508,8 +510,12 @@ class Engine:
         self._refuse_distributed("embeddings", "input")
         if self.embedding_pooling is None:
             raise InvalidRequest(
-                "this model serves no embeddings: it configures no pooling (start the "
-                "engine with embedding_pooling to pool its hidden states)",
+                "this model serves no embeddings: "
+                + (
+                    "it configures no pooling (start the engine with embedding_pooling)"
+                    if hidden_model(self._loaded.model) is not None
+                    else "mlx-lm's model has no inner transformer (model.model) to pool"
+                ),
                 param="model",
                 code="embeddings_unsupported",
             )
@@ -537,10 +543,14 @@ class Engine:
                 raise failure(event.error)
         if not work.complete:
             raise EngineClosed("the engine closed before the embeddings were computed")
-        return Embeddings(
-            tuple(tuple(finish(v, dimensions).tolist()) for v in work.vectors),
-            tuple(len(t) for t in tokens),
-        )
+
+        def build() -> Embeddings:
+            vectors = tuple(tuple(finish(v, dimensions).tolist()) for v in work.vectors)
+            return Embeddings(vectors, tuple(len(t) for t in tokens))
+
+        # Thousands of wide vectors become floats in a thread, off the event loop.
+        large = len(work.vectors) * len(work.vectors[0]) > _INLINE_FLOATS
+        return await trio.to_thread.run_sync(build) if large else build()
 
     async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
         """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""
