@@ -91,7 +91,8 @@ async def open_engine(
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
-    caps the prompt cache (0 disables it). ``prompt_cache_dir`` adds its disk
+    caps the prompt cache (0 disables it; ``None``, the default: a fifth of
+    MLX's memory limit less the weights, at least 256 MiB). ``prompt_cache_dir`` adds its disk
     tier: checkpoints of long prompts kept in that folder across restarts, at
     most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
     disk tier; see ``design/engine.md``). ``prefill_step_size`` and
