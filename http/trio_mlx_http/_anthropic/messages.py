@@ -19,21 +19,20 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import attrs
-import trio
 from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, TrioMLXError
 from trio_mlx_http._common.cache_usage import cache_usage
 from trio_mlx_http._common.content import joined_text
+from trio_mlx_http._common.prepare import prepare
 from trio_mlx_http._common.sse import named_event
 from trio_mlx_http._common.structured import ToolChoice, grammar_param
 from trio_mlx_http._common.tools import ToolCall
 from trio_mlx_http._common.turn import Ending, Event, Piece, Thought, run_turn
 from trio_mlx_http._errors import anthropic_error_body
-from trio_mlx_http._openai.chat import _check_tools, _resolve_model
 from trio_mlx_http._openai.schema import GenerationRequest, _get, _messages, _sampling
 from trio_mlx_http._server.state import Access, ServerState
 from trio_mlx_http._settings import Settings
@@ -423,54 +422,6 @@ def _template_kwargs(thinking: Thinking, settings: Settings) -> dict[str, Any] |
     return kwargs or None
 
 
-#: One prefill rendering at a time, off the event loop (as the engine tokenizes).
-_RENDER_LIMITER = trio.CapacityLimiter(1)
-
-
-def _continued(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: Any, template: dict[str, Any] | None
-) -> list[int]:
-    """Token ids of ``messages`` with the last (assistant) one left open to continue."""
-    kwargs: dict[str, Any] = {
-        **(template or {}),
-        "add_generation_prompt": False,
-        "continue_final_message": True,
-        "tokenize": False,
-    }
-    if tools:
-        kwargs["tools"] = tools
-    try:
-        text = str(tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs))
-    except Exception as exc:
-        raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from None
-    if not text.rstrip().endswith(str(messages[-1]["content"]).rstrip()):
-        raise InvalidRequest(
-            "this model's chat template cannot continue a final assistant message; "
-            "end the messages with a user message",
-            param="messages",
-            code="unsupported_parameter",
-        )
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-async def _prompt(state: ServerState, request: MessagesRequest) -> GenerationRequest:
-    """The engine request: a prefill is rendered here, left open, and sent as token ids."""
-    generation = request.generation
-    if not request.prefill:
-        return generation
-    # parse_messages put the chat there.
-    messages = cast("list[dict[str, Any]]", generation.prompts[0])
-
-    def render() -> list[int]:
-        state.engine.refuse_oversized(messages, tools=generation.tools)
-        return _continued(
-            state.engine.tokenizer, messages, generation.tools, generation.chat_template_kwargs
-        )
-
-    tokens = await trio.to_thread.run_sync(render, limiter=_RENDER_LIMITER)
-    return attrs.evolve(generation, prompts=(tokens,))
-
-
 #: What a stream sends while it has nothing else to say: Anthropic's own ``ping``.
 _PING = named_event("ping", {"type": "ping"})
 
@@ -643,11 +594,14 @@ async def respond(
 ) -> Response | dict[str, Any]:
     """Answer one ``POST /v1/messages``."""
     parsed = parse_messages(body, state.settings)
-    request = await _prompt(state, parsed)
     omitted = parsed.thinking.omitted
     try:
         return await run_turn(
-            state, request, lambda model: _Renderer(model, omitted=omitted), access
+            state,
+            parsed.generation,
+            lambda model: _Renderer(model, omitted=omitted),
+            access,
+            continue_final=parsed.prefill,
         )
     except InvalidGrammar as error:  # the tool-call grammar of a forced tool_choice
         raise grammar_param(error, "tool_choice") from None
@@ -655,10 +609,6 @@ async def respond(
 
 async def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str, Any]:
     """``POST /v1/messages/count_tokens``: the prompt's length, tools included."""
-    request = await _prompt(state, parse_messages(body, state.settings, counting=True))
-    _model, request = _resolve_model(state, request)
-    _check_tools(state, request.tools)
-    tokens = await state.engine.tokenize(
-        request.prompts[0], tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
-    )
-    return {"input_tokens": len(tokens)}
+    parsed = parse_messages(body, state.settings, counting=True)
+    prepared = await prepare(state, parsed.generation, continue_final=parsed.prefill, counting=True)
+    return {"input_tokens": len(prepared.prompts[0].tokens)}
