@@ -178,3 +178,45 @@ async def test_max_tokens_beyond_the_context_is_cut_once_by_the_engine(server: L
             assert used == prompt_tokens or path == "/v1/completions"
             # max_tokens ran as the room the prompt left, and the header says so.
             assert reply.headers["x-max-tokens-clamped"] == str(context - used)
+
+
+async def test_several_prompts_render_together_and_a_refused_one_is_a_400(
+    server: LiveServer,
+) -> None:
+    vocab = len(server.engine.tokenizer.get_vocab())
+    prompts: list[Any] = ["Weather?", "Paris?" * 300, "Rome?"]
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        whole = await http.post(
+            "/v1/completions", json={"model": "thinker", "prompt": prompts, "max_tokens": 1}
+        )
+        refused = await http.post(
+            "/v1/completions",
+            json={"model": "thinker", "prompt": ["Hi", "Paris? " * 5000, "Rome?"], "max_tokens": 1},
+        )
+        outside = await http.post(
+            "/v1/completions",
+            json={"model": "thinker", "prompt": [[1, 2], [vocab + 5]], "max_tokens": 1},
+        )
+    assert whole.status_code == 200, whole.text
+    assert [c["index"] for c in whole.json()["choices"]] == [0, 1, 2]
+    expected = sum(len(server.engine.encode(p)) for p in prompts)
+    assert whole.json()["usage"]["prompt_tokens"] == expected
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    assert outside.status_code == 400
+    assert "outside the vocabulary" in outside.json()["error"]["message"]
+
+
+async def test_a_prepared_prompt_is_checked_as_token_ids_are(server: LiveServer) -> None:
+    vocab = len(server.engine.tokenizer.get_vocab())
+    context = server.engine.context_length
+    assert context is not None
+    for bad, said in (
+        (PreparedPrompt(()), "tokenizes to nothing"),
+        (PreparedPrompt((1, vocab + 7)), "outside the vocabulary"),
+        (PreparedPrompt((-1,)), "outside the vocabulary"),
+        (PreparedPrompt((1,) * (context + 1)), "context"),
+    ):
+        with pytest.raises(InvalidRequest, match=said):
+            async with server.engine.generate(bad):
+                pass

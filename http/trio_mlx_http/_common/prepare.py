@@ -19,15 +19,18 @@ request ran with).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
+import trio
 
-from trio_mlx import InvalidRequest, NotFound, PreparedPrompt
+from trio_mlx import InvalidRequest, NotFound, PreparedPrompt, TrioMLXError
 from trio_mlx_http._common.reasoning import ReasoningSplitter
 from trio_mlx_http._common.structured import after_reasoning, tool_call_grammar
 from trio_mlx_http._common.tools import ToolCallExtractor
-from trio_mlx_http._openai.schema import GenerationRequest
+from trio_mlx_http._openai.schema import GenerationRequest, Prompt
 from trio_mlx_http._server.state import ServerState
 
 __all__ = ["Prepared", "prepare", "reasoning_markers"]
@@ -98,18 +101,14 @@ async def prepare(
     request = _reasoning_effort(state, request)
     request = _fill_in_the_middle(state, request)
     markers = reasoning_markers(state) if chat else None
-    prompts = tuple(
-        [
-            await state.engine.prepare(
-                prompt,
-                tools=request.tools,
-                chat_template_kwargs=request.chat_template_kwargs,
-                reasoning_markers=markers,
-                continue_final_message=continue_final,
-            )
-            for prompt in request.prompts
-        ]
+    render = partial(
+        state.engine.prepare,
+        tools=request.tools,
+        chat_template_kwargs=request.chat_template_kwargs,
+        reasoning_markers=markers,
+        continue_final_message=continue_final,
     )
+    prompts = await _render_all(render, request.prompts)
     prepared = Prepared(model, request, prompts, markers, state.engine.tokenizer)
     if counting:
         return prepared
@@ -120,6 +119,30 @@ async def prepare(
     if request.reasoning_budget is not None and markers is not None:
         request = _bound_reasoning(state, request, markers, prepared.opened)
     return attrs.evolve(prepared, request=request)
+
+
+async def _render_all(
+    render: Callable[[Prompt], Awaitable[PreparedPrompt]], prompts: Sequence[Prompt]
+) -> tuple[PreparedPrompt, ...]:
+    """Every prompt rendered, several at once (as many as the engine's threads take);
+    a refusal is the first refused prompt's, whichever finished first."""
+    if len(prompts) == 1:
+        return (await render(prompts[0]),)
+    out: list[PreparedPrompt | TrioMLXError | None] = [None] * len(prompts)
+
+    async def one(index: int) -> None:
+        try:
+            out[index] = await render(prompts[index])
+        except TrioMLXError as error:
+            out[index] = error
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(prompts)):
+            nursery.start_soon(one, index)
+    for item in out:
+        if isinstance(item, TrioMLXError):
+            raise item
+    return tuple(p for p in out if isinstance(p, PreparedPrompt))
 
 
 def reasoning_markers(state: ServerState) -> tuple[str, str] | None:
