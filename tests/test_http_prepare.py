@@ -220,3 +220,6 @@ async def test_a_prepared_prompt_is_checked_as_token_ids_are(server: LiveServer)
         with pytest.raises(InvalidRequest, match=said):
             async with server.engine.generate(bad):
                 pass
+    with pytest.raises(InvalidRequest, match="token ids"):
+        PreparedPrompt([1, "2"])  # type: ignore[list-item]
+    assert PreparedPrompt([1, 2]).tokens == (1, 2)

@@ -626,6 +626,7 @@ class Engine:
         tokens = prompt.tokens
         self._prompts.check_length(tokens)
         vocab = self._loaded.config.get("vocab_size")
+        # Ints (checked when it was made); min and max run in C, cheap on the event loop.
         if min(tokens) < 0 or (isinstance(vocab, int) and max(tokens) >= vocab):
             raise InvalidRequest(
                 "a prepared prompt holds ids outside the vocabulary", param="prompt"

@@ -26,6 +26,11 @@ __all__ = ["PreparedPrompt", "Prompt", "PromptEncoder", "too_long"]
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 
+def _token_ids(_instance: Any, _attribute: Any, tokens: tuple[int, ...]) -> None:
+    if not all(type(token) is int for token in tokens):
+        raise InvalidRequest("a prepared prompt's tokens must be token ids (ints)", param="prompt")
+
+
 @attrs.frozen
 class PreparedPrompt:
     """A prompt rendered and tokenized once, by :meth:`~trio_mlx.Engine.prepare`.
@@ -36,7 +41,7 @@ class PreparedPrompt:
     """
 
     #: The prompt's token ids, as the model reads them.
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] = attrs.field(converter=tuple, validator=_token_ids)
     #: Whether the rendered prompt ends inside a reasoning block (a chat template
     #: that opens ``<think>`` itself): the generated text starts as reasoning.
     opens_reasoning: bool = False
