@@ -228,11 +228,16 @@ class _TextFormat:
 
 
 async def _prompt_logprobs(
-    state: ServerState, request: GenerationRequest, prompts: Sequence[Prompt]
+    state: ServerState, request: GenerationRequest, prompts: Sequence[PreparedPrompt]
 ) -> list[dict[str, Any] | None]:
-    """``echo`` with ``logprobs``: each prompt's own logprobs (each distinct prompt scored once)."""
+    """``echo`` with ``logprobs``: each prompt's own logprobs (each distinct prompt scored once).
+
+    ``prompts``: the prepared prompts, one per prompt (not per choice); with no
+    ``suffix`` they are the echoed prompts' own tokens.
+    """
+    choices = len(prompts) * request.n
     if not (request.echo and request.params.logprobs):
-        return [None] * len(prompts)
+        return [None] * choices
     if request.suffix is not None:
         raise InvalidRequest(
             "echo with logprobs and suffix is not supported: the echoed prompt is not "
@@ -249,9 +254,9 @@ async def _prompt_logprobs(
     engine = state.engine
     scored: dict[int, dict[str, Any]] = {}
     out: list[dict[str, Any] | None] = []
-    for index, prompt in enumerate(prompts):
+    for index in range(choices):
         if index % request.n == 0:
-            ids = await trio.to_thread.run_sync(engine.encode, prompt)
+            ids = list(prompts[index // request.n].tokens)
             first, rest = await prompt_logprobs(engine, ids, request.params.top_logprobs)
             scored[index // request.n] = _openai.prompt_completion_logprobs(
                 first, rest, state.texts
@@ -320,10 +325,12 @@ async def _respond(
     else:
         per_choice = [p for p in echo_of for _ in range(request.n)]
         echoes = _echoes(state, request, per_choice)
-        scores = await _prompt_logprobs(state, request, per_choice)
+        scores = await _prompt_logprobs(state, request, prepared.prompts)
         text_fmt = _TextFormat(_openai.Envelope.text(model), state.texts, echoes, scores)
         if request.prompt_only:
-            counts = [len(await trio.to_thread.run_sync(state.engine.encode, p)) for p in echo_of]
+            counts = [len(p.tokens) for p in prepared.prompts]
+            if request.suffix is not None:  # the echoed prompts, not the FIM ones
+                counts = [len(await state.engine.tokenize(p)) for p in echo_of]
             access.tokens = 0
             return _echo_only(text_fmt, request, counts)
         fmt = text_fmt
