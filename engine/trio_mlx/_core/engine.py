@@ -22,7 +22,7 @@ from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
 from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.planner import StepPlanner
-from trio_mlx._core.prompts import Prompt, PromptEncoder, too_long
+from trio_mlx._core.prompts import PreparedPrompt, Prompt, PromptEncoder, too_long
 from trio_mlx._core.request import EngineStatistics, Request
 from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
@@ -389,7 +389,7 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
-        return self._prompts.encode(prompt, tools, chat_template_kwargs)[0]
+        return list(self._prompts.encode(prompt, tools, chat_template_kwargs).tokens)
 
     async def tokenize(
         self,
@@ -405,7 +405,36 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
-        return (await self._prompts.tokenize(prompt, tools, chat_template_kwargs))[0]
+        return list((await self._prompts.tokenize(prompt, tools, chat_template_kwargs)).tokens)
+
+    async def prepare(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_markers: tuple[str, str] | None = None,
+        continue_final_message: bool = False,
+    ) -> PreparedPrompt:
+        """Render and tokenize a prompt once, for :meth:`generate` to take as it is.
+
+        The prompt is what :meth:`encode` takes, and is checked as it checks it
+        (off the event loop as :meth:`tokenize`). A chat is rendered once; the
+        result says whether the rendered prompt ends inside a reasoning block
+        (``reasoning_markers``, start and end; default: the tokenizer's
+        ``think_start``/``think_end``), so the generated text starts as
+        reasoning. ``continue_final_message`` leaves a final assistant message
+        open for the model to continue (a template that cannot is refused).
+        Several requests may share one prepared prompt (``n`` choices).
+        """
+        if reasoning_markers is None:
+            start = getattr(self.tokenizer, "think_start", None)
+            end = getattr(self.tokenizer, "think_end", None)
+            if isinstance(start, str) and isinstance(end, str):
+                reasoning_markers = (start, end)
+        return await self._prompts.tokenize(
+            prompt, tools, chat_template_kwargs, reasoning_markers, continue_final_message
+        )
 
     def refuse_oversized(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> None:
         """Refuse, before rendering or tokenizing, a prompt that cannot fit the context.
@@ -421,7 +450,7 @@ class Engine:
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
@@ -430,6 +459,9 @@ class Engine:
     ) -> GenerationStream:
         """Stream one completion: ``async with engine.generate(...) as stream: async for delta in stream``.
 
+        ``prompt`` is what :meth:`encode` takes, or a :class:`~trio_mlx.PreparedPrompt`
+        (:meth:`prepare`), whose tokens are taken as they are (it carries its own
+        tools and template arguments: passing them too is refused).
         Submission errors raise on entering the block (InvalidRequest,
         NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
         Leaving the block early cancels the request. ``client`` (any hashable,
@@ -443,7 +475,7 @@ class Engine:
 
     async def complete(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
@@ -539,7 +571,7 @@ class Engine:
 
     async def _submit(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams,
         tools: Any,
         template_kwargs: Mapping[str, Any] | None = None,
@@ -549,9 +581,13 @@ class Engine:
             raise InvalidRequest("params must be a SamplingParams")
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
-        # Tokenizing (and rendering a chat template) is CPU work that grows with
-        # the prompt: off the event loop, a few prompts at a time.
-        tokens, checkpoint = await self._prompts.tokenize(prompt, tools, template_kwargs)
+        if isinstance(prompt, PreparedPrompt):
+            prepared = self._check_prepared(prompt, tools, template_kwargs)
+        else:
+            # Tokenizing (and rendering a chat template) is CPU work that grows with
+            # the prompt: off the event loop, a few prompts at a time.
+            prepared = await self._prompts.tokenize(prompt, tools, template_kwargs)
+        tokens, checkpoint = prepared.tokens, prepared.stable_prefix
         params = self._fit_context(len(tokens), params)
         params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
@@ -573,10 +609,30 @@ class Engine:
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint),
+            spec=RowSpec(request_id, tokens, params, constraint, checkpoint),
         )
         await self._actor.submit(request)
         return request
+
+    def _check_prepared(
+        self, prompt: PreparedPrompt, tools: Any, template_kwargs: Mapping[str, Any] | None
+    ) -> PreparedPrompt:
+        """A prepared prompt's tokens checked as :meth:`encode` checks token ids (cheaply)."""
+        if tools or template_kwargs:
+            raise InvalidRequest(
+                "a prepared prompt was rendered with its tools and chat_template_kwargs; "
+                "pass them to prepare, not with it",
+                param="tools" if tools else "chat_template_kwargs",
+            )
+        tokens = prompt.tokens
+        self._prompts.check_length(tokens)
+        vocab = self._loaded.config.get("vocab_size")
+        # Ints (checked when it was made); min and max run in C, cheap on the event loop.
+        if min(tokens) < 0 or (isinstance(vocab, int) and max(tokens) >= vocab):
+            raise InvalidRequest(
+                "a prepared prompt holds ids outside the vocabulary", param="prompt"
+            )
+        return prompt
 
     def _fit_context(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
         """``params`` with max_tokens cut to the room the prompt leaves in the context.
