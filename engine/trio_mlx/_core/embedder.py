@@ -97,7 +97,7 @@ def check_dimensions(dimensions: int | None, *, supported: bool, width: int | No
 async def embed_tokens(
     inputs: Any,
     limit: int,
-    tokenize: Callable[..., Awaitable[tuple[list[int], Any]]],
+    tokenize: Callable[[Any], Awaitable[list[int]]],
 ) -> list[list[int]]:
     """Each input's tokens through ``tokenize`` (the engine's prompt encoder); every
     refusal names ``input``: no inputs, more than ``limit``, a bad, empty or over-long one."""
@@ -120,7 +120,7 @@ async def embed_tokens(
                 f"input {index} must be a string or a list of token ids", param="input"
             )
         try:
-            tokens.append((await tokenize(item, chat_template_kwargs=None))[0])
+            tokens.append(await tokenize(item))
         except InvalidRequest as exc:
             message = exc.message.replace("the prompt", f"input {index}")
             raise InvalidRequest(message, param="input", code=exc.code) from None

@@ -17,20 +17,15 @@ import trio
 
 from trio_mlx._accel import install as _accel
 from trio_mlx._adapters.registry import AdapterRegistry
+from trio_mlx._core import embedding as _embedding
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
-from trio_mlx._core.embedder import (
-    EmbedWork,
-    check_dimensions,
-    configured_pooling,
-    embed_tokens,
-    finish,
-)
+from trio_mlx._core.embedder import configured_pooling
 from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.planner import StepPlanner
-from trio_mlx._core.prompts import Prompt, PromptEncoder, too_long
-from trio_mlx._core.request import EngineStatistics, Request, failure
+from trio_mlx._core.prompts import PreparedPrompt, Prompt, PromptEncoder, too_long
+from trio_mlx._core.request import EngineStatistics, Request
 from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import (
@@ -39,7 +34,7 @@ from trio_mlx._errors import (
     InvalidRequest,
     NotFound,
 )
-from trio_mlx._lanes.embed import EmbedLane, hidden_model
+from trio_mlx._lanes.embed import EmbedLane
 from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import RowSpec
 from trio_mlx._lanes.serial import run_serial
@@ -66,8 +61,6 @@ T = TypeVar("T")
 
 #: Greedy decoding of up to 256 tokens.
 DEFAULT_PARAMS = SamplingParams()
-#: Embedding results with more floats than this are built in a thread.
-_INLINE_FLOATS = 65_536
 #: Temperatures below this are greedy decoding (1 / 1e-30 still fits float32).
 _TEMPERATURE_FLOOR = 1e-30
 
@@ -101,7 +94,8 @@ async def open_engine(
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
-    caps the prompt cache (0 disables it). ``prompt_cache_dir`` adds its disk
+    caps the prompt cache (0 disables it; ``None``, the default: a fifth of
+    MLX's memory limit less the weights, at least 256 MiB). ``prompt_cache_dir`` adds its disk
     tier: checkpoints of long prompts kept in that folder across restarts, at
     most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
     disk tier; see ``design/engine.md``). ``prefill_step_size`` and
@@ -405,7 +399,7 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
-        return self._prompts.encode(prompt, tools, chat_template_kwargs)[0]
+        return list(self._prompts.encode(prompt, tools, chat_template_kwargs).tokens)
 
     async def tokenize(
         self,
@@ -421,7 +415,36 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
-        return (await self._prompts.tokenize(prompt, tools, chat_template_kwargs))[0]
+        return list((await self._prompts.tokenize(prompt, tools, chat_template_kwargs)).tokens)
+
+    async def prepare(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_markers: tuple[str, str] | None = None,
+        continue_final_message: bool = False,
+    ) -> PreparedPrompt:
+        """Render and tokenize a prompt once, for :meth:`generate` to take as it is.
+
+        The prompt is what :meth:`encode` takes, and is checked as it checks it
+        (off the event loop as :meth:`tokenize`). A chat is rendered once; the
+        result says whether the rendered prompt ends inside a reasoning block
+        (``reasoning_markers``, start and end; default: the tokenizer's
+        ``think_start``/``think_end``), so the generated text starts as
+        reasoning. ``continue_final_message`` leaves a final assistant message
+        open for the model to continue (a template that cannot is refused).
+        Several requests may share one prepared prompt (``n`` choices).
+        """
+        if reasoning_markers is None:
+            start = getattr(self.tokenizer, "think_start", None)
+            end = getattr(self.tokenizer, "think_end", None)
+            if isinstance(start, str) and isinstance(end, str):
+                reasoning_markers = (start, end)
+        return await self._prompts.tokenize(
+            prompt, tools, chat_template_kwargs, reasoning_markers, continue_final_message
+        )
 
     def refuse_oversized(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> None:
         """Refuse, before rendering or tokenizing, a prompt that cannot fit the context.
@@ -437,7 +460,7 @@ class Engine:
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
@@ -446,6 +469,9 @@ class Engine:
     ) -> GenerationStream:
         """Stream one completion: ``async with engine.generate(...) as stream: async for delta in stream``.
 
+        ``prompt`` is what :meth:`encode` takes, or a :class:`~trio_mlx.PreparedPrompt`
+        (:meth:`prepare`), whose tokens are taken as they are (it carries its own
+        tools and template arguments: passing them too is refused).
         Submission errors raise on entering the block (InvalidRequest,
         NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
         Leaving the block early cancels the request. ``client`` (any hashable,
@@ -459,7 +485,7 @@ class Engine:
 
     async def complete(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
@@ -488,69 +514,25 @@ class Engine:
     @property
     def embedding_pooling(self) -> str | None:
         """How :meth:`embed` pools (``last``, ``mean``, ``cls``); None: no embeddings."""
-        if self._loaded.channel is not None or hidden_model(self._loaded.model) is None:
-            return None
-        return self._settings.embedding_pooling
+        return _embedding.pooling(self._loaded, self._settings)
 
     async def embed(
         self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None
     ) -> Embeddings:
-        """Embed each input (text, or token ids): its pooled final hidden state, unit length.
+        """Each input's (text or token ids) pooled final hidden state, unit length.
 
-        The inputs run as prefill-only rows of the batch (the arbiter admits the
-        request as one row), several per padded pass, beside the chat rows:
-        while those decode, passes take at most ``embedding_share`` of the
-        MLX thread's time. ``dimensions`` keeps the first that many values and normalizes
-        again (allowed with ``embedding_matryoshka``). Raises
-        :class:`~trio_mlx.InvalidRequest` (``param="input"``) for no inputs,
-        more than ``max_embedding_inputs``, an empty or over-long input or one
-        of another type, and ``embeddings_unsupported`` when the model has no
-        pooling configured (``embedding_pooling``).
+        One row to the arbiter; its inputs go several per padded pass, at most
+        ``embedding_share`` of the MLX thread's time while chat rows decode.
+        ``dimensions`` truncates (``embedding_matryoshka``). Bad inputs, too many
+        (``max_embedding_inputs``), a model with no pooling: InvalidRequest.
         """
         self._refuse_distributed("embeddings", "input")
-        if self.embedding_pooling is None:
-            raise InvalidRequest(
-                "this model serves no embeddings: "
-                + (
-                    "it configures no pooling (start the engine with embedding_pooling)"
-                    if hidden_model(self._loaded.model) is not None
-                    else "mlx-lm's model has no inner transformer (model.model) to pool"
-                ),
-                param="model",
-                code="embeddings_unsupported",
-            )
-        hidden = self._loaded.config.get("hidden_size")
-        check_dimensions(
-            dimensions,
-            supported=self._settings.embedding_matryoshka,
-            width=hidden if isinstance(hidden, int) else None,
+        return await _embedding.embed(
+            self._actor, self._loaded, self._settings, self._embed_input, inputs, dimensions
         )
-        limit = self._settings.max_embedding_inputs
-        tokens = await embed_tokens(inputs, limit, partial(self._prompts.tokenize, tools=None))
-        if self._actor.closed:
-            raise EngineClosed("the engine is closed")
-        request_id = self._actor.new_id()
-        work = EmbedWork(request_id, tuple(tuple(t) for t in tokens))
-        request = Request(request_id, LaneName.EMBED, embed=work)
-        await self._actor.submit(request)
-        try:
-            await request.done.wait()
-        except BaseException:
-            self._actor.cancel_nowait(request)
-            raise
-        for event in request.outbox.take():
-            if event.error is not None:
-                raise failure(event.error)
-        if not work.complete:
-            raise EngineClosed("the engine closed before the embeddings were computed")
 
-        def build() -> Embeddings:
-            vectors = tuple(tuple(finish(v, dimensions).tolist()) for v in work.vectors)
-            return Embeddings(vectors, tuple(len(t) for t in tokens))
-
-        # Thousands of wide vectors become floats in a thread, off the event loop.
-        large = len(work.vectors) * len(work.vectors[0]) > _INLINE_FLOATS
-        return await trio.to_thread.run_sync(build) if large else build()
+    async def _embed_input(self, item: str | Sequence[int]) -> list[int]:
+        return list((await self._prompts.tokenize(item, None, None)).tokens)
 
     async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
         """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""
@@ -622,7 +604,7 @@ class Engine:
 
     async def _submit(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams,
         tools: Any,
         template_kwargs: Mapping[str, Any] | None = None,
@@ -632,9 +614,13 @@ class Engine:
             raise InvalidRequest("params must be a SamplingParams")
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
-        # Tokenizing (and rendering a chat template) is CPU work that grows with
-        # the prompt: off the event loop, a few prompts at a time.
-        tokens, checkpoint = await self._prompts.tokenize(prompt, tools, template_kwargs)
+        if isinstance(prompt, PreparedPrompt):
+            prepared = self._check_prepared(prompt, tools, template_kwargs)
+        else:
+            # Tokenizing (and rendering a chat template) is CPU work that grows with
+            # the prompt: off the event loop, a few prompts at a time.
+            prepared = await self._prompts.tokenize(prompt, tools, template_kwargs)
+        tokens, checkpoint = prepared.tokens, prepared.stable_prefix
         params = self._fit_context(len(tokens), params)
         params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
@@ -656,10 +642,30 @@ class Engine:
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint),
+            spec=RowSpec(request_id, tokens, params, constraint, checkpoint),
         )
         await self._actor.submit(request)
         return request
+
+    def _check_prepared(
+        self, prompt: PreparedPrompt, tools: Any, template_kwargs: Mapping[str, Any] | None
+    ) -> PreparedPrompt:
+        """A prepared prompt's tokens checked as :meth:`encode` checks token ids (cheaply)."""
+        if tools or template_kwargs:
+            raise InvalidRequest(
+                "a prepared prompt was rendered with its tools and chat_template_kwargs; "
+                "pass them to prepare, not with it",
+                param="tools" if tools else "chat_template_kwargs",
+            )
+        tokens = prompt.tokens
+        self._prompts.check_length(tokens)
+        vocab = self._loaded.config.get("vocab_size")
+        # Ints (checked when it was made); min and max run in C, cheap on the event loop.
+        if min(tokens) < 0 or (isinstance(vocab, int) and max(tokens) >= vocab):
+            raise InvalidRequest(
+                "a prepared prompt holds ids outside the vocabulary", param="prompt"
+            )
+        return prompt
 
     def _fit_context(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
         """``params`` with max_tokens cut to the room the prompt leaves in the context.
