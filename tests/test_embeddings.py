@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ import pytest
 import trio
 import trio.lowlevel
 
+import trio_mlx
+from engine_helpers import PROMPT, wait_until
 from http_helpers import NO_EOS, LiveServer, live_server
 
 pytestmark = pytest.mark.model
@@ -328,9 +331,6 @@ async def test_a_cancelled_embedding_leaves_the_engine_serving(
 async def test_embeddings_parked_for_a_job_resume_and_stay_exact(
     tiny_model_path: Path, tiny_model: tuple[Any, Any]
 ) -> None:
-    import trio_mlx
-    from engine_helpers import PROMPT
-
     inputs = [f"{TEXTS[i % 4]} {i}" for i in range(24)]
     want = [reference(tiny_model, tokens_of(tiny_model, text), "last") for text in inputs]
     decisions: list[Any] = []
@@ -388,3 +388,53 @@ def test_the_embedding_flags_reach_the_engine() -> None:
     default = _engine_settings(build_parser().parse_args(["serve"]))
     assert (default.embedding_pooling, default.embedding_matryoshka) == (None, False)
     assert default.embedding_share == 0.1
+
+
+async def test_cancelling_a_queued_or_running_embedding_frees_it(
+    tiny_model_path: Path, tiny_model: tuple[Any, Any]
+) -> None:
+    inputs = [f"{TEXTS[0]} {i}" for i in range(16)]
+    async with trio_mlx.open_engine(
+        tiny_model_path,
+        embedding_pooling="last",
+        embedding_share=0.001,  # beside a decoding row, a pass per ~1,000 passes' time
+        embedding_batch_tokens=16,  # one input a pass
+    ) as engine:
+        with trio.fail_after(120):  # a hang guard
+            # Queued: a job holds the MLX thread while the request waits.
+            release = threading.Event()
+            queued = trio.CancelScope()
+
+            async def embed_queued() -> None:
+                with queued:
+                    await engine.embed(inputs)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.run_exclusive, lambda m, t: release.wait(60))
+                await wait_until(lambda: engine.statistics().running_jobs == 1)
+                nursery.start_soon(embed_queued)
+                await wait_until(lambda: engine.statistics().queued_rows == 1)
+                queued.cancel()
+                await wait_until(lambda: engine.statistics().queued_rows == 0)
+                release.set()
+            # Running: admitted beside a long chat row, its passes rationed.
+            params = trio_mlx.SamplingParams(max_tokens=1500, logit_bias=NO_EOS)
+            async with engine.generate(PROMPT, params) as stream, trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+
+                async def embed() -> None:
+                    with scope:
+                        await engine.embed(inputs)
+
+                nursery.start_soon(embed)
+                await wait_until(lambda: engine.statistics().running_rows == 2)
+                scope.cancel()
+                await wait_until(lambda: engine.statistics().running_rows == 1)
+                async for _ in stream:
+                    break  # the chat row still decodes
+            result = await engine.embed([TEXTS[0]])
+        stats = engine.statistics()
+    assert stats.requests["embed:cancelled"] == 2
+    assert stats.requests["embed:finished"] == 1
+    want = reference(tiny_model, tokens_of(tiny_model, TEXTS[0]), "last")
+    np.testing.assert_allclose(np.array(result.vectors[0]), want, atol=ATOL)

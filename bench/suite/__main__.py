@@ -81,6 +81,7 @@ _COMMON: dict[str, Any] = {
         "prompt_len": 32,
         "seconds": 5.0,
         "rounds": 3,
+        "batch_tokens": None,
     },
     # The agent part's session (bench.suite.agent_trace.AgentSize): about 8k tokens of
     # system prompt on a CPU, 24k on a GPU; tool results of 500-3,000 tokens.
