@@ -239,7 +239,7 @@ async def test_pooling_comes_from_the_sentence_transformers_files(
         np.testing.assert_allclose(vector, want, atol=ATOL)
 
 
-async def _chat(client: openai.AsyncOpenAI, prompt: str, max_tokens: int = 400) -> str:
+async def _chat(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
     stream = await client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
@@ -259,7 +259,15 @@ async def test_embeddings_beside_chat_streams_finish_and_leave_chat_unchanged(
     server: LiveServer, client: openai.AsyncOpenAI
 ) -> None:
     prompts = [f"Tell me about number {i}." for i in range(4)]
-    alone = [await _chat(client, prompt) for prompt in prompts]
+    # Long streams, so that the embeddings (given their share) finish among them.
+    alone: dict[int, str] = {}
+
+    async def baseline(i: int) -> None:
+        alone[i] = await _chat(client, prompts[i], 1500)
+
+    async with trio.open_nursery() as nursery:  # a batch equals each row alone on the CPU
+        for i in range(4):
+            nursery.start_soon(baseline, i)
     embedded_alone = vectors(
         await client.embeddings.create(model=server.engine.model_id, input=TEXTS)
     )
@@ -268,7 +276,7 @@ async def test_embeddings_beside_chat_streams_finish_and_leave_chat_unchanged(
     chats_left_when_embedded: list[int] = []
 
     async def chat(i: int) -> None:
-        chats[i] = await _chat(client, prompts[i])
+        chats[i] = await _chat(client, prompts[i], 1500)
 
     async def embed() -> None:
         # Wait until every stream decodes, then embed a few times beside them.
@@ -285,7 +293,7 @@ async def test_embeddings_beside_chat_streams_finish_and_leave_chat_unchanged(
             for i in range(4):
                 nursery.start_soon(chat, i)
             nursery.start_soon(embed)
-    assert [chats[i] for i in range(4)] == alone
+    assert chats == alone
     for got in embedded:
         for a, b in zip(got, embedded_alone, strict=True):
             np.testing.assert_allclose(a, b, atol=ATOL)
