@@ -170,8 +170,8 @@ class EngineSettings:
       ``embedding_matryoshka`` (``dimensions`` truncation allowed),
       ``embedding_share`` (the most of the steps embedding passes take while
       rows decode), ``max_embedding_inputs`` (inputs per request) and
-      ``embedding_batch_tokens`` (padded tokens of one pass; None: the
-      prefill budget, so a pass stalls the streams no longer than a prefill): see
+      ``embedding_batch_tokens`` (padded tokens of one pass; None: a quarter
+      of the prefill budget, which a pass then stalls the streams less than): see
       ``Engine.embed``.
     - ``decision_hook``: called on the Trio thread with each arbiter decision
       and the arbiter's statistics after it (tests record them); not sent to
