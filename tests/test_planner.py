@@ -272,3 +272,15 @@ def test_an_idle_lane_a_drain_or_a_waiting_job_carry_a_pass_every_step() -> None
         for index in range(3):
             assert [i.index for i in planner.embed_batch(state, jobs_waiting)] == [index]
             planner.stepped(rows, 1, seconds=0.001, embed_seconds=1.0)
+
+
+def test_passes_while_the_lane_was_idle_leave_at_most_one_pass_owed() -> None:
+    planner = StepPlanner(lambda: 16, embed_share=0.5, embed_tokens=4)
+    planner.embed(_work(1, *[4] * 50))
+    for _ in range(40):  # an idle lane: a pass every step, each 0.1 s
+        assert planner.embed_batch(ADMITTING, False)
+        planner.stepped(0, 0, seconds=0.0, embed_seconds=0.1)
+    planner.stepped(8, 1, seconds=0.05)  # rows decode now: half the last pass repaid
+    assert planner.embed_batch(ADMITTING, False) == []
+    planner.stepped(8, 1, seconds=0.06)
+    assert planner.embed_batch(ADMITTING, False)  # not 4 s of passes

@@ -52,7 +52,8 @@ Two decisions live here:
   seconds x ``share / (1 - share)`` to while embeddings wait and each pass
   takes its own seconds from, is spent when a pass goes (a pass is carried
   while it is not negative; it banks nothing while no embedding waits, so
-  the first pass goes at once). Counting steps instead let a 512-token pass
+  the first pass goes at once, and owes at most the last pass, so the
+  passes of an idle lane leave no debt). Counting steps instead let a 512-token pass
   per nine decode steps of a tiny model take most of the time (chat at
   0.38x). An idle lane, a drain or a waiting job carry a pass every step.
 - *Burst length* (:meth:`StepPlanner.next_step`). In plain decoding (the
@@ -272,6 +273,8 @@ class StepPlanner:
         share = self.embed_share
         if share < 1.0:
             credit = self._embed_credit + seconds * share / (1.0 - share) - embed_seconds
+            if embed_seconds:  # the rows owe at most the last pass (not an idle lane's many)
+                credit = max(credit, -embed_seconds)
             self._embed_credit = credit if self._embeds else min(credit, 0.0)
 
     def timed(self, timings: Iterable[tuple[int, float]]) -> None:
