@@ -26,6 +26,7 @@ from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._lanes.speculative import Speculation
 from trio_mlx._memory import KVProfile, default_limit
 from trio_mlx._params import SamplingParams
 from trio_mlx._start import kv_measure
@@ -225,10 +226,12 @@ def load(
         settings = channel.share(
             attrs.evolve(settings, decision_hook=None), limit=_distributed.start_timeout()
         )
-        if settings.adapter_path is not None:
+        if settings.adapter_path is not None or settings.prompt_lookup:
+            adapter = settings.adapter_path is not None
             raise InvalidRequest(
-                "distributed mode does not support LoRA adapters",
-                param="adapter_path",
+                "distributed mode does not support "
+                + ("LoRA adapters" if adapter else "speculative decoding"),
+                param="adapter_path" if adapter else "prompt_lookup",
                 code="unsupported_in_distributed_mode",
             )
         result = _distributed.load_shard(path, group, settings.parallel)
@@ -238,6 +241,8 @@ def load(
     else:
         result = mlx_lm.load(path, adapter_path=settings.adapter_path, return_config=True)
     model, tokenizer, config = result
+    if settings.draft_model is not None:
+        check_draft(settings.draft_model, tokenizer, config)
     prompt_cache_bytes = settings.prompt_cache_bytes
     if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
         # Pipeline stages hold different layers, so byte-capped caches would
@@ -281,6 +286,11 @@ def load(
         prefill_width_multiple=settings.prefill_width_multiple,
         solo_decode=device.solo_decode,
         traced_decode=device.traced_decode,
+        speculation=Speculation(
+            num_draft_tokens=settings.num_draft_tokens, max_batch=settings.speculation_max_batch
+        )
+        if settings.prompt_lookup
+        else None,
     )
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))
@@ -314,6 +324,36 @@ def load(
         grouping,
         kv_profile,
         kv_default,
+    )
+
+
+def check_draft(path: str, tokenizer: Any, config: dict[str, Any]) -> None:
+    """Refuse a draft model (a folder): one whose vocabulary is not the model's, with
+    what differs; one that shares it, because drafting with a second model is not built
+    (prompt lookup is: ``prompt_lookup``)."""
+    import json
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    with open(os.path.join(path, "config.json")) as f:
+        draft_config = json.load(f)
+    ours, theirs = config.get("vocab_size"), draft_config.get("vocab_size")
+    why = f"vocab_size {theirs} where the model has {ours}" if ours != theirs else None
+    if why is None:
+        draft = load_tokenizer(Path(path))
+        if draft.vocab != tokenizer.vocab:
+            why = "a tokenizer with another vocabulary"
+    if why is not None:
+        raise InvalidRequest(
+            f"draft model {path} cannot draft for this model: it has {why} (a draft model "
+            "must share the model's tokenizer)",
+            param="draft_model",
+            code="draft_vocabulary_mismatch",
+        )
+    raise InvalidRequest(
+        "drafting with a second model is not supported yet; use prompt_lookup",
+        param="draft_model",
+        code="draft_model_unsupported",
     )
 
 
