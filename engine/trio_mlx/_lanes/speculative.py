@@ -21,7 +21,9 @@ rows that asked for logprobs, XTC rows, rows just out of prefill, and
 ``SamplingParams(speculate=False)``. ``K`` adapts per row: one more after a
 step that accepted every draft, the accepted count (at least 1) after one that
 did not, and a row whose draft was wholly rejected pauses for 1, 2, 4, ... 16
-steps. Above ``max_batch`` rows no step speculates.
+steps (one whose lookups find nothing, 1 ... 8: a speculative step reads the pending
+tokens before it runs, so it is not pipelined). Above ``max_batch`` rows no step
+speculates.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ logger = logging.getLogger("trio_mlx")
 
 #: The longest pause (steps) of a row whose drafts keep being rejected.
 MAX_PAUSE = 16
+#: The longest pause (steps) of a row whose lookups keep finding nothing.
+MAX_IDLE_PAUSE = 8
 
 
 @attrs.frozen
@@ -74,6 +78,8 @@ class RowDraft:
     k: int
     pause: int = 0
     misses: int = 0
+    #: Steps in a row its lookup found no draft (it then pauses 1, 2, 4, 8 steps).
+    idle: int = 0
 
 
 def target_filter(params: SamplingParams) -> tuple[float, Callable[[Any], Any]] | None:
@@ -138,11 +144,21 @@ class Speculator:
         self.rows.pop(uid, None)
 
     def wanted(self, uids: Sequence[int]) -> bool:
-        """Whether this step may speculate (decided before the pending tokens are read)."""
+        """Whether this step may speculate (decided before the pending tokens are read);
+        each paused row's pause counts down one step."""
         if len(uids) > self.settings.max_batch:
             return False
+        ready = False
         rows = self.rows
-        return any(uid in rows and rows[uid].pause == 0 for uid in uids)
+        for uid in uids:
+            row = rows.get(uid)
+            if row is None:
+                continue
+            if row.pause > 0:
+                row.pause -= 1
+            else:
+                ready = True
+        return ready
 
     def plan(
         self,
@@ -159,11 +175,18 @@ class Speculator:
                 drafts.append([])
                 continue
             if row.pause > 0:
-                row.pause -= 1
                 drafts.append([])
                 continue
             row.lookup.feed(history)
-            drafts.append(row.lookup.draft(last, row.k))
+            draft = row.lookup.draft(last, row.k)
+            if draft:
+                row.idle = 0
+            else:
+                # Reading the pending tokens costs the step its pipelining: a row
+                # whose text is not repeating anything looks less often.
+                row.pause = min(MAX_IDLE_PAUSE, 1 << row.idle)
+                row.idle += 1
+            drafts.append(draft)
         return drafts
 
     def record(
