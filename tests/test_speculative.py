@@ -251,3 +251,65 @@ def test_a_greedy_row_accepts_its_longest_matching_prefix() -> None:
     counts, nexts = accepted(logits, [[3, 1, 0], [2]], [None, None])
     assert counts == [2, 0]
     assert nexts == [2, 3]
+
+
+def test_the_speculation_flags_reach_the_engine() -> None:
+    from trio_mlx_http._cli import build_parser
+    from trio_mlx_http._server.run import _engine_settings
+
+    args = ["serve", "--prompt-lookup", "--num-draft-tokens", "6", "--speculation-max-batch", "2"]
+    settings = _engine_settings(build_parser().parse_args(args))
+    assert settings.prompt_lookup is True
+    assert (settings.num_draft_tokens, settings.speculation_max_batch) == (6, 2)
+    plain = _engine_settings(build_parser().parse_args(["serve"]))
+    assert (plain.prompt_lookup, plain.draft_model) == (False, None)
+    with pytest.raises(trio_mlx.InvalidRequest):
+        trio_mlx.EngineSettings(num_draft_tokens=0)
+
+
+async def test_metrics_count_draft_and_accepted_tokens(endless_model_path: Path) -> None:
+    import httpx
+    import openai
+
+    from http_helpers import live_server
+
+    async with (
+        live_server(endless_model_path, prompt_lookup=True) as server,
+        openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client,
+        httpx.AsyncClient(base_url=server.url, timeout=60) as http,
+    ):
+        await client.chat.completions.create(
+            model=server.engine.model_id,
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=30,
+            temperature=0,
+        )
+        stats = server.engine.statistics()
+        metrics = (await http.get("/metrics")).text
+    drafted = stats.draft_tokens["prompt_lookup"]
+    taken = stats.draft_accepted_tokens["prompt_lookup"]
+    assert 0 < taken <= drafted
+    assert f'trio_mlx_draft_tokens_total{{method="prompt_lookup"}} {float(drafted)}' in metrics
+    assert (
+        f'trio_mlx_draft_accepted_tokens_total{{method="prompt_lookup"}} {float(taken)}' in metrics
+    )
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
+    from trio_mlx._lanes.drafter import PromptLookup
+
+    cases = [
+        ([1, 2, 3, 4, 5, 1, 2], 3, 4, [4, 5, 1, 2]),  # the prompt's run
+        ([7, 7, 7], 7, 4, [7, 7, 7, 7]),  # a loop goes on from the draft itself
+        ([1, 2, 1, 2, 1], 2, 5, [1, 2, 1, 2, 1]),
+        ([5, 6, 9, 1, 5, 6], 9, 2, [1, 5]),  # the longest n-gram first
+        ([1, 2, 3], 9, 3, []),  # no match: no draft
+    ]
+    for history, last, limit, want in cases:
+        lookup = PromptLookup()
+        lookup.feed(history)
+        assert lookup.draft(last, limit) == want, history
+    lookup = PromptLookup()
+    lookup.feed([1, 2, 3])
+    lookup.feed([1, 2, 3, 1, 2])  # fed incrementally
+    assert lookup.draft(3, 2) == [1, 2]

@@ -75,7 +75,7 @@ async def _run(model: str | None, prompts: list[Any], lookup: bool, job: dict[st
     rates: list[float] = []
     async with trio_mlx.open_engine(
         model,
-        max_batch=len(prompts),
+        max_batch=max(2, len(prompts)),  # max_batch=1 is the serial lane: no speculation
         prompt_lookup=lookup,
         num_draft_tokens=job.get("num_draft_tokens", 4),
         speculation_max_batch=max(job["batches"]),

@@ -56,9 +56,12 @@ class PromptLookup:
             end = self._ends[i].get(key)
             if end is None:
                 continue
+            # What followed, copied as LZ77 copies: a run that overlaps the row's end
+            # (a loop) goes on from the draft itself.
             found = tokens[end + 1 : end + 1 + limit]
-            if len(found) < limit and end + 1 + limit > len(tokens):
-                found = [*found, last][:limit]
-            if found:
-                return found
+            whole = len(tokens) + 1
+            while len(found) < limit:
+                at = end + 1 + len(found)
+                found.append(last if at == len(tokens) else found[at - whole])
+            return found
         return []
