@@ -205,13 +205,42 @@ async def test_a_draft_model_with_another_vocabulary_is_refused_at_load(
             pass  # pragma: no cover - refused above
     assert info.value.param == "draft_model"
     assert info.value.code == "draft_vocabulary_mismatch"
-    # One that shares the vocabulary is refused too (drafting with it is not built).
-    with pytest.raises(trio_mlx.InvalidRequest) as same:
-        async with trio_mlx.open_engine(tiny_model_path, draft_model=tiny_model_path):
+    # One whose caches cannot be cut back cannot draft.
+    hybrid = make_random_model(tmp_path / "hybrid-draft", "qwen3_next")
+    with pytest.raises(trio_mlx.InvalidRequest) as cannot:
+        async with trio_mlx.open_engine(hybrid, draft_model=hybrid):
             pass  # pragma: no cover - refused above
-    assert same.value.code == "draft_model_unsupported"
+    assert cannot.value.code == "draft_model_unsupported"
     with pytest.raises(trio_mlx.NotFound):
         trio_mlx.EngineSettings(draft_model=tmp_path / "nowhere")
+    with pytest.raises(trio_mlx.InvalidRequest, match="choose one"):
+        trio_mlx.EngineSettings(draft_model=tiny_model_path, prompt_lookup=True)
+
+
+@pytest.mark.parametrize("draft", ["itself", "weak"])
+async def test_a_draft_model_leaves_greedy_outputs_unchanged(
+    tiny_model_path: Path, tmp_path: Path, draft: str
+) -> None:
+    """The target as its own draft (nearly every draft accepted) and a weak one (another
+    random model with the same tokenizer: most rejected), in a batch mixing rows that
+    speculate, rows that opted out and a penalised row, and a row alone."""
+    path = tiny_model_path
+    if draft == "weak":
+        path = make_random_llama(tmp_path / "weak", seed=7, num_hidden_layers=1)
+    requests = [(p, _greedy(24, speculate=i != 1)) for i, p in enumerate(PROMPTS[:4])]
+    requests.append((PROMPTS[4], _greedy(24, repetition_penalty=1.2)))
+    for batch in (requests[:1], requests):
+        plain, _, _ = await _run(tiny_model_path, batch)
+        spec, stats, on = await _run(tiny_model_path, batch, draft_model=path)
+        assert on
+        assert spec == plain
+        drafted = stats.draft_tokens["draft_model"]
+        taken = stats.draft_accepted_tokens["draft_model"]
+        assert drafted > 0
+        if draft == "itself":
+            assert taken > 0.9 * drafted
+        else:
+            assert taken < 0.5 * drafted
 
 
 def test_the_rejection_rule_keeps_the_target_distribution() -> None:

@@ -182,8 +182,8 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         metavar="FOLDER",
-        help="a draft model sharing the model's tokenizer (checked at load; drafting with "
-        "it is not supported yet, so it is refused)",
+        help="speculative decoding with a draft model (a folder) that shares the model's "
+        "tokenizer (checked at load); not with --prompt-lookup",
     )
     parser.add_argument(
         "--num-draft-tokens",

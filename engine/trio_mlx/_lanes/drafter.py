@@ -1,4 +1,4 @@
-"""Draft tokens for speculative decoding: prompt lookup (pure, no model).
+"""Draft tokens for speculative decoding: prompt lookup (pure, no model), or a draft model.
 
 :class:`PromptLookup` keeps, for one row, where each n-gram of its tokens (its
 prompt and its output) last ended. A draft is what followed the latest earlier
@@ -10,8 +10,9 @@ those runs are drafted for free.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["PromptLookup"]
+__all__ = ["ModelDraft", "PromptLookup"]
 
 
 class PromptLookup:
@@ -65,3 +66,57 @@ class PromptLookup:
                 found.append(last if at == len(tokens) else found[at - whole])
             return found
         return []
+
+    def settle(self, accepted: int) -> None:
+        """Nothing to undo: the index follows the row's tokens."""
+
+
+class ModelDraft:
+    """One row's drafts from a small draft model sharing the target's tokenizer: its own
+    KV cache over the row's tokens, greedy drafts (so a draft is deterministic and the
+    target's rejection rule for a one-hot draft applies), cut back to what the target
+    accepted (:meth:`settle`)."""
+
+    __slots__ = ("_base", "_cache", "_fed", "model", "tokens")
+
+    def __init__(self, model: Any) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model = model
+        self._cache = make_prompt_cache(model)
+        #: Tokens the cache holds; the row's length before the last draft.
+        self._fed = 0
+        self._base = 0
+        self.tokens: Sequence[int] = ()
+
+    def feed(self, history: Sequence[int]) -> None:
+        if len(history) < self._fed:  # a row started over
+            self.__init__(self.model)  # type: ignore[misc]
+        self.tokens = history
+
+    def draft(self, last: int, limit: int) -> list[int]:
+        import mlx.core as mx
+
+        if limit <= 0:
+            return []
+        history = self.tokens
+        new = [*history[self._fed :], last]
+        logits = self.model(mx.array([new]), cache=self._cache)[:, -1, :]
+        out: list[int] = []
+        while True:
+            token: Any = mx.argmax(logits, axis=-1).item()
+            out.append(int(token))
+            if len(out) == limit:
+                break
+            logits = self.model(mx.array([[out[-1]]]), cache=self._cache)[:, -1, :]
+        self._base = len(history) + 1
+        self._fed = self._base + limit - 1  # the last draft was never fed
+        return out
+
+    def settle(self, accepted: int) -> None:
+        """The target took ``accepted`` of the last draft: forget the rest."""
+        keep = self._base + accepted
+        if keep < self._fed:
+            for layer in self._cache:
+                layer.trim(self._fed - keep)
+            self._fed = keep

@@ -21,7 +21,7 @@ rows that asked for logprobs, XTC rows, rows just out of prefill, and
 ``SamplingParams(speculate=False)``. ``K`` adapts per row: one more after a
 step that accepted every draft, the accepted count (at least 1) after one that
 did not, and a row whose draft was wholly rejected pauses for 1, 2, 4, ... 16
-steps (one whose lookups find nothing, 1 ... 8: a speculative step reads the pending
+steps (one whose lookups find nothing, 1 ... 16: a speculative step reads the pending
 tokens before it runs, so it is not pipelined). Above ``max_batch`` rows no step
 speculates.
 """
@@ -35,7 +35,7 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._lanes.drafter import PromptLookup
+from trio_mlx._lanes.drafter import ModelDraft, PromptLookup
 from trio_mlx._params import SamplingParams
 
 __all__ = [
@@ -53,15 +53,16 @@ logger = logging.getLogger("trio_mlx")
 #: The longest pause (steps) of a row whose drafts keep being rejected.
 MAX_PAUSE = 16
 #: The longest pause (steps) of a row whose lookups keep finding nothing.
-MAX_IDLE_PAUSE = 8
+MAX_IDLE_PAUSE = 16
 
 
 @attrs.frozen
 class Speculation:
     """How the lane speculates (built from :class:`~trio_mlx.EngineSettings`)."""
 
-    #: ``"prompt_lookup"`` (the one drafter the batch runs).
+    #: ``"prompt_lookup"``, or ``"draft_model"`` (``draft``, a loaded mlx-lm model).
     method: str = "prompt_lookup"
+    draft: Any = attrs.field(default=None, eq=False, repr=False)
     #: Most draft tokens a row verifies per step (``K``).
     num_draft_tokens: int = 4
     #: Above this many rows in the batch (dead ones included), no step speculates.
@@ -72,13 +73,13 @@ class Speculation:
 class RowDraft:
     """A speculating row's state: its drafter, its ``K`` and its pause."""
 
-    lookup: PromptLookup
+    drafter: PromptLookup | ModelDraft
     #: None: greedy; else the row's sampler as (temperature, filter of the log-probabilities).
     sampled: tuple[float, Callable[[Any], Any]] | None
     k: int
     pause: int = 0
     misses: int = 0
-    #: Steps in a row its lookup found no draft (it then pauses 1, 2, 4, 8 steps).
+    #: Steps in a row its lookup found no draft (it then pauses 1, 2, 4, ... 16 steps).
     idle: int = 0
 
 
@@ -136,8 +137,11 @@ class Speculator:
         """A row joined the batch under ``uid``; it speculates unless it opted out."""
         if not params.speculate or params.xtc_probability > 0:
             return
+        draft = self.settings.draft
         self.rows[uid] = RowDraft(
-            PromptLookup(), target_filter(params), self.settings.num_draft_tokens
+            PromptLookup() if draft is None else ModelDraft(draft),
+            target_filter(params),
+            self.settings.num_draft_tokens,
         )
 
     def part(self, uid: int) -> None:
@@ -177,8 +181,8 @@ class Speculator:
             if row.pause > 0:
                 drafts.append([])
                 continue
-            row.lookup.feed(history)
-            draft = row.lookup.draft(last, row.k)
+            row.drafter.feed(history)
+            draft = row.drafter.draft(last, row.k)
             if draft:
                 row.idle = 0
             else:
@@ -204,6 +208,7 @@ class Speculator:
             row = self.rows.get(uid)
             if row is None:
                 continue
+            row.drafter.settle(n)
             if n == len(draft):
                 row.k, row.misses = min(limit, row.k + 1), 0
             else:

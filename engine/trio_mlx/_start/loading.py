@@ -241,8 +241,9 @@ def load(
     else:
         result = mlx_lm.load(path, adapter_path=settings.adapter_path, return_config=True)
     model, tokenizer, config = result
+    draft = None
     if settings.draft_model is not None:
-        check_draft(settings.draft_model, tokenizer, config)
+        draft = load_draft(settings.draft_model, tokenizer, config)
     prompt_cache_bytes = settings.prompt_cache_bytes
     if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
         # Pipeline stages hold different layers, so byte-capped caches would
@@ -287,9 +288,12 @@ def load(
         solo_decode=device.solo_decode,
         traced_decode=device.traced_decode,
         speculation=Speculation(
-            num_draft_tokens=settings.num_draft_tokens, max_batch=settings.speculation_max_batch
+            method="prompt_lookup" if draft is None else "draft_model",
+            draft=draft,
+            num_draft_tokens=settings.num_draft_tokens,
+            max_batch=settings.speculation_max_batch,
         )
-        if settings.prompt_lookup
+        if settings.prompt_lookup or draft is not None
         else None,
     )
     if caches_merge:
@@ -327,22 +331,23 @@ def load(
     )
 
 
-def check_draft(path: str, tokenizer: Any, config: dict[str, Any]) -> None:
-    """Refuse a draft model (a folder): one whose vocabulary is not the model's, with
-    what differs; one that shares it, because drafting with a second model is not built
-    (prompt lookup is: ``prompt_lookup``)."""
+def load_draft(path: str, tokenizer: Any, config: dict[str, Any]) -> Any:
+    """The draft model in folder ``path``, refused unless it shares the model's vocabulary
+    and its caches can be cut back (plain ``KVCache`` layers)."""
     import json
 
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from trio_mlx._lanes.speculative import cache_reason
 
     with open(os.path.join(path, "config.json")) as f:
         draft_config = json.load(f)
     ours, theirs = config.get("vocab_size"), draft_config.get("vocab_size")
     why = f"vocab_size {theirs} where the model has {ours}" if ours != theirs else None
-    if why is None:
-        draft = load_tokenizer(Path(path))
-        if draft.vocab != tokenizer.vocab:
-            why = "a tokenizer with another vocabulary"
+    if why is None and load_tokenizer(Path(path)).vocab != tokenizer.vocab:
+        why = "a tokenizer with another vocabulary"
     if why is not None:
         raise InvalidRequest(
             f"draft model {path} cannot draft for this model: it has {why} (a draft model "
@@ -350,11 +355,15 @@ def check_draft(path: str, tokenizer: Any, config: dict[str, Any]) -> None:
             param="draft_model",
             code="draft_vocabulary_mismatch",
         )
-    raise InvalidRequest(
-        "drafting with a second model is not supported yet; use prompt_lookup",
-        param="draft_model",
-        code="draft_model_unsupported",
-    )
+    draft = mlx_lm.load(path)[0]
+    reason = cache_reason(make_prompt_cache(draft))
+    if reason is not None:
+        raise InvalidRequest(
+            f"draft model {path} cannot draft: {reason}",
+            param="draft_model",
+            code="draft_model_unsupported",
+        )
+    return draft
 
 
 def set_chat_template(tokenizer: Any, template: str) -> None:

@@ -103,8 +103,14 @@ def _adapter_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) 
         raise NotFound(f"adapter {value!r} not found: no such folder", param="adapter_path")
 
 
-def _draft_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
-    """A draft model is a local folder (the bundled models' kind), checked before any load."""
+def _draft_folder(settings: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    """A draft model is a local folder (the bundled models' kind), checked before any load,
+    and one way of drafting at a time."""
+    if value is not None and settings.prompt_lookup:
+        raise InvalidRequest(
+            "draft_model and prompt_lookup cannot both be set: choose one way of drafting",
+            param="draft_model",
+        )
     if value is not None and not os.path.isfile(os.path.join(value, "config.json")):
         raise NotFound(
             f"draft model {value!r} not found: no folder with a config.json", param="draft_model"
@@ -165,9 +171,9 @@ class EngineSettings:
       ``speculation_max_batch``: speculative decoding in the batch (``prompt_lookup``:
       drafts from each row's own prompt and output; at most ``num_draft_tokens`` a
       row and step; none while the batch holds more than ``speculation_max_batch``
-      rows; ``design/engine.md``). ``draft_model`` (a folder) is loaded and its
-      vocabulary checked against the model's, then refused: drafting with a
-      second model is not built yet.
+      rows; ``design/engine.md``). ``draft_model`` (a folder; it must share the
+      model's tokenizer, checked at load) drafts instead of the lookup, greedily,
+      each row over its own KV cache.
     - ``decision_hook``: called on the Trio thread with each arbiter decision
       and the arbiter's statistics after it (tests record them); not sent to
       the other ranks of a distributed group.
