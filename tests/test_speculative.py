@@ -342,3 +342,67 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     lookup.feed([1, 2, 3])
     lookup.feed([1, 2, 3, 1, 2])  # fed incrementally
     assert lookup.draft(3, 2) == [1, 2]
+
+
+async def test_speculating_rows_parked_and_resumed_continue_token_for_token(
+    loopy_model_path: Path,
+) -> None:
+    params = _greedy(60)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+    plain, _, _ = await _run(loopy_model_path, [(p, params) for p in prompts])
+    async with trio_mlx.open_engine(
+        loopy_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_lookup=True
+    ) as engine:
+        parked: list[tuple[int, ...]] = [()] * 3
+        started = trio.Event()
+
+        async def row(i: int) -> None:
+            async with engine.generate(prompts[i], params) as stream:
+                ids: list[int] = []
+                async for delta in stream:
+                    ids.extend(delta.token_ids)
+                    if len(ids) >= 20:
+                        started.set()
+                parked[i] = tuple(ids)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(row, i)
+                await started.wait()
+                await engine.run_exclusive(lambda model, tokenizer: None)
+        stats = engine.statistics()
+    assert stats.preemptions >= 1
+    assert stats.draft_accepted_tokens["prompt_lookup"] > 0
+    assert parked == plain
+
+
+async def test_adapter_rows_speculate_in_the_same_forward(
+    loopy_model_path: Path, tiny_adapter_path: Path
+) -> None:
+    # The tiny model's adapter fits the loopy model (same shapes).
+    requests = [
+        (p, _greedy(30, adapter="shout" if i % 2 else None)) for i, p in enumerate(PROMPTS[:4])
+    ]
+    outs: dict[bool, list[tuple[int, ...]]] = {}
+    for lookup in (False, True):
+        async with trio_mlx.open_engine(loopy_model_path, prompt_lookup=lookup) as engine:
+            await engine.mount_adapter("shout", tiny_adapter_path)
+            got: list[tuple[int, ...]] = [()] * len(requests)
+
+            async def one(
+                i: int, prompt: str, params: trio_mlx.SamplingParams, got: list[Any] = got
+            ) -> None:
+                got[i] = (await engine.complete(prompt, params)).token_ids
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for i, (prompt, params) in enumerate(requests):
+                        nursery.start_soon(one, i, prompt, params)
+            outs[lookup] = got
+            stats = engine.statistics()
+            assert stats.adapter_requests.get("batch:shout") == 2
+            if lookup:
+                assert stats.draft_accepted_tokens["prompt_lookup"] > 0
+    assert outs[True] == outs[False]
+    assert outs[True][1] != outs[True][0]
