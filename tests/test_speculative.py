@@ -178,10 +178,13 @@ async def test_above_the_speculation_batch_bound_no_row_drafts(tiny_model_path: 
     assert stats.draft_tokens.get("prompt_lookup", 0) < sum(map(len, plain))
 
 
-async def test_a_hybrid_model_does_not_speculate_and_says_why(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("family", "kind"), [("qwen3_next", "ArraysCache"), ("gemma3_text", "RotatingKVCache")]
+)
+async def test_a_model_whose_caches_cannot_roll_back_does_not_speculate_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, family: str, kind: str
 ) -> None:
-    path = make_random_model(tmp_path / "hybrid", "qwen3_next")
+    path = make_random_model(tmp_path / family, family)
     requests = [(p, _greedy(20)) for p in PROMPTS[:3]]
     plain, _, _ = await _run(path, requests)
     with caplog.at_level(logging.INFO, logger="trio_mlx"):
@@ -193,7 +196,7 @@ async def test_a_hybrid_model_does_not_speculate_and_says_why(
         r.getMessage() for r in caplog.records if "speculative decoding is off" in r.getMessage()
     ]
     assert len(lines) == 1
-    assert "ArraysCache" in lines[0]
+    assert kind in lines[0]
 
 
 async def test_a_draft_model_with_another_vocabulary_is_refused_at_load(
