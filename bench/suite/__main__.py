@@ -22,6 +22,8 @@ Runs, side by side in one run, and writes ``bench/results/latest/<machine>/``
     long prompt, through both servers on tiny models of several architectures:
     TTFT and prompt-cache hits per turn, and the first turn after a restart from
     the disk tier (:mod:`bench.suite.agent`; only when ``--only`` names it).
+11. speculative decoding by prompt lookup, on and off, at several B
+    (:mod:`bench.suite.speculative`; only when ``--only spec`` names it).
 
 A part of trio-mlx that is not there yet (the engine API, ``trio-mlx serve``) is
 reported as "not run: ..." and never replaced by made-up numbers. MLX work runs
@@ -67,6 +69,14 @@ _COMMON: dict[str, Any] = {
         "serial_requests": 8,
         "steps": 24,
         "methods": ["grouped", "gather", "sorted", "dense"],
+    },
+    # Speculative decoding (bench.suite.speculative): B rows of one trace, on and off.
+    "spec": {
+        "batches": [1, 4, 16, 64],
+        "max_tokens": 128,
+        "rounds": 2,
+        "num_draft_tokens": 4,
+        "traces": ["edit", "repeat"],
     },
     # The agent part's session (bench.suite.agent_trace.AgentSize): about 8k tokens of
     # system prompt on a CPU, 24k on a GPU; tool results of 500-3,000 tokens.
@@ -414,6 +424,9 @@ class Suite:
         # Opt-in: as long as the rest of the GPU profile, which must fit one device call.
         if only is not None and "multilora" in only and self.engine:
             self.multilora(models[0])
+            self.write()
+        if only is not None and "spec" in only and self.engine:
+            self.spec(models[0])
             self.write()
         if wanted("traffic"):
             self.traffic(models[0])
@@ -795,6 +808,22 @@ class Suite:
                 self.log(f"  B={r.get('batch', r.get('rows'))} {label}: {rate or 0:,.0f} tok/s")
         self.results["multilora"] = multilora.collect(records, model.name, m)
 
+    def spec(self, model: Model) -> None:
+        """Part 11: speculative decoding (see :mod:`bench.suite.speculative`)."""
+        from bench.suite.models import cache_dir
+
+        m = {**self.profile["spec"], "cache": str(cache_dir())}
+        if self.args.batches:
+            m["batches"] = [int(b) for b in self.args.batches.split(",")]
+        self.log(f"11. speculative decoding (prompt lookup): B = {m['batches']}")
+        records = run_job(_job("spec", model, **m), self.env, self.log, self.results["notes"])
+        for r in records:
+            acc = r["on"]["acceptance"]
+            self.log(f"  {r['trace']} B={r['batch']}: off {r['off']['decode_tok_s']:,.0f}, on "
+                     f"{r['on']['decode_tok_s']:,.0f} tok/s, acceptance "
+                     f"{'-' if acc is None else f'{acc:.0%}'}")  # fmt: skip
+        self.results["spec"] = {"settings": m, "rows": records}
+
     def bound(self, model: Model) -> None:
         if self.args.profile != "gpu":
             return
@@ -830,7 +859,7 @@ def main() -> None:
     )
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory, structured, "
-                        "multilora, traffic, agent")  # fmt: skip
+                        "multilora, traffic, agent, spec")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/latest/MACHINE/")
     parser.add_argument("--batches", help="comma-separated B for the overhead part "
                         "(default: the profile's)")  # fmt: skip

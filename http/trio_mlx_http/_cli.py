@@ -172,6 +172,34 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="most adapters mounted at once; one more is refused with 409 (default: 8)",
     )
     parser.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        default=None,
+        help="speculative decoding: each row drafts tokens from its own prompt and output, "
+        "verified in the batch's forward pass (greedy outputs unchanged)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="FOLDER",
+        help="speculative decoding with a draft model (a folder) that shares the model's "
+        "tokenizer (checked at load); not with --prompt-lookup",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="most draft tokens a row verifies per step (default: 4)",
+    )
+    parser.add_argument(
+        "--speculation-max-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no speculation while the batch holds more rows than this (default: 8)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("TRIO_MLX_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: env TRIO_MLX_API_KEY)",

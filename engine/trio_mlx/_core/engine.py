@@ -363,6 +363,7 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the engine: arbiter state, queues, counters, memory."""
         cache = self._loaded.prompt_cache
+        speculator = self._loaded.lane.speculator
         active, cached, peak = _mlx_memory()
         return attrs.evolve(
             self._actor.statistics(),
@@ -371,6 +372,8 @@ class Engine:
             mlx_peak_memory=peak,
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
             prompt_cache=cache.statistics() if cache is not None else None,
+            draft_tokens=dict(speculator.drafted) if speculator is not None else {},
+            draft_accepted_tokens=dict(speculator.accepted) if speculator is not None else {},
         )
 
     def encode(

@@ -178,6 +178,10 @@ class EngineStatistics:
     #: and the worst case the running and parked rows hold of it.
     kv_memory_budget: int = 0
     kv_memory_reserved: int = 0
+    #: Speculative decoding's draft tokens verified and accepted, by method
+    #: (``"prompt_lookup"``); empty while it is off.
+    draft_tokens: Mapping[str, int] = attrs.field(factory=dict)
+    draft_accepted_tokens: Mapping[str, int] = attrs.field(factory=dict)
 
 
 def failure(error: BaseException) -> BaseException:

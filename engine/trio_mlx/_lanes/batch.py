@@ -1,35 +1,25 @@
 """The batch lane: continuous batching on mlx-lm's ``BatchGenerator`` (MLX thread only).
 
-Every row carries its own sampler (``make_sampler``) and logits processors
-(``make_logits_processors``: penalties and logit_bias), so the whole
+Every row carries its own sampler and logits processors, so the whole
 :class:`~trio_mlx.SamplingParams` surface batches. One :meth:`BatchLane.step`
-call is one worker call: it removes cancelled rows, inserts admitted and
-resumed ones, runs one ``BatchGenerator.next()`` (or a short burst of them,
-see :meth:`BatchLane.step`) and returns every row's
-:class:`~trio_mlx._lanes.output.RowEvent` at once. Admitted rows reach mlx-lm's
-prompt batch within ``prefill_budget`` tokens per step (``_feed``); its prefill
-is queued, not waited for, and rows that finish it join the decode batch
-without a forward pass of their own (``prompt_class``, ``generation_class``).
+call is one worker call: it removes cancelled rows, inserts admitted and resumed
+ones, runs one ``BatchGenerator.next()`` (or a short burst) and returns every
+row's :class:`~trio_mlx._lanes.output.RowEvent` at once. Admitted rows reach
+mlx-lm's prompt batch within ``prefill_budget`` tokens per step (``_feed``); rows
+that finish prefill join the decode batch without a forward pass of their own.
 
 Rows are finished by the lane, not by mlx-lm (``RowOutput`` applies
-``max_tokens``, EOS and stop strings; mlx-lm gets no stop tokens and an
-unreachable ``max_tokens``), so a finished or cancelled row stops producing
-output at once while its KV slot is freed later, in bulk: *deferred removal*.
-A dead row stays in the batch (decoding tokens nobody reads) until one
-``BatchGenerator.remove`` takes every dead row out at once: when the step
-call admits or resumes rows (the batch's KV is rebuilt then anyway), when
-dead rows reach ``removal_fraction`` of the live ones, when the oldest has
-been dead ``removal_delay`` decode steps (the bound on how long a cancelled
-row holds its slot), or when no live row is left. Every trigger is computed
-from the commands and the tokens, never from a clock, so every rank of
-distributed mode removes the same rows at the same step.
+``max_tokens``, EOS and stop strings), so a finished or cancelled row stops
+producing output at once while its KV slot is freed later, in bulk: *deferred
+removal* (one ``BatchGenerator.remove`` for every dead row: when rows are
+admitted or resumed, when dead rows reach ``removal_fraction`` of the live ones,
+when the oldest has been dead ``removal_delay`` decode steps, or when no live row
+is left; never by a clock, so every rank of distributed mode removes alike).
 
-Parking (preemption) takes a row's KV cache out with
-``remove(..., return_prompt_caches=True)``. Decode is pipelined, so that
-cache already holds the last emitted token: it is trimmed by one and the row
-is re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``, which
-continues token for token like an uninterrupted run. (A row back in the batch
-but not stepped yet holds no last token: nothing is trimmed then.)
+Parking takes a row's KV cache out (``remove(..., return_prompt_caches=True)``);
+decode is pipelined, so it already holds the last emitted token: it is trimmed by
+one and the row re-inserted as ``[[last_token]]`` (nothing is trimmed for a row
+back in the batch but not stepped yet).
 
 The lane's subclasses of mlx-lm's batch classes, which read and set their
 private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
@@ -54,6 +44,7 @@ from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import DECODE, RowSpec, StepPlan, StepResult
 from trio_mlx._lanes.rows import UNBOUNDED, Dead, Guarded, Row, RowModel
 from trio_mlx._lanes.slow_steps import SlowStepLog, buffer_length, gc_seconds, memory_now
+from trio_mlx._lanes.speculative import Speculation, Speculator, cache_reason
 from trio_mlx._lanes.structured import GrammarBatch
 
 __all__ = ["BatchLane"]
@@ -89,12 +80,8 @@ class BatchLane:
     long_prompt_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
-    #: Experimental, off (1): every prefill pass right-padded to a multiple of
-    #: this width, so that passes repeat a few shapes instead of meeting new ones
-    #: (on the H200 most of a long prompt's stall was the first time MLX met a
-    #: shape: design/performance.md). Costs the padded tokens'
-    #: compute; at 256 it did not lower the long prompt's worst step on the
-    #: H200, so no default sets it.
+    #: Experimental, off (1): every prefill pass right-padded to a multiple of this
+    #: width, so passes repeat a few shapes (``EngineSettings``; design/performance.md).
     prefill_width_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
@@ -123,6 +110,10 @@ class BatchLane:
     #: carried (``SlowStepLog``); at most one line per ``slow_step_quiet`` seconds.
     slow_step_seconds: float = 0.5
     slow_step_quiet: float = 10.0
+    #: Speculative decoding (:mod:`trio_mlx._lanes.speculative`); None: off.
+    speculation: Speculation | None = None
+    #: Its state while on (None: off, or the model's caches cannot roll back).
+    speculator: Speculator | None = attrs.field(init=False, default=None)
     #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
     generator_seconds: float = attrs.field(init=False, default=0.0)
     #: Decode steps run (``BatchGenerator.next()`` calls), for the slow-step log.
@@ -159,14 +150,17 @@ class BatchLane:
     _marks: dict[int, Hashable] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
+        caches = make_prompt_cache(self.model)
+        if self.speculation is not None and not (reason := cache_reason(caches)):
+            self.speculator = Speculator(self.speculation)
+        elif self.speculation is not None:
+            logger.info("speculative decoding is off for this model: %s", reason)
         self._generator = self._new_generator()
         if self.prompt_checkpoints is None:
-            from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-            self.prompt_checkpoints = any(
-                type(c) is not KVCache for c in make_prompt_cache(self.model)
-            )
+            self.prompt_checkpoints = any(type(c) is not KVCache for c in caches)
 
     def _new_generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
@@ -187,6 +181,7 @@ class BatchLane:
         generation.logprob_uids = set()
         generation.grammar_uids = set()
         generation.solo_allowed = self.solo_decode
+        generation.speculator = self.speculator
         generator._generation_batch = generation
         generator._prompt_batch = prompt_class().empty(
             model, generator.sampler, prefill_step_size=self.prefill_step_size
@@ -219,12 +214,16 @@ class BatchLane:
             self._logprob_uids.add(uid)
         if row.spec.constraint is not None:
             self._grammar_uids.add(uid)
+        if self.speculator is not None:
+            self.speculator.join(uid, row.spec.params)
 
     def _parted(self, uid: int) -> None:
         """Bookkeeping of a row that stops decoding under ``uid`` (the reverse of ``_joined``)."""
         self._by_uid.pop(uid, None)
         self._marks.pop(uid, None)
         self._logprob_uids.discard(uid)
+        if self.speculator is not None:
+            self.speculator.part(uid)
 
     @property
     def rows(self) -> int:
@@ -766,6 +765,8 @@ class BatchLane:
             row_id = by_uid.get(uid)
             if row_id is None:
                 continue  # a dead row
+            if finished and finished[-1] == row_id:
+                continue  # a speculative step's tokens after the row's last one
             row = rows[row_id]
             output = row.output
             if row.error is not None:

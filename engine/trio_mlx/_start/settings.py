@@ -100,6 +100,20 @@ def _adapter_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) 
         raise NotFound(f"adapter {value!r} not found: no such folder", param="adapter_path")
 
 
+def _draft_folder(settings: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    """A draft model is a local folder (the bundled models' kind), checked before any load,
+    and one way of drafting at a time."""
+    if value is not None and settings.prompt_lookup:
+        raise InvalidRequest(
+            "draft_model and prompt_lookup cannot both be set: choose one way of drafting",
+            param="draft_model",
+        )
+    if value is not None and not os.path.isfile(os.path.join(value, "config.json")):
+        raise NotFound(
+            f"draft model {value!r} not found: no folder with a config.json", param="draft_model"
+        )
+
+
 def _cache_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
     if value is not None and os.path.exists(value) and not os.path.isdir(value):
         raise InvalidRequest(f"prompt_cache_dir {value} is not a folder", param=_name(attribute))
@@ -150,6 +164,13 @@ class EngineSettings:
       (``trio_mlx._accel.traced_decode``); ``None``: the
       ``TRIO_MLX_TRACED_DECODE`` switch, on by default on CUDA only. Never in
       distributed mode.
+    - ``prompt_lookup``, ``draft_model``, ``num_draft_tokens``,
+      ``speculation_max_batch``: speculative decoding in the batch (``prompt_lookup``:
+      drafts from each row's own prompt and output; at most ``num_draft_tokens`` a
+      row and step; none while the batch holds more than ``speculation_max_batch``
+      rows; ``design/engine.md``). ``draft_model`` (a folder; it must share the
+      model's tokenizer, checked at load) drafts instead of the lookup, greedily,
+      each row over its own KV cache.
     - ``decision_hook``: called on the Trio thread with each arbiter decision
       and the arbiter's statistics after it (tests record them); not sent to
       the other ranks of a distributed group.
@@ -208,6 +229,10 @@ class EngineSettings:
     removal_fraction: int = attrs.field(default=8, validator=_int_at_least(0))
     prefill_width_multiple: int = attrs.field(default=1, validator=_int_at_least(1))
     traced_decode: bool | None = attrs.field(default=None, validator=_flag)
+    prompt_lookup: bool = attrs.field(default=False, validator=_flag)
+    draft_model: str | None = attrs.field(default=None, converter=_path, validator=_draft_folder)
+    num_draft_tokens: int = attrs.field(default=4, validator=_int_at_least(1))
+    speculation_max_batch: int = attrs.field(default=8, validator=_int_at_least(1))
     decision_hook: Callable[[Any, Any], None] | None = attrs.field(
         default=None, validator=_hook, eq=False, repr=False
     )

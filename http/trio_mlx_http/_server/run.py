@@ -47,6 +47,10 @@ def _engine_settings(args: argparse.Namespace) -> trio_mlx.EngineSettings:
         "prefill_budget",
         "long_prompt_chunk",
         "prefill_stall",
+        "prompt_lookup",
+        "draft_model",
+        "num_draft_tokens",
+        "speculation_max_batch",
     ):
         value = getattr(args, name, None)
         if value is not None:
