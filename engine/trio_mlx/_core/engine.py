@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import trio
@@ -21,6 +21,8 @@ from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
 from trio_mlx._core.gate import LaneName, choose_lane
+from trio_mlx._core.images import decode as decode_image
+from trio_mlx._core.images import has_images, split_images
 from trio_mlx._core.planner import StepPlanner
 from trio_mlx._core.prompts import Prompt, PromptEncoder, too_long
 from trio_mlx._core.request import EngineStatistics, Request
@@ -44,7 +46,8 @@ from trio_mlx._lanes.structured import (
 from trio_mlx._memory import KVBudget
 from trio_mlx._params import Completion, SamplingParams, TokenLogprob
 from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
-from trio_mlx._start.settings import EngineSettings
+from trio_mlx._start.settings import DEFAULT_MAX_IMAGE_PIXELS, EngineSettings
+from trio_mlx._start.vision import VisionPrompt
 
 __all__ = ["Engine", "open_engine"]
 
@@ -218,6 +221,7 @@ async def _serve(
         engine = Engine(model_id, loaded, registry, actor)
         engine.grammar_timeout = float(settings.grammar_timeout)
         engine.grammar_cache_bytes = settings.grammar_cache_bytes
+        engine.max_image_pixels = settings.max_image_pixels
         worker.on_death = actor.on_worker_death
         try:
             async with trio.open_nursery() as nursery:
@@ -313,6 +317,8 @@ class Engine:
     _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
     #: The byte bound of the compiled grammars kept (see :func:`open_engine`).
     grammar_cache_bytes: int = attrs.field(init=False, default=DEFAULT_GRAMMAR_CACHE_BYTES)
+    #: Most pixels an input image may have (see :class:`~trio_mlx.EngineSettings`).
+    max_image_pixels: int = attrs.field(init=False, default=DEFAULT_MAX_IMAGE_PIXELS)
     _compile_gate: CompileGate = attrs.field(init=False, factory=CompileGate)
     _prompts: PromptEncoder = attrs.field(init=False)
 
@@ -339,6 +345,12 @@ class Engine:
         """The model's context length (``max_position_embeddings``), when known."""
         value = self._loaded.config.get("max_position_embeddings")
         return int(value) if isinstance(value, int) else None
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model is a vision-language model: chats may hold image parts
+        (``{"type": "image", "image": trio_mlx.ImageInput(...)}``)."""
+        return self._loaded.vision is not None
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -550,7 +562,12 @@ class Engine:
             raise EngineClosed("the engine is closed")
         # Tokenizing (and rendering a chat template) is CPU work that grows with
         # the prompt: off the event loop, a few prompts at a time.
-        tokens, checkpoint = await self._prompts.tokenize(prompt, tools, template_kwargs)
+        images = None
+        if has_images(prompt):
+            tokens, images = await self._encode_images(prompt, tools, template_kwargs)
+            checkpoint = None
+        else:
+            tokens, checkpoint = await self._prompts.tokenize(prompt, tools, template_kwargs)
         params = self._fit_context(len(tokens), params)
         params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
@@ -568,14 +585,53 @@ class Engine:
             caches_merge=self._loaded.caches_merge,
             adapter_reason=adapter_reason,
         )
+        if images is not None and not lane.batch:
+            raise InvalidRequest(
+                f"an image request runs in the batch, which {lane.reason} does not allow",
+                param="messages",
+                code="images_unsupported",
+            )
         request_id = self._actor.new_id()
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint),
+            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint, images),
         )
         await self._actor.submit(request)
         return request
+
+    async def _encode_images(
+        self, prompt: Prompt, tools: Any, template_kwargs: Mapping[str, Any] | None
+    ) -> tuple[list[int], VisionPrompt]:
+        """A chat with images: decoded and hashed, then the prompt made by the model's
+        processor (image tokens expanded), in a thread."""
+        vision = self._loaded.vision
+        messages, found = split_images(cast(Sequence[Mapping[str, Any]], prompt))
+        if vision is None:
+            raise InvalidRequest(
+                f"the model {self.model_id} does not take images",
+                param="messages",
+                code="images_unsupported",
+            )
+        self._prompts.refuse_oversized(messages, tools=tools)
+        limit = self.max_image_pixels
+
+        def work() -> tuple[list[int], VisionPrompt]:
+            decoded = [decode_image(name, image, limit) for name, image in found]
+            return vision.encode(
+                self.tokenizer,
+                messages,
+                [d.image for d in decoded],
+                [d.digest for d in decoded],
+                tools,
+                template_kwargs,
+            )
+
+        tokens, images = await trio.to_thread.run_sync(work)
+        context = self.context_length
+        if context is not None and len(tokens) > context:
+            raise too_long(f"the prompt has {len(tokens)} tokens with its images", context)
+        return tokens, images
 
     def _fit_context(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
         """``params`` with max_tokens cut to the room the prompt leaves in the context.

@@ -24,15 +24,13 @@ row holds its slot), or when no live row is left. Every trigger is computed
 from the commands and the tokens, never from a clock, so every rank of
 distributed mode removes the same rows at the same step.
 
-Parking (preemption) takes a row's KV cache out with
-``remove(..., return_prompt_caches=True)``. Decode is pipelined, so that
-cache already holds the last emitted token: it is trimmed by one and the row
-is re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``, which
-continues token for token like an uninterrupted run. (A row back in the batch
-but not stepped yet holds no last token: nothing is trimmed then.)
-
-The lane's subclasses of mlx-lm's batch classes, which read and set their
-private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
+Parking (preemption) takes a row's KV cache out (``return_prompt_caches=True``).
+Decode is pipelined, so that cache holds the last emitted token: it is trimmed by
+one and the row re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``,
+token for token like an uninterrupted run (a row not stepped since it was back
+holds no last token: nothing is trimmed). An image row joins with its prompt
+prefilled through the vision model (``vision``). The subclasses of mlx-lm's batch
+classes, which touch their private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
 """
 
 from __future__ import annotations
@@ -89,12 +87,9 @@ class BatchLane:
     long_prompt_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
-    #: Experimental, off (1): every prefill pass right-padded to a multiple of
-    #: this width, so that passes repeat a few shapes instead of meeting new ones
-    #: (on the H200 most of a long prompt's stall was the first time MLX met a
-    #: shape: design/performance.md). Costs the padded tokens'
-    #: compute; at 256 it did not lower the long prompt's worst step on the
-    #: H200, so no default sets it.
+    #: Experimental, off (1): every prefill pass right-padded to a multiple of this
+    #: width, so passes repeat a few shapes (design/performance.md); at 256 it did not
+    #: lower the long prompt's worst step on the H200, so no default sets it.
     prefill_width_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
@@ -117,20 +112,21 @@ class BatchLane:
     #: a ``KVCache`` row's end-of-generation entry is cut back to them instead
     #: (the loader sets it when the prompt cache has a disk tier: what it keeps).
     prompt_checkpoints: bool | None = None
+    #: A vision model's :class:`~trio_mlx._start.vision.Vision`, which prefills image rows.
+    vision: Any = None
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
     #: A decode step that takes this many seconds or more is logged, with what it
     #: carried (``SlowStepLog``); at most one line per ``slow_step_quiet`` seconds.
     slow_step_seconds: float = 0.5
     slow_step_quiet: float = 10.0
-    #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
+    #: Seconds spent inside ``BatchGenerator.next()``, and its calls (decode steps).
     generator_seconds: float = attrs.field(init=False, default=0.0)
-    #: Decode steps run (``BatchGenerator.next()`` calls), for the slow-step log.
     decode_steps: int = attrs.field(init=False, default=0)
     _slow_log: SlowStepLog = attrs.field(init=False, factory=SlowStepLog)
-    #: Rows inserted into the batch per adapter name (base rows are not counted here).
+    #: Rows inserted per adapter name (base rows not counted); the stack whose layers
+    #: are on the model during the current ``next()`` (else None).
     adapter_rows: Counter[str] = attrs.field(init=False, factory=Counter)
-    #: The stack whose layers are on the model during the current ``next()`` (else None).
     _active_stack: AdapterStack | None = attrs.field(init=False, default=None)
     _generator: Any = attrs.field(init=False, default=None)
     _rows: dict[int, Row] = attrs.field(init=False, factory=dict)
@@ -247,12 +243,14 @@ class BatchLane:
         return 0 if name is None else stack.slots[name]
 
     def _key(self, row: Row) -> Hashable:
-        """The row's prompt cache key: a prefix computed under one adapter serves only it."""
-        if row.adapter is None:
-            return self.cache_key
-        stack = self._stack()
-        mount = stack.mounts.get(row.adapter) if stack is not None else None
-        return (self.cache_key, "adapter", row.adapter, mount)
+        """The row's prompt cache key: its adapter's, and its images' (their pixels' hashes)."""
+        key: Hashable = self.cache_key
+        if row.adapter is not None:
+            stack = self._stack()
+            mount = stack.mounts.get(row.adapter) if stack is not None else None
+            key = (self.cache_key, "adapter", row.adapter, mount)
+        images = row.spec.images
+        return key if images is None else (key, "images", images.digests)
 
     @property
     def dead_rows(self) -> int:
@@ -334,8 +332,9 @@ class BatchLane:
         if elapsed >= self.slow_step_seconds and (compacted or inserts or resumes):
             self._slow_log.admission(
                 self.slow_step_quiet,
-                f"{elapsed * 1000:.0f} ms; {compacted} dead rows compacted, {len(inserts)} rows "
-                f"inserted, {len(resumes)} resumed, {len(self._by_uid)} rows in the batch",
+                f"{elapsed * 1000:.0f} ms; {compacted} "
+                f"dead rows compacted, {len(inserts)} rows inserted, {len(resumes)} resumed, "
+                f"{len(self._by_uid)} rows in the batch",
             )
         decoded = 0
         if self._by_uid or self._waiting:
@@ -524,9 +523,14 @@ class BatchLane:
             cache, rest = self.prompt_cache.fetch(
                 self._key(row), prompt, min_prefix=self.cache_min_prefix, share=True
             )
+        served = len(prompt) - len(rest)
+        images = row.spec.images
+        if images is not None and served < images.end:  # not cached with its images
+            cache = self.vision.prefill(prompt, images, self.prompt_cache, self._key(row))
+            rest, served = prompt[-1:], 0
         row.waiting = (prompt, cache, rest)
         self._waiting.append(row.spec.id)
-        return len(prompt) - len(rest)
+        return served
 
     def _feed(self) -> list[RowEvent]:
         """Hand waiting rows to the generator, oldest first, within ``prefill_budget``.
@@ -677,8 +681,7 @@ class BatchLane:
         self._joined(row, uid)
 
     def _drop(self, row_id: int) -> None:
-        row = self._rows.pop(row_id, None)
-        if row is not None and row.uid is not None:
+        if (row := self._rows.pop(row_id, None)) is not None and row.uid is not None:
             self._parted(row.uid)
 
     def _decode(self, order: dict[int, list[RowEvent]], outputs: dict[int, RowOutput]) -> bool:

@@ -20,6 +20,7 @@ from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT, DEFAULT_GRAMMAR_CACHE_BYTES
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "DEFAULT_PROMPT_CACHE_BYTES",
     "DEFAULT_PROMPT_CACHE_DISK_BYTES",
     "PARALLEL",
@@ -30,6 +31,9 @@ __all__ = [
 
 #: The default byte cap of the prompt cache.
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
+#: The default bound on an input image's pixels: 8192 x 8192 (PIL's own bomb
+#: check starts at about 89 million).
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 #: The default byte cap of the prompt cache's disk tier (when it has a folder).
 DEFAULT_PROMPT_CACHE_DISK_BYTES = 10 * 1024**3
 #: How a model is split over the ranks of a distributed group.
@@ -165,6 +169,10 @@ class EngineSettings:
     min_batch_steps: int = attrs.field(default=8, validator=_int_at_least(0))
     prompt_cache_bytes: int = attrs.field(
         default=DEFAULT_PROMPT_CACHE_BYTES, validator=_int_at_least(0)
+    )
+    #: Most pixels (width x height) an input image may decode to (a vision model's).
+    max_image_pixels: int = attrs.field(
+        default=DEFAULT_MAX_IMAGE_PIXELS, validator=_int_at_least(1)
     )
     #: The prompt cache's disk tier: its folder (None: off) and byte cap.
     prompt_cache_dir: str | None = attrs.field(
