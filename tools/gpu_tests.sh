@@ -11,6 +11,7 @@
 # gpu-tests.txt. With no TEST_FILE, every engine test file runs (the HTTP
 # tests exercise no CUDA path the engine tests miss). Each file's own log
 # come back in gpu-test-logs.tgz beside the summary when the summary's folder is $OUT.
+# JOBS=N runs N files at once.
 #
 # One process per file: a CUDA fault (a bad kernel launch poisons the
 # context) or a leaked setting then costs one file, not the rest of the run.
@@ -30,6 +31,13 @@ if [ $# -eq 0 ]; then
     tests/test_model_families.py tests/test_structured.py tests/test_structured_mask.py \
     tests/test_foundation.py tests/test_blas.py
 fi
+# The optimized BLAS preloaded as `nox -s tests` does (the tests check it is).
+eval "$(python3 -c 'import os, shlex
+from trio_mlx._start.blas import preload_env
+env = preload_env(dict(os.environ))
+for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "MKL_INTERFACE_LAYER"):
+    if env.get(k):
+        print(f"export {k}={shlex.quote(env[k])}")')"
 logs=$(mktemp -d)
 commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 {
@@ -38,15 +46,31 @@ commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "cuda", mx.cuda.is_available())' 2>&1
   echo "MLX_ENABLE_TF32=$MLX_ENABLE_TF32"
 } > "$summary"
-total_p=0 total_f=0 total_s=0 total_e=0
-for file in "$@"; do
+run_file() {  # run one test file; its log and its summary lines land in $logs
+  local file=$1 name
   name=$(basename "$file" .py)
   PYTHONUNBUFFERED=1 timeout "${FILE_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
     "$file" > "$logs/$name.log" 2>&1
-  rc=$?
+  echo $? > "$logs/$name.rc"
+}
+# JOBS files at a time (default 1): the tests' models are tiny, so several
+# processes share the one GPU well and the whole set fits one device call.
+jobs_max=${JOBS:-1}
+for file in "$@"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
+  run_file "$file" &
+done
+wait
+total_p=0 total_f=0 total_s=0 total_e=0
+for file in "$@"; do
+  name=$(basename "$file" .py)
+  rc=$(cat "$logs/$name.rc" 2>/dev/null || echo "?")
   tail_line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped)|no tests ran' "$logs/$name.log" | tail -1)
   count() { echo "$tail_line" | grep -oE "[0-9]+ $1" | grep -oE '[0-9]+' || echo 0; }
   p=$(count passed) f=$(count failed) s=$(count skipped) e=$(count error)
+  # A file cut at FILE_TIMEOUT (124), or one pytest could not run (rc 2-5),
+  # counts as an error even when its log has no counts.
+  if [ "$rc" != 0 ] && [ "$rc" != 1 ] && [ "$e" = 0 ]; then e=1; fi
   total_p=$((total_p + p)) total_f=$((total_f + f)) total_s=$((total_s + s)) total_e=$((total_e + e))
   printf '%-40s rc=%-3s passed=%-4s failed=%-3s skipped=%-3s errors=%s\n' "$name" "$rc" "$p" "$f" "$s" "$e" >> "$summary"
   grep -E '^(FAILED|ERROR) ' "$logs/$name.log" | cut -c1-300 | sed 's/^/    /' >> "$summary"
