@@ -10,12 +10,14 @@ from typing import Any
 QUESTION = "What is in the picture?"
 
 
-def png(seed: int, size: tuple[int, int] = (32, 32)) -> bytes:
-    """A seeded random RGB image, PNG-encoded."""
+def png(seed: int, size: tuple[int, int] = (32, 32), *, flat: bool = False) -> bytes:
+    """A seeded random RGB image (``flat``: one colour, a few bytes), PNG-encoded."""
     import numpy as np
     from PIL import Image
 
     pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
+    if flat:
+        pixels[:] = pixels[0, 0]
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, "PNG")
     return out.getvalue()

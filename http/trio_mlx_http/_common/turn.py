@@ -19,6 +19,7 @@ from quart import Response
 
 from trio_mlx import GenerationResult, TrioMLXError
 from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.images import resolve_prompts
 from trio_mlx_http._common.keepalive import next_delta
 from trio_mlx_http._common.reasoning import ReasoningSplitter
 from trio_mlx_http._common.tools import ToolCall, ToolCallExtractor
@@ -157,7 +158,8 @@ async def _prepare(
 ) -> tuple[str, GenerationRequest, _Splitter]:
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
-    request = _reasoning_effort(state, request)
+    prompts = await resolve_prompts(state.engine, state.settings, request.prompts)
+    request = _reasoning_effort(state, attrs.evolve(request, prompts=prompts))
     splitter = _Splitter(_extractor(state, request))
     markers = reasoning_markers(state)
     opened = False

@@ -32,6 +32,7 @@ from trio_mlx import (
 )
 from trio_mlx_http._common import keepalive as _keepalive
 from trio_mlx_http._common import sse as _sse
+from trio_mlx_http._common.images import resolve_prompts
 from trio_mlx_http._common.keepalive import next_delta
 from trio_mlx_http._common.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from trio_mlx_http._common.structured import after_reasoning, grammar_param, tool_call_grammar
@@ -489,6 +490,9 @@ async def _respond(
 ) -> Response | dict[str, Any]:
     model, request = _resolve_model(state, _clamp_max_tokens(state, request))
     _check_tools(state, request.tools)
+    if chat:
+        prompts = await resolve_prompts(state.engine, state.settings, request.prompts)
+        request = attrs.evolve(request, prompts=prompts)
     request = _reasoning_effort(state, request)
     echo_of = list(request.prompts)
     request = _fill_in_the_middle(state, request)

@@ -267,6 +267,8 @@ def _model_card(state: ServerState, model_id: str, parent: str | None = None) ->
     }
     if parent is None:
         card["context_length"] = state.engine.context_length
+        # What the model takes in: a vision model also images.
+        card["input_modalities"] = ["text", "image"] if state.engine.takes_images else ["text"]
     else:
         card["parent"] = parent
     return card
