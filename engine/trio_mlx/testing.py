@@ -460,14 +460,22 @@ VLM_CHAT_TEMPLATE = (
 
 
 def make_random_vlm(
-    directory: Path, *, family: str = "llava", seed: int = 0, weight_scale: float = 4.0
+    directory: Path,
+    *,
+    family: str = "llava",
+    seed: int = 0,
+    weight_scale: float = 4.0,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    image_size: int = 32,
 ) -> Path:
     """Write a tiny random vision-language model that ``mlx_vlm.load`` (and the engine)
     loads offline: mlx-vlm's own classes of ``family`` (:data:`VLM_FAMILIES`).
 
     The language model is :func:`make_random_llama`'s shape and tokenizer plus an
     ``<image>`` token; the vision tower a two-layer CLIP over 32 x 32 images in 8 x 8
-    patches (16 image tokens an image), with a CLIP image processor config. Needs
+    patches (16 image tokens an image), with a CLIP image processor config (the bench
+    asks for a larger ``hidden_size``, ``num_hidden_layers`` and ``image_size``). Needs
     mlx-vlm (the ``vision`` extra). ``weight_scale`` multiplies the language model's
     and the projector's matrices, so greedy answers vary with the image.
     """
@@ -495,11 +503,11 @@ def make_random_vlm(
     vocab = tokenizer.get_vocab_size()
     text = llama_config(
         vocab_size=vocab,
-        hidden_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        intermediate_size=256,
+        intermediate_size=2 * hidden_size,
     )
     vision = {
         "model_type": "clip_vision_model",
@@ -507,7 +515,7 @@ def make_random_vlm(
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_attention_heads": 2,
-        "image_size": 32,
+        "image_size": image_size,
         "patch_size": 8,
         "projection_dim": 32,
         "num_channels": 3,
@@ -544,9 +552,9 @@ def make_random_vlm(
     preprocessor = {
         "image_processor_type": "CLIPImageProcessor",
         "do_resize": True,
-        "size": {"shortest_edge": 32},
+        "size": {"shortest_edge": image_size},
         "do_center_crop": True,
-        "crop_size": {"height": 32, "width": 32},
+        "crop_size": {"height": image_size, "width": image_size},
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
