@@ -106,6 +106,34 @@ async def test_a_repeated_image_is_served_from_the_prompt_cache(vlm_path: Path) 
     assert other.result.cached_tokens == 0
 
 
+async def test_a_screenshot_history_reuses_the_earlier_turns(vlm_path: Path) -> None:
+    first = image_chat(trio_mlx.ImageInput(png(7)))
+
+    async def turns(engine: trio_mlx.Engine) -> list[trio_mlx.Completion]:
+        one = await _answer(engine, first)
+        second = [
+            *first,
+            {"role": "assistant", "content": one.text},
+            *image_chat(trio_mlx.ImageInput(png(8)), "And now?"),
+        ]
+        two = await _answer(engine, second)
+        third = [*second, {"role": "assistant", "content": two.text}]
+        third.append({"role": "user", "content": "Which was brighter?"})
+        return [one, two, await _answer(engine, third)]
+
+    async with trio_mlx.open_engine(vlm_path) as engine:
+        cached = await turns(engine)
+    async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
+        fresh = await turns(engine)
+    assert [c.token_ids for c in cached] == [c.token_ids for c in fresh]
+    one, two, three = (c.result for c in cached)
+    # Turn 2 takes turn 1's prompt (its image included) from the cache and sees only
+    # its new image; turn 3 (no new image) takes all of turn 2's prompt.
+    assert one.cached_tokens == 0
+    assert one.prompt_tokens - 1 <= two.cached_tokens < two.prompt_tokens - 16
+    assert three.cached_tokens >= two.prompt_tokens - 1
+
+
 async def test_bad_images_are_refused_naming_them(vlm_path: Path) -> None:
     async with trio_mlx.open_engine(vlm_path, max_image_pixels=32 * 32) as engine:
         with pytest.raises(trio_mlx.InvalidRequest, match="image 0 is not an image") as bad:

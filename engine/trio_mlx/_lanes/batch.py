@@ -519,15 +519,14 @@ class BatchLane:
         """Queue a new (or restarted) row for prefill; returns the tokens the prompt cache serves."""
         prompt = list(row.spec.prompt)
         cache, rest = None, prompt
-        if self.prompt_cache is not None:
+        if row.spec.images is not None:  # the images' part prefilled now, unless cached
+            args = (prompt, row.spec.images, self.prompt_cache, self._key(row))
+            cache, rest, served = self.vision.start(*args, self.cache_min_prefix)
+        elif self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch(
                 self._key(row), prompt, min_prefix=self.cache_min_prefix, share=True
             )
-        served = len(prompt) - len(rest)
-        images = row.spec.images
-        if images is not None and served < images.end:  # not cached with its images
-            cache = self.vision.prefill(prompt, images, self.prompt_cache, self._key(row))
-            rest, served = prompt[-1:], 0
+        served = len(prompt) - len(rest) if row.spec.images is None else served
         row.waiting = (prompt, cache, rest)
         self._waiting.append(row.spec.id)
         return served

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -122,31 +122,91 @@ class Vision:
         }
         return tokens, VisionPrompt(arrays, tuple(digests), places[-1] + 1)
 
-    def prefill(
+    def start(
         self,
         tokens: Sequence[int],
         prompt: VisionPrompt,
-        store: PromptCache | None = None,
-        key: Hashable = None,
-    ) -> list[Any]:
-        """The cache of ``tokens`` but the last, with the images seen (MLX thread); kept
-        in ``store`` under ``key`` (a checkpoint), so the same images hit next time."""
+        store: PromptCache | None,
+        key: Hashable,
+        min_prefix: int,
+    ) -> tuple[list[Any], list[int], int]:
+        """The cache an image row joins the batch with, the tokens left to it (its last
+        one, or text past its last image), and the tokens the prompt cache served (MLX
+        thread).
+
+        ``key`` is the row's prompt-cache key, ``(base, "images", digests)``. An entry
+        stored under the key of the first k of these images (k = all .. 0, the base key
+        holding text prompts) serves what it shares with ``tokens``: any image tokens in
+        that prefix are those k images at the same places. The longest such prefix is
+        taken; past the last image the lane prefills the rest as text, else the images
+        after the prefix go through the encoder here, on top of it (the whole prompt if
+        the prefix ends inside an image). The result is kept under ``key`` (a checkpoint).
+        """
+        tokens = list(tokens)
+        base, _, digests = cast("tuple[Hashable, str, tuple[str, ...]]", key)
+        cache: list[Any] | None = None
+        start = 0
+        if store is not None:
+            probes = [
+                (base, "images", digests[:k]) if k else base for k in range(len(digests), -1, -1)
+            ]
+            best = max(probes, key=lambda probe: store.covered(probe, tokens))
+            covered = store.covered(best, tokens)
+            if covered >= prompt.end:
+                cache, rest = store.fetch(best, tokens, min_prefix=min_prefix, share=True)
+                if cache is not None:
+                    return cache, rest, len(tokens) - len(rest)
+            elif covered >= max(1, min_prefix) and self._between_images(tokens, covered):
+                # Written into below: a copy.
+                cache, rest = store.fetch(best, tokens, min_prefix=min_prefix)
+                start = len(tokens) - len(rest) if cache is not None else 0
+        cache, start = self._prefill(tokens, prompt, cache if start else None, start)
+        if store is not None and len(tokens) > 1:
+            store.checkpoint(key, tokens[:-1], cache, PROMPT)
+        return cache, tokens[-1:], start
+
+    def _runs(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """Where each image's tokens are: (first, end) per image, in order."""
+        runs: list[tuple[int, int]] = []
+        for i, token in enumerate(tokens):
+            if token == self.image_token_id:
+                if runs and runs[-1][1] == i:
+                    runs[-1] = (runs[-1][0], i + 1)
+                else:
+                    runs.append((i, i + 1))
+        return runs
+
+    def _between_images(self, tokens: Sequence[int], at: int) -> bool:
+        return not any(first < at < end for first, end in self._runs(tokens))
+
+    def _prefill(
+        self, tokens: Sequence[int], prompt: VisionPrompt, cache: list[Any] | None, start: int
+    ) -> tuple[list[Any], int]:
+        """``cache`` (None: a fresh one) extended by ``tokens[start:-1]``, the images
+        among them seen, and the tokens it was given (MLX thread)."""
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
-        ids = mx.array([list(tokens)])
-        arrays = {key: mx.array(value) for key, value in prompt.arrays.items()}
-        pixels = arrays.pop("pixel_values")
-        embeds = self.model.get_input_embeddings(ids, pixels, **arrays).inputs_embeds
-        cache = make_prompt_cache(self.text_model)
-        n = len(tokens) - 1
-        for start in range(0, n, PREFILL_STEP):
-            end = min(n, start + PREFILL_STEP)
-            self.text_model(ids[:, start:end], cache=cache, input_embeddings=embeds[:, start:end])
+        done = sum(1 for first, _ in self._runs(tokens) if first < start)
+        count = len(self._runs(tokens))
+        arrays = {}
+        for name, value in prompt.arrays.items():
+            if done and (value.ndim == 0 or value.shape[0] != count):
+                return self._prefill(tokens, prompt, None, 0)  # not per image: all again
+            arrays[name] = mx.array(value[done:] if done else value)
+        if cache is None or not start:
+            cache, start = make_prompt_cache(self.text_model), 0
+        ids = mx.array([list(tokens[start:])])
+        pixels = arrays.pop("pixel_values", None)
+        embeds = self.model.get_input_embeddings(
+            ids, pixels if done < count else None, **arrays
+        ).inputs_embeds
+        n = len(tokens) - 1 - start
+        for at in range(0, n, PREFILL_STEP):
+            end = min(n, at + PREFILL_STEP)
+            self.text_model(ids[:, at:end], cache=cache, input_embeddings=embeds[:, at:end])
             mx.eval([c.state for c in cache])
-        if store is not None and n > 0:
-            store.checkpoint(key, list(tokens[:-1]), cache, PROMPT)
-        return cache
+        return cache, start
 
 
 def load(path: str) -> tuple[Any, Any, dict[str, Any], Vision]:
