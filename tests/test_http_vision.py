@@ -122,6 +122,37 @@ async def test_a_repeated_image_reports_cached_tokens(vlm_path: Path) -> None:
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
 
 
+async def test_counts_and_stored_responses_see_the_image(vlm_path: Path) -> None:
+    image = data_url(png(4))
+    async with live_server(vlm_path) as server, _openai(server) as client:
+        model = server.engine.model_id
+        reply = await client.chat.completions.create(
+            model=model, messages=_chat(image), max_tokens=2
+        )
+        status, counted = await _status(server, "/tokenize", {"messages": _chat(image)})
+        block = {"type": "image", "source": {"type": "url", "url": image}}
+        anthropic_body = {"messages": [{"role": "user", "content": [block, QUESTION_BLOCK]}]}
+        count_status, count = await _status(server, "/v1/messages/count_tokens", anthropic_body)
+        first = await client.responses.create(
+            model=model,
+            max_output_tokens=4,
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": image}]}],
+        )
+        follow = await client.responses.create(
+            model=model, max_output_tokens=4, input="And?", previous_response_id=first.id
+        )
+    assert reply.usage is not None
+    assert status == 200
+    assert counted["count"] == reply.usage.prompt_tokens
+    assert count_status == 200
+    assert count["input_tokens"] == reply.usage.prompt_tokens
+    assert follow.usage is not None
+    assert first.usage is not None
+    # The stored turn's image is in the follow-up's prompt: the cache entry of the
+    # first prompt, keyed by that image, serves it.
+    assert follow.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
+
+
 async def _status(server: LiveServer, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http_client:
         answer = await http_client.post(path, json=body)

@@ -400,6 +400,10 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
+        if has_images(prompt):
+            raise InvalidRequest(
+                "a chat with images is tokenized by tokenize(), not encode()", param="prompt"
+            )
         return self._prompts.encode(prompt, tools, chat_template_kwargs)[0]
 
     async def tokenize(
@@ -416,6 +420,8 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
+        if has_images(prompt):  # image tokens expanded, as generate makes them
+            return (await self._encode_images(prompt, tools, chat_template_kwargs))[0]
         return (await self._prompts.tokenize(prompt, tools, chat_template_kwargs))[0]
 
     def refuse_oversized(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> None:

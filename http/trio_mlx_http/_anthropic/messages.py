@@ -28,7 +28,7 @@ from quart import Response
 from trio_mlx import InvalidGrammar, InvalidRequest, TrioMLXError
 from trio_mlx_http._common.cache_usage import cache_usage
 from trio_mlx_http._common.content import joined_text
-from trio_mlx_http._common.images import ImageRef, image_part, image_url
+from trio_mlx_http._common.images import ImageRef, image_part, image_url, resolve_prompts
 from trio_mlx_http._common.sse import named_event
 from trio_mlx_http._common.structured import ToolChoice, grammar_param
 from trio_mlx_http._common.tools import ToolCall
@@ -689,7 +689,8 @@ async def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str,
     request = await _prompt(state, parse_messages(body, state.settings, counting=True))
     _model, request = _resolve_model(state, request)
     _check_tools(state, request.tools)
+    prompts = await resolve_prompts(state.engine, state.settings, request.prompts)
     tokens = await state.engine.tokenize(
-        request.prompts[0], tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
+        prompts[0], tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
     )
     return {"input_tokens": len(tokens)}
