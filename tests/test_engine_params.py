@@ -123,6 +123,23 @@ async def test_prompt_cache_serves_a_shared_prefix(tiny_model_path: Path) -> Non
     assert uncached.token_ids == second.token_ids == again.token_ids
 
 
+async def test_prompt_cache_cap_defaults_to_a_share_of_memory_and_honours_a_setting(
+    tiny_model_path: Path,
+) -> None:
+    import mlx.core as mx
+
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        default = engine.statistics().prompt_cache
+    async with trio_mlx.open_engine(tiny_model_path, prompt_cache_bytes=12_345_678) as engine:
+        chosen = engine.statistics().prompt_cache
+    assert default is not None
+    assert chosen is not None
+    # The tiny model's weights are a few MB: the cap is a fifth of MLX's limit, give or take.
+    limit = int(mx.get_memory_limit())
+    assert 0.19 * limit <= default.max_bytes <= 0.2 * limit
+    assert chosen.max_bytes == 12_345_678
+
+
 async def test_prompt_cache_skips_a_prefix_shorter_than_the_lanes_threshold(
     tiny_model_path: Path,
 ) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -381,14 +380,6 @@ def test_any_json_body_parses_or_raises_invalid_request(
     parse = _schema.parse_chat if chat else _schema.parse_completion
     with contextlib.suppress(InvalidRequest):
         parse(body, SETTINGS)
-
-
-def test_max_tokens_beyond_the_context_is_cut_to_it() -> None:
-    from trio_mlx_http._openai.chat import _clamp_max_tokens
-
-    state: Any = SimpleNamespace(engine=SimpleNamespace(context_length=100))
-    assert _clamp_max_tokens(state, _chat(max_tokens=10**9)).params.max_tokens == 100
-    assert _clamp_max_tokens(state, _chat(max_tokens=7)).params.max_tokens == 7
 
 
 def test_sse_event_stays_one_line_for_unicode_line_separators() -> None:

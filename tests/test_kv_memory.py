@@ -8,10 +8,13 @@ from hypothesis import strategies as st
 
 from trio_mlx._memory import (
     KV_MEMORY_FRACTION,
+    MIN_PROMPT_CACHE_BYTES,
     MIN_ROW_TOKENS,
+    PROMPT_CACHE_FRACTION,
     KVBudget,
     KVProfile,
     default_limit,
+    default_prompt_cache,
 )
 
 PROFILES = st.builds(
@@ -86,3 +89,19 @@ def test_a_bad_profile_is_refused_at_construction() -> None:
         KVProfile(per_token=-1)
     with pytest.raises(ValueError, match="'windows' must be a tuple"):
         KVProfile(windows=((1, -2),))
+
+
+@given(st.integers(0, 1 << 42), st.integers(0, 1 << 42))
+def test_the_default_prompt_cache_is_a_share_of_what_the_weights_leave(
+    memory: int, weights: int
+) -> None:
+    cap = default_prompt_cache(memory, weights)
+    assert cap >= MIN_PROMPT_CACHE_BYTES
+    assert cap == max(MIN_PROMPT_CACHE_BYTES, int((memory - weights) * PROMPT_CACHE_FRACTION))
+
+
+def test_a_large_gpu_holds_an_agents_turns_in_the_default_prompt_cache() -> None:
+    # A 1B llama (2.5 GB of bf16 weights, 32 KB of KV a token) on 80% of 141 GB:
+    # ten 40k-token checkpoints fit; the former fixed 256 MiB held none.
+    cap = default_prompt_cache(int(0.8 * 141e9), int(2.5e9))
+    assert cap >= 10 * 40_000 * 32 * 1024

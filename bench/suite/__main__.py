@@ -848,7 +848,8 @@ def main() -> None:
                         "runs the bare loops, then every server in turn; the tables show "
                         "the median round and list every round's ratios")  # fmt: skip
     parser.add_argument("--agent-models", default="llama,gemma3_text,qwen3_next,gpt_oss",
-                        help="the agent part's architectures (tiny random models, comma-separated)")  # fmt: skip
+                        help="the agent part's architectures (tiny random models, comma-separated; "
+                        "llama-1b: a random llama of Llama-3.2-1B's shape)")  # fmt: skip
     parser.add_argument("--agent-system-tokens", type=int, default=None, metavar="N",
                         help="the agent part's system prompt in tokens (default: the profile's)")  # fmt: skip
     parser.add_argument("--no-mlx-lm-server", action="store_true",

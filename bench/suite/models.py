@@ -115,7 +115,7 @@ def _pad_tokenizer(path: Path, size: int) -> None:
     tokenizer_file.write_text(json.dumps(data))
 
 
-def _build_random(spec: ModelSpec, path: Path) -> None:
+def _build_random(spec: ModelSpec, path: Path, context: int = 8192) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.models import llama
@@ -136,7 +136,7 @@ def _build_random(spec: ModelSpec, path: Path) -> None:
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         intermediate_size=spec.intermediate_size,
-        max_position_embeddings=8192,
+        max_position_embeddings=context,
     )
     config["torch_dtype"] = spec.dtype
     mx.random.seed(0)
@@ -182,6 +182,8 @@ def prepare(name: str, log: Any = print) -> Model:
 def agent_model(model_type: str, context: int, log: Any = print) -> Model:
     """A tiny random ``model_type`` model with a ``context``-token context, built if needed.
 
+    A name of :data:`SPECS` (``llama-1b``) builds that llama at the context instead.
+
     ``trio_mlx.testing.make_random_model`` builds every architecture; where it is not
     there yet, a llama comes from ``make_random_llama`` and the others raise
     :class:`NotImplementedError`. Their EOS ids are not kept away by the weights:
@@ -190,6 +192,11 @@ def agent_model(model_type: str, context: int, log: Any = print) -> Model:
     from trio_mlx import testing
 
     path = cache_dir() / f"agent-{model_type}-{context}-v1"
+    if model_type in SPECS:  # a model of real size: what the disk tier's restart is for
+        if not (path / "config.json").exists():
+            log(f"building model {model_type} ({context}-token context) in {path} ...")
+            _build_random(SPECS[model_type], path, context)
+        return _describe(model_type, path, dict.fromkeys(EOS_IDS, -100.0))
     if not (path / "config.json").exists():
         make = getattr(testing, "make_random_model", None)
         start = time.perf_counter()

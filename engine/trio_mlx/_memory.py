@@ -36,7 +36,16 @@ from typing import Any
 
 import attrs
 
-__all__ = ["KV_MEMORY_FRACTION", "MIN_ROW_TOKENS", "KVBudget", "KVProfile", "default_limit"]
+__all__ = [
+    "KV_MEMORY_FRACTION",
+    "MIN_PROMPT_CACHE_BYTES",
+    "MIN_ROW_TOKENS",
+    "PROMPT_CACHE_FRACTION",
+    "KVBudget",
+    "KVProfile",
+    "default_limit",
+    "default_prompt_cache",
+]
 
 #: The share of MLX's memory limit, less the weights, that the rows' KV caches may
 #: reserve by default. The rest covers what the reservation does not count: the
@@ -47,6 +56,13 @@ KV_MEMORY_FRACTION = 0.5
 #: The default budget never holds less than one row of this many tokens: a machine
 #: too small for that still serves short requests.
 MIN_ROW_TOKENS = 4096
+#: The share of MLX's memory limit, less the weights, that the prompt cache may hold
+#: by default (it comes out of the rows' share above). An agent's checkpoints are
+#: whole prompts: a 1B llama holds 32 KB a token, so one 40k-token turn is 1.3 GB,
+#: and a fixed cap of 256 MiB kept none of them on the H200 (design/engine.md).
+PROMPT_CACHE_FRACTION = 0.2
+#: The default prompt cache never holds less than this.
+MIN_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
 #: Tokens the row-capacity search goes up to (beyond any model's context).
 _MAX_TOKENS = 1 << 40
 
@@ -124,3 +140,10 @@ def default_limit(memory: int, weights: int, reserved: int, profile: KVProfile) 
     ``reserved`` (the prompt cache's cap), never below one row of ``MIN_ROW_TOKENS``."""
     room = int(max(0, memory - weights) * KV_MEMORY_FRACTION) - reserved
     return max(room, profile.row_bytes(MIN_ROW_TOKENS))
+
+
+def default_prompt_cache(memory: int, weights: int) -> int:
+    """The prompt cache's default cap: ``PROMPT_CACHE_FRACTION`` of ``memory`` less
+    ``weights``, never below ``MIN_PROMPT_CACHE_BYTES``."""
+    room = int(max(0, memory - weights) * PROMPT_CACHE_FRACTION)
+    return max(room, MIN_PROMPT_CACHE_BYTES)

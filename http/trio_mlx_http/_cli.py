@@ -275,7 +275,7 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="BYTES",
         help="cap of the prompt (KV) cache, e.g. 512M or 2G; 0 disables it "
-        "(default: the engine's, 256M)",
+        "(default: a fifth of the memory MLX may use, less the weights; at least 256M)",
     )
     parser.add_argument(
         "--kv-memory",

@@ -24,7 +24,7 @@ from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.images import decode as decode_image
 from trio_mlx._core.images import has_images, split_images
 from trio_mlx._core.planner import StepPlanner
-from trio_mlx._core.prompts import Prompt, PromptEncoder, too_long
+from trio_mlx._core.prompts import PreparedPrompt, Prompt, PromptEncoder, opens_reasoning, too_long
 from trio_mlx._core.request import EngineStatistics, Request
 from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
@@ -94,7 +94,8 @@ async def open_engine(
     :class:`~trio_mlx.EngineOverloaded`). A request that cannot batch waits at
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
-    caps the prompt cache (0 disables it). ``prompt_cache_dir`` adds its disk
+    caps the prompt cache (0 disables it; ``None``, the default: a fifth of
+    MLX's memory limit less the weights, at least 256 MiB). ``prompt_cache_dir`` adds its disk
     tier: checkpoints of long prompts kept in that folder across restarts, at
     most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
     disk tier; see ``design/engine.md``). ``prefill_step_size`` and
@@ -404,7 +405,7 @@ class Engine:
             raise InvalidRequest(
                 "a chat with images is tokenized by tokenize(), not encode()", param="prompt"
             )
-        return self._prompts.encode(prompt, tools, chat_template_kwargs)[0]
+        return list(self._prompts.encode(prompt, tools, chat_template_kwargs).tokens)
 
     async def tokenize(
         self,
@@ -421,8 +422,45 @@ class Engine:
         behind large ones.
         """
         if has_images(prompt):  # image tokens expanded, as generate makes them
-            return (await self._encode_images(prompt, tools, chat_template_kwargs))[0]
-        return (await self._prompts.tokenize(prompt, tools, chat_template_kwargs))[0]
+            return list((await self._encode_images(prompt, tools, chat_template_kwargs)).tokens)
+        return list((await self._prompts.tokenize(prompt, tools, chat_template_kwargs)).tokens)
+
+    async def prepare(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_markers: tuple[str, str] | None = None,
+        continue_final_message: bool = False,
+    ) -> PreparedPrompt:
+        """Render and tokenize a prompt once, for :meth:`generate` to take as it is.
+
+        The prompt is what :meth:`encode` takes, and is checked as it checks it
+        (off the event loop as :meth:`tokenize`). A chat is rendered once; the
+        result says whether the rendered prompt ends inside a reasoning block
+        (``reasoning_markers``, start and end; default: the tokenizer's
+        ``think_start``/``think_end``), so the generated text starts as
+        reasoning. ``continue_final_message`` leaves a final assistant message
+        open for the model to continue (a template that cannot is refused).
+        Several requests may share one prepared prompt (``n`` choices).
+        """
+        if reasoning_markers is None:
+            start = getattr(self.tokenizer, "think_start", None)
+            end = getattr(self.tokenizer, "think_end", None)
+            if isinstance(start, str) and isinstance(end, str):
+                reasoning_markers = (start, end)
+        if has_images(prompt):
+            if continue_final_message:
+                raise InvalidRequest(
+                    "a chat with images cannot continue its final message (a prefill)",
+                    param="messages",
+                    code="images_unsupported",
+                )
+            return await self._encode_images(prompt, tools, chat_template_kwargs, reasoning_markers)
+        return await self._prompts.tokenize(
+            prompt, tools, chat_template_kwargs, reasoning_markers, continue_final_message
+        )
 
     def refuse_oversized(self, prompt: Prompt, *, tools: Sequence[Any] | None = None) -> None:
         """Refuse, before rendering or tokenizing, a prompt that cannot fit the context.
@@ -438,7 +476,7 @@ class Engine:
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
@@ -447,6 +485,9 @@ class Engine:
     ) -> GenerationStream:
         """Stream one completion: ``async with engine.generate(...) as stream: async for delta in stream``.
 
+        ``prompt`` is what :meth:`encode` takes, or a :class:`~trio_mlx.PreparedPrompt`
+        (:meth:`prepare`), whose tokens are taken as they are (it carries its own
+        tools and template arguments: passing them too is refused).
         Submission errors raise on entering the block (InvalidRequest,
         NotFound for an unknown adapter, EngineOverloaded, EngineClosed).
         Leaving the block early cancels the request. ``client`` (any hashable,
@@ -460,7 +501,7 @@ class Engine:
 
     async def complete(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams = DEFAULT_PARAMS,
         *,
         tools: Sequence[Any] | None = None,
@@ -556,7 +597,7 @@ class Engine:
 
     async def _submit(
         self,
-        prompt: Prompt,
+        prompt: Prompt | PreparedPrompt,
         params: SamplingParams,
         tools: Any,
         template_kwargs: Mapping[str, Any] | None = None,
@@ -566,14 +607,15 @@ class Engine:
             raise InvalidRequest("params must be a SamplingParams")
         if self._actor.closed:
             raise EngineClosed("the engine is closed")
-        # Tokenizing (and rendering a chat template) is CPU work that grows with
-        # the prompt: off the event loop, a few prompts at a time.
-        images = None
-        if has_images(prompt):
-            tokens, images = await self._encode_images(prompt, tools, template_kwargs)
-            checkpoint = None
+        if isinstance(prompt, PreparedPrompt):
+            prepared = self._check_prepared(prompt, tools, template_kwargs)
+        elif has_images(prompt):
+            prepared = await self._encode_images(prompt, tools, template_kwargs)
         else:
-            tokens, checkpoint = await self._prompts.tokenize(prompt, tools, template_kwargs)
+            # Tokenizing (and rendering a chat template) is CPU work that grows with
+            # the prompt: off the event loop, a few prompts at a time.
+            prepared = await self._prompts.tokenize(prompt, tools, template_kwargs)
+        tokens, checkpoint, images = prepared.tokens, prepared.stable_prefix, prepared.images
         params = self._fit_context(len(tokens), params)
         params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
@@ -601,14 +643,18 @@ class Engine:
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tuple(tokens), params, constraint, checkpoint, images),
+            spec=RowSpec(request_id, tokens, params, constraint, checkpoint, images),
         )
         await self._actor.submit(request)
         return request
 
     async def _encode_images(
-        self, prompt: Prompt, tools: Any, template_kwargs: Mapping[str, Any] | None
-    ) -> tuple[list[int], VisionPrompt]:
+        self,
+        prompt: Prompt,
+        tools: Any,
+        template_kwargs: Mapping[str, Any] | None,
+        markers: tuple[str, str] | None = None,
+    ) -> PreparedPrompt:
         """A chat with images: decoded and hashed, then the prompt made by the model's
         processor (image tokens expanded), in a thread."""
         vision = self._loaded.vision
@@ -622,7 +668,7 @@ class Engine:
         self._prompts.refuse_oversized(messages, tools=tools)
         limit = self.max_image_pixels
 
-        def work() -> tuple[list[int], VisionPrompt]:
+        def work() -> tuple[list[int], VisionPrompt, str]:
             decoded = [decode_image(name, image, limit) for name, image in found]
             return vision.encode(
                 self.tokenizer,
@@ -633,11 +679,33 @@ class Engine:
                 template_kwargs,
             )
 
-        tokens, images = await trio.to_thread.run_sync(work)
+        tokens, images, text = await trio.to_thread.run_sync(work)
         context = self.context_length
         if context is not None and len(tokens) > context:
             raise too_long(f"the prompt has {len(tokens)} tokens with its images", context)
-        return tokens, images
+        # (attrs' tuple converter reads to mypy as an unsolved Iterable[_T_co])
+        ids: Any = tuple(tokens)
+        return PreparedPrompt(ids, opens_reasoning(text, markers), None, images)
+
+    def _check_prepared(
+        self, prompt: PreparedPrompt, tools: Any, template_kwargs: Mapping[str, Any] | None
+    ) -> PreparedPrompt:
+        """A prepared prompt's tokens checked as :meth:`encode` checks token ids (cheaply)."""
+        if tools or template_kwargs:
+            raise InvalidRequest(
+                "a prepared prompt was rendered with its tools and chat_template_kwargs; "
+                "pass them to prepare, not with it",
+                param="tools" if tools else "chat_template_kwargs",
+            )
+        tokens = prompt.tokens
+        self._prompts.check_length(tokens)
+        vocab = self._loaded.config.get("vocab_size")
+        # Ints (checked when it was made); min and max run in C, cheap on the event loop.
+        if min(tokens) < 0 or (isinstance(vocab, int) and max(tokens) >= vocab):
+            raise InvalidRequest(
+                "a prepared prompt holds ids outside the vocabulary", param="prompt"
+            )
+        return prompt
 
     def _fit_context(self, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
         """``params`` with max_tokens cut to the room the prompt leaves in the context.

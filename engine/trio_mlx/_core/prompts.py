@@ -21,9 +21,45 @@ from trio_mlx._core.prompt_size import rendered_bytes, utf8_size
 from trio_mlx._core.stable_prefix import StablePrefix
 from trio_mlx._errors import InvalidRequest
 
-__all__ = ["Prompt", "PromptEncoder", "too_long"]
+__all__ = ["PreparedPrompt", "Prompt", "PromptEncoder", "too_long"]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+
+def _token_ids(_instance: Any, _attribute: Any, tokens: tuple[int, ...]) -> None:
+    if not all(type(token) is int for token in tokens):
+        raise InvalidRequest("a prepared prompt's tokens must be token ids (ints)", param="prompt")
+
+
+@attrs.frozen
+class PreparedPrompt:
+    """A prompt rendered and tokenized once, by :meth:`~trio_mlx.Engine.prepare`.
+
+    Pass it to :meth:`~trio_mlx.Engine.generate` (or ``complete``) as the prompt:
+    generation takes its tokens as they are, so a chat template is not rendered
+    again, and as many requests as share it (``n`` choices) share its rendering.
+    """
+
+    #: The prompt's token ids, as the model reads them.
+    tokens: tuple[int, ...] = attrs.field(converter=tuple, validator=_token_ids)
+    #: Whether the rendered prompt ends inside a reasoning block (a chat template
+    #: that opens ``<think>`` itself): the generated text starts as reasoning.
+    opens_reasoning: bool = False
+    #: A chat's stable prefix (its system prompt and tools) in tokens, where the
+    #: prompt cache keeps a checkpoint; None: no such prefix.
+    stable_prefix: int | None = None
+    #: A chat with images: their model inputs and hashes (the engine's
+    #: ``VisionPrompt``); None: text only.
+    images: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+def opens_reasoning(text: str, markers: tuple[str, str] | None) -> bool:
+    """Whether ``text`` (a rendered chat) ends inside a block that ``markers`` open and close."""
+    if markers is None:
+        return False
+    start, end = markers
+    return text.rfind(start) > text.rfind(end) if start and start in text else False
+
 
 #: Prompts (characters, or token ids) up to this size are tokenized on the event loop.
 _INLINE_PROMPT = 1024
@@ -89,11 +125,15 @@ class PromptEncoder:
         prompt: Prompt,
         tools: Sequence[Any] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
-    ) -> tuple[list[int], int | None]:
-        """The prompt's tokens (see ``Engine.encode``) and, for a chat, its stable prefix's length
-        (the prompt cache's checkpoint: :mod:`trio_mlx._core.stable_prefix`)."""
+        markers: tuple[str, str] | None = None,
+        continue_final: bool = False,
+    ) -> PreparedPrompt:
+        """The prompt's tokens (see ``Engine.encode``); for a chat, whether it opens a
+        reasoning block that ``markers`` delimit, and its stable prefix's length (the
+        prompt cache's checkpoint: :mod:`trio_mlx._core.stable_prefix`)."""
         tokenizer = self.tokenizer
         checkpoint = None
+        opened = False
         if isinstance(prompt, str | Sequence) and not isinstance(prompt, bytes | bytearray):
             self.refuse_oversized(prompt, tools=tools)
         if isinstance(prompt, str):
@@ -115,7 +155,9 @@ class PromptEncoder:
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             if all(isinstance(m, Mapping) for m in prompt):
-                tokens = self._chat(prompt, tools, chat_template_kwargs)
+                text = self._render(prompt, tools, chat_template_kwargs, continue_final)
+                opened = opens_reasoning(text, markers)
+                tokens = list(tokenizer.encode(text, add_special_tokens=False))
                 if self.stable_prefixes:
                     checkpoint = self._stable_prefix.find(
                         cast(Sequence[Mapping[str, Any]], prompt),
@@ -129,12 +171,16 @@ class PromptEncoder:
             raise InvalidRequest(
                 "the prompt must be a string, token ids or chat messages", param="prompt"
             )
+        self.check_length(tokens)
+        return PreparedPrompt(tuple(tokens), opened, checkpoint)
+
+    def check_length(self, tokens: Sequence[int]) -> None:
+        """Refuse a prompt of no tokens, or of more than the context holds."""
         if not tokens:
             raise InvalidRequest("the prompt tokenizes to nothing", param="prompt")
         limit = self.context_length
         if limit is not None and len(tokens) > limit:
             raise too_long(f"the prompt has {len(tokens)} tokens", limit)
-        return tokens, checkpoint
 
     @property
     def _stable_prefix(self) -> StablePrefix:
@@ -147,8 +193,10 @@ class PromptEncoder:
         prompt: Prompt,
         tools: Sequence[Any] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
-    ) -> tuple[list[int], int | None]:
-        encode = partial(self.encode, prompt, tools, chat_template_kwargs)
+        markers: tuple[str, str] | None = None,
+        continue_final: bool = False,
+    ) -> PreparedPrompt:
+        encode = partial(self.encode, prompt, tools, chat_template_kwargs, markers, continue_final)
         if _small(prompt, tools):
             return encode()
         return await trio.to_thread.run_sync(encode, limiter=self._encode_limiter)
@@ -194,12 +242,18 @@ class PromptEncoder:
         if size > cap:
             raise too_long(f"the prompt's {size} bytes are more tokens", limit)
 
-    def _chat(
+    def _render(
         self,
         messages: Sequence[Any],
         tools: Sequence[Any] | None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
+        template_kwargs: Mapping[str, Any] | None,
+        continue_final: bool,
+    ) -> str:
+        """The chat rendered as text, once (tokenizing it is what ``tokenize=True`` does).
+
+        ``continue_final``: the last (assistant) message is left open for the model
+        to continue, instead of a new turn's header (Anthropic's prefill).
+        """
         kwargs: dict[str, Any] = dict(template_kwargs or {})
         reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
@@ -207,16 +261,32 @@ class PromptEncoder:
                 f"chat_template_kwargs may not set {', '.join(reserved)}",
                 param="chat_template_kwargs",
             )
-        kwargs.update(add_generation_prompt=True, tokenize=True)
+        if continue_final:
+            kwargs.update(add_generation_prompt=False, continue_final_message=True)
+        else:
+            kwargs.update(add_generation_prompt=True)
         if tools:
             kwargs["tools"] = list(tools)
         try:
-            tokens = self.tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs)
+            text = str(
+                self.tokenizer.apply_chat_template(
+                    [dict(m) for m in messages], tokenize=False, **kwargs
+                )
+            )
         except Exception as exc:
             raise InvalidRequest(
                 f"cannot apply the chat template: {exc}", param="messages"
             ) from None
-        return list(tokens)
+        if continue_final and not text.rstrip().endswith(
+            str(messages[-1].get("content", "")).rstrip()
+        ):
+            raise InvalidRequest(
+                "this model's chat template cannot continue a final assistant message; "
+                "end the messages with a user message",
+                param="messages",
+                code="unsupported_parameter",
+            )
+        return text
 
     def _token_ids(self, ids: Sequence[Any]) -> list[int]:
         vocab = self.vocab_size

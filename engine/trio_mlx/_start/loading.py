@@ -26,7 +26,7 @@ from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
-from trio_mlx._memory import KVProfile, default_limit
+from trio_mlx._memory import KVProfile, default_limit, default_prompt_cache
 from trio_mlx._params import SamplingParams
 from trio_mlx._start import kv_measure
 from trio_mlx._start import model_fixes as _model_fixes
@@ -261,9 +261,10 @@ def load(
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     kv_profile = kv_measure.measure(model, warm[0])
-    kv_default = default_limit(
-        kv_measure.memory_limit(), kv_measure.weight_bytes(model), prompt_cache_bytes, kv_profile
-    )
+    memory, weights = kv_measure.memory_limit(), kv_measure.weight_bytes(model)
+    if prompt_cache_bytes is None:
+        prompt_cache_bytes = default_prompt_cache(memory, weights)
+    kv_default = default_limit(memory, weights, prompt_cache_bytes, kv_profile)
     # On a GPU the host-side cost of each admission, removal and fetch dominates and
     # grouping pays; on the CPU the compute does (see ``Loaded.grouping``).
     grouping = mx.default_device() != mx.cpu

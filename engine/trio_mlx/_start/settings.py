@@ -21,7 +21,6 @@ from trio_mlx._lanes.structured import COMPILE_TIMEOUT, DEFAULT_GRAMMAR_CACHE_BY
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
-    "DEFAULT_PROMPT_CACHE_BYTES",
     "DEFAULT_PROMPT_CACHE_DISK_BYTES",
     "PARALLEL",
     "SWITCHES",
@@ -29,8 +28,6 @@ __all__ = [
     "switches",
 ]
 
-#: The default byte cap of the prompt cache.
-DEFAULT_PROMPT_CACHE_BYTES = 256 * 1024 * 1024
 #: The default bound on an input image's pixels: 8192 x 8192 (PIL's own bomb
 #: check starts at about 89 million).
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
@@ -167,8 +164,9 @@ class EngineSettings:
     max_queue: int = attrs.field(default=256, validator=_int_at_least(0))
     drain_timeout: float | None = attrs.field(default=1.0, validator=_number(0, optional=True))
     min_batch_steps: int = attrs.field(default=8, validator=_int_at_least(0))
-    prompt_cache_bytes: int = attrs.field(
-        default=DEFAULT_PROMPT_CACHE_BYTES, validator=_int_at_least(0)
+    #: None: a share of the memory the weights leave (``_memory.default_prompt_cache``).
+    prompt_cache_bytes: int | None = attrs.field(
+        default=None, validator=_int_at_least(0, optional=True)
     )
     #: Most pixels (width x height) an input image may decode to (a vision model's).
     max_image_pixels: int = attrs.field(

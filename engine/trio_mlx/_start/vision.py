@@ -83,8 +83,9 @@ class Vision:
         digests: Sequence[str],
         tools: Sequence[Any] | None,
         template_kwargs: Mapping[str, Any] | None,
-    ) -> tuple[list[int], VisionPrompt]:
-        """The prompt's tokens, image tokens expanded, and its image inputs (any thread).
+    ) -> tuple[list[int], VisionPrompt, str]:
+        """The prompt's tokens, image tokens expanded, its image inputs and its rendered
+        text (any thread).
 
         ``messages`` hold ``{"type": "image"}`` parts where the images go; ``images``
         are decoded PIL images.
@@ -120,7 +121,7 @@ class Vision:
             for key, value in out.items()
             if key not in ("input_ids", "attention_mask") and value is not None
         }
-        return tokens, VisionPrompt(arrays, tuple(digests), places[-1] + 1)
+        return tokens, VisionPrompt(arrays, tuple(digests), places[-1] + 1), str(text)
 
     def start(
         self,

@@ -19,23 +19,28 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import attrs
-import trio
 from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, TrioMLXError
 from trio_mlx_http._common.cache_usage import cache_usage
-from trio_mlx_http._common.content import joined_text
-from trio_mlx_http._common.images import ImageRef, image_part, image_url, resolve_prompts
+from trio_mlx_http._common.fields import (
+    check_fields,
+    get_field,
+    joined_text,
+    never,
+    unsupported,
+)
+from trio_mlx_http._common.images import ImageRef, image_part, image_url
+from trio_mlx_http._common.prepare import prepare
 from trio_mlx_http._common.sse import named_event
 from trio_mlx_http._common.structured import ToolChoice, grammar_param
 from trio_mlx_http._common.tools import ToolCall
 from trio_mlx_http._common.turn import Ending, Event, Piece, Thought, run_turn
 from trio_mlx_http._errors import anthropic_error_body
-from trio_mlx_http._openai.chat import _check_tools, _resolve_model
-from trio_mlx_http._openai.schema import GenerationRequest, _get, _messages, _sampling
+from trio_mlx_http._openai.schema import GenerationRequest, chat_messages, sampling_params
 from trio_mlx_http._server.state import Access, ServerState
 from trio_mlx_http._settings import Settings
 
@@ -81,33 +86,20 @@ IGNORED = frozenset(
 )
 
 
-def _never(_value: Any) -> bool:
-    return False
-
-
 #: Known fields the server does not support: each accepts only its default
 #: (or null); any other value is 400.
 REFUSED: dict[str, Callable[[Any], bool]] = {
-    "container": _never,
-    "context_management": _never,
+    "container": never,
+    "context_management": never,
     "mcp_servers": lambda v: v == [],
-    "diagnostics": _never,
-    "speed": _never,
+    "diagnostics": never,
+    "speed": never,
 }
 
 #: ``thinking.type`` -> the chat template's ``enable_thinking`` (None: the template's default).
 _THINKING = {"enabled": True, "disabled": False, "adaptive": None}
 #: ``output_config.effort`` values (accepted: see design/http.md).
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
-
-
-def _unsupported(name: str, detail: str = "") -> InvalidRequest:
-    more = f" ({detail})" if detail else ""
-    return InvalidRequest(
-        f"{name} is not supported by this server{more}; leave it out",
-        param=name,
-        code="unsupported_parameter",
-    )
 
 
 def _block_text(block: Any, where: str) -> str:
@@ -142,7 +134,7 @@ def _image_block(block: Mapping[str, Any], where: str) -> ImageRef:
 def _joined(pieces: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
     """A message's text, or with an image among ``pieces`` its text and image parts."""
     if all(isinstance(p, str) for p in pieces):
-        return "".join(cast("list[str]", pieces))
+        return "".join(p for p in pieces if isinstance(p, str))
     return [{"type": "text", "text": p} if isinstance(p, str) else p for p in pieces]
 
 
@@ -223,7 +215,7 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": _text(system, "system")})
     for i, message in enumerate(messages):
         out.extend(_message(message, f"messages[{i}]"))
-    return _messages(out)
+    return chat_messages(out)
 
 
 def _tool_choice(body: Mapping[str, Any]) -> ToolChoice:
@@ -231,7 +223,7 @@ def _tool_choice(body: Mapping[str, Any]) -> ToolChoice:
 
     Both are enforced with chat's tool-call grammar (``_generation._enforce_tool_choice``).
     """
-    choice = _get(body, "tool_choice", dict, "an object")
+    choice = get_field(body, "tool_choice", dict, "an object")
     kind = "auto" if choice is None else choice.get("type")
     parallel = not _one_call(body)
     if kind in ("auto", "none"):
@@ -247,7 +239,7 @@ def _tool_choice(body: Mapping[str, Any]) -> ToolChoice:
 
 
 def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    tools = _get(body, "tools", list, "a list of tools") or []
+    tools = get_field(body, "tools", list, "a list of tools") or []
     kind = _tool_choice(body).mode
     chat = []
     for i, tool in enumerate(tools):
@@ -282,23 +274,6 @@ def _one_call(body: Mapping[str, Any]) -> bool:
     return flag is True
 
 
-def _check_fields(body: Mapping[str, Any]) -> None:
-    """Refuse every field that is neither honoured nor harmless (``null`` is absent)."""
-    for name, value in body.items():
-        if value is None or name in HONOURED or name in IGNORED:
-            continue
-        is_default = REFUSED.get(name)
-        if is_default is None:
-            raise InvalidRequest(
-                f"unknown field {name!r:.80}: the server does not support it "
-                "(it is not ignored, since it might change the output)",
-                param=str(name)[:80],
-                code="unsupported_parameter",
-            )
-        if not is_default(value):
-            raise _unsupported(name)
-
-
 @attrs.frozen
 class Thinking:
     """The request's ``thinking``: the template switch, and whether to show the reasoning."""
@@ -317,7 +292,7 @@ def _thinking(body: Mapping[str, Any]) -> Thinking:
     The budget must lie below ``max_tokens``, as Anthropic requires; where the
     model has reasoning markers, the reasoning block is ended once it is spent.
     """
-    value = _get(body, "thinking", dict, "an object")
+    value = get_field(body, "thinking", dict, "an object")
     if value is None:
         return Thinking()
     kind = value.get("type")
@@ -327,7 +302,7 @@ def _thinking(body: Mapping[str, Any]) -> Thinking:
         )
     for key in value:
         if key not in ("type", "budget_tokens", "display"):
-            raise _unsupported(f"thinking.{key}")
+            raise unsupported(f"thinking.{key}")
     budget = value.get("budget_tokens")
     if kind == "enabled":
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -356,12 +331,12 @@ def _thinking(body: Mapping[str, Any]) -> Thinking:
 
 def _output_config(body: Mapping[str, Any]) -> None:
     """``output_config``: ``effort`` accepted (design/http.md); ``format`` and the rest refused."""
-    config = _get(body, "output_config", dict, "an object") or {}
+    config = get_field(body, "output_config", dict, "an object") or {}
     for key, value in config.items():
         if value is None:
             continue
         if key != "effort":
-            raise _unsupported(f"output_config.{key}")
+            raise unsupported(f"output_config.{key}")
         if value not in _EFFORTS:
             raise InvalidRequest(
                 f"output_config.effort must be one of {', '.join(_EFFORTS)}",
@@ -370,7 +345,7 @@ def _output_config(body: Mapping[str, Any]) -> None:
 
 
 def _metadata(body: Mapping[str, Any]) -> None:
-    metadata = _get(body, "metadata", dict, "an object") or {}
+    metadata = get_field(body, "metadata", dict, "an object") or {}
     user = metadata.get("user_id")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("metadata.user_id must be a string", param="metadata.user_id")
@@ -401,35 +376,35 @@ def parse_messages(
     body: Mapping[str, Any], settings: Settings, *, counting: bool = False
 ) -> MessagesRequest:
     """Validate a ``/v1/messages`` body (``counting``: a ``count_tokens`` body, no max_tokens)."""
-    _check_fields(body)
+    check_fields(body, HONOURED, IGNORED, REFUSED)
     _output_config(body)
     _metadata(body)
     thinking = _thinking(body)
-    model = _get(body, "model", str, "a string")
+    model = get_field(body, "model", str, "a string")
     if counting:
         body = {**body, "max_tokens": 1}
     if body.get("max_tokens") is None:
         raise InvalidRequest("max_tokens is required", param="max_tokens")
-    temperature = _get(body, "temperature", (int, float), "a number")
+    temperature = get_field(body, "temperature", (int, float), "a number")
     if temperature is not None and not 0 <= temperature <= 1:
         raise InvalidRequest(
             f"temperature must be within [0, 1], not {temperature}", param="temperature"
         )
-    stops = _get(body, "stop_sequences", list, "a list of strings")
+    stops = get_field(body, "stop_sequences", list, "a list of strings")
     sampling = {
         name: body[name] for name in ("temperature", "top_p", "top_k") if body.get(name) is not None
     }
     extra: dict[str, Any] = {"max_tokens": body["max_tokens"]}
     if stops:
         extra["stop"] = stops
-    params = _sampling(sampling, settings, extra, {"stop": "stop_sequences"})
+    params = sampling_params(sampling, settings, extra, {"stop": "stop_sequences"})
     conversation = _conversation(body)
     generation = GenerationRequest(
         model=model,
         prompts=(conversation,),
         params=params,
         n=1,
-        stream=bool(_get(body, "stream", bool, "a boolean")),
+        stream=bool(get_field(body, "stream", bool, "a boolean")),
         include_usage=False,
         tools=_tools(body),
         chat_template_kwargs=_template_kwargs(thinking, settings),
@@ -446,60 +421,6 @@ def _template_kwargs(thinking: Thinking, settings: Settings) -> dict[str, Any] |
     if thinking.enable is not None:
         kwargs["enable_thinking"] = thinking.enable
     return kwargs or None
-
-
-#: One prefill rendering at a time, off the event loop (as the engine tokenizes).
-_RENDER_LIMITER = trio.CapacityLimiter(1)
-
-
-def _continued(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: Any, template: dict[str, Any] | None
-) -> list[int]:
-    """Token ids of ``messages`` with the last (assistant) one left open to continue."""
-    kwargs: dict[str, Any] = {
-        **(template or {}),
-        "add_generation_prompt": False,
-        "continue_final_message": True,
-        "tokenize": False,
-    }
-    if tools:
-        kwargs["tools"] = tools
-    try:
-        text = str(tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs))
-    except Exception as exc:
-        raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from None
-    if not text.rstrip().endswith(str(messages[-1]["content"]).rstrip()):
-        raise InvalidRequest(
-            "this model's chat template cannot continue a final assistant message; "
-            "end the messages with a user message",
-            param="messages",
-            code="unsupported_parameter",
-        )
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-async def _prompt(state: ServerState, request: MessagesRequest) -> GenerationRequest:
-    """The engine request: a prefill is rendered here, left open, and sent as token ids."""
-    generation = request.generation
-    if not request.prefill:
-        return generation
-    # parse_messages put the chat there.
-    messages = cast("list[dict[str, Any]]", generation.prompts[0])
-    if any(isinstance(m.get("content"), list) for m in messages):
-        raise InvalidRequest(
-            "a request that ends with an assistant message (a prefill) cannot hold images",
-            param="messages",
-            code="images_unsupported",
-        )
-
-    def render() -> list[int]:
-        state.engine.refuse_oversized(messages, tools=generation.tools)
-        return _continued(
-            state.engine.tokenizer, messages, generation.tools, generation.chat_template_kwargs
-        )
-
-    tokens = await trio.to_thread.run_sync(render, limiter=_RENDER_LIMITER)
-    return attrs.evolve(generation, prompts=(tokens,))
 
 
 #: What a stream sends while it has nothing else to say: Anthropic's own ``ping``.
@@ -674,11 +595,14 @@ async def respond(
 ) -> Response | dict[str, Any]:
     """Answer one ``POST /v1/messages``."""
     parsed = parse_messages(body, state.settings)
-    request = await _prompt(state, parsed)
     omitted = parsed.thinking.omitted
     try:
         return await run_turn(
-            state, request, lambda model: _Renderer(model, omitted=omitted), access
+            state,
+            parsed.generation,
+            lambda model: _Renderer(model, omitted=omitted),
+            access,
+            continue_final=parsed.prefill,
         )
     except InvalidGrammar as error:  # the tool-call grammar of a forced tool_choice
         raise grammar_param(error, "tool_choice") from None
@@ -686,11 +610,6 @@ async def respond(
 
 async def count_tokens(state: ServerState, body: Mapping[str, Any]) -> dict[str, Any]:
     """``POST /v1/messages/count_tokens``: the prompt's length, tools included."""
-    request = await _prompt(state, parse_messages(body, state.settings, counting=True))
-    _model, request = _resolve_model(state, request)
-    _check_tools(state, request.tools)
-    prompts = await resolve_prompts(state.engine, state.settings, request.prompts)
-    tokens = await state.engine.tokenize(
-        prompts[0], tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
-    )
-    return {"input_tokens": len(tokens)}
+    parsed = parse_messages(body, state.settings, counting=True)
+    prepared = await prepare(state, parsed.generation, continue_final=parsed.prefill, counting=True)
+    return {"input_tokens": len(prepared.prompts[0].tokens)}

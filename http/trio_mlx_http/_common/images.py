@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -23,9 +23,10 @@ import trio
 
 import trio_mlx
 from trio_mlx import InvalidRequest
+from trio_mlx_http._common.fields import joined_text
 from trio_mlx_http._settings import Settings
 
-__all__ = ["ImageRef", "image_part", "image_url", "resolve", "resolve_prompts"]
+__all__ = ["ImageRef", "image_part", "image_url", "joined_content", "resolve", "resolve_prompts"]
 
 
 @attrs.frozen
@@ -190,3 +191,31 @@ async def _fetch(ref: ImageRef, settings: Settings) -> bytes:
     if len(data) > limit:
         raise _too_big(ref, f"more than {limit}", limit)
     return data
+
+
+def joined_content(
+    content: Any,
+    where: str,
+    part_text: Callable[[Any, str], str],
+    part_image: Callable[[Any, str], ImageRef | None],
+    parts: str,
+) -> str | list[dict[str, Any]]:
+    """:func:`joined_text`, but a part ``part_image`` reads as an image is kept: with
+    one, the content is a list of text and image parts (adjacent text joined)."""
+    if not isinstance(content, list):
+        return joined_text(content, where, part_text, parts)
+    out: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        ref = part_image(part, at)
+        if ref is not None:
+            out.append(image_part(ref))
+            continue
+        text = part_text(part, at)
+        if out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + text}
+        else:
+            out.append({"type": "text", "text": text})
+    if any(p["type"] == "image" for p in out):
+        return out
+    return "".join(p["text"] for p in out)

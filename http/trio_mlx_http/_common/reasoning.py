@@ -7,27 +7,17 @@ streamed text and returns (reasoning, content) pieces, holding back a tail
 that could be the start of a marker so no partial marker reaches the client.
 Only the first reasoning block is split out; text after it is content (tool
 calls included). A prompt that ends inside a reasoning block (templates that
-open ``<think>`` themselves) starts the splitter inside it.
+open ``<think>`` themselves; ``PreparedPrompt.opens_reasoning`` says so) starts
+the splitter inside it.
 """
 
 from __future__ import annotations
 
 import attrs
 
-__all__ = ["ReasoningSplitter", "prompt_opens_reasoning"]
+from trio_mlx_http._common.tools import held_back
 
-
-def _held_back(text: str, marker: str) -> int:
-    """How many trailing characters of ``text`` could begin ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
-def prompt_opens_reasoning(prompt: str, start: str, end: str) -> bool:
-    """Whether ``prompt`` (the rendered chat) ends inside a reasoning block."""
-    return prompt.rfind(start) > prompt.rfind(end) if start in prompt else False
+__all__ = ["ReasoningSplitter"]
 
 
 @attrs.define
@@ -67,7 +57,7 @@ class ReasoningSplitter:
                     buf = buf[at + len(self.start) :]
                     self._state, self._trim = "inside", True
                     continue
-                keep = 0 if final else _held_back(buf, self.start)
+                keep = 0 if final else held_back(buf, self.start)
                 content.append(buf[: len(buf) - keep])
                 self._pending = buf[len(buf) - keep :]
                 buf = ""
@@ -78,7 +68,7 @@ class ReasoningSplitter:
                     buf = buf[at + len(self.end) :]
                     self._state, self._trim = "after", True
                     continue
-                keep = 0 if final else _held_back(buf, self.end)
+                keep = 0 if final else held_back(buf, self.end)
                 reasoning.append(self._trimmed(buf[: len(buf) - keep]))
                 self._pending = buf[len(buf) - keep :]
                 buf = ""

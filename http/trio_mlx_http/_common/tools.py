@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ToolCall", "ToolCallExtractor"]
+__all__ = ["ToolCall", "ToolCallExtractor", "held_back"]
 
 logger = logging.getLogger("trio_mlx_http")
 
@@ -47,8 +47,9 @@ class ToolCall:
         return out
 
 
-def _held_back(text: str, marker: str) -> int:
-    """How many trailing characters of ``text`` could begin ``marker``."""
+def held_back(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` could begin ``marker`` (held back from the
+    client until the next piece says whether the marker follows)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
             return size
@@ -98,7 +99,7 @@ class ToolCallExtractor:
             else:
                 at = self._pending.find(self.start)
                 if at < 0:
-                    keep = _held_back(self._pending, self.start)
+                    keep = held_back(self._pending, self.start)
                     cut = len(self._pending) - keep
                     visible.append(self._pending[:cut])
                     self._pending = self._pending[cut:]

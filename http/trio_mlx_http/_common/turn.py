@@ -2,44 +2,30 @@
 
 Both APIs ask for one choice and describe it as a sequence of typed pieces
 (text, then tool calls), whole or streamed as named server-sent events. This
-module runs that one engine request -- through the same helpers as chat
-completions (model resolution, the context clamp, the tool check, the tool-call
-extractor), on the same lanes, with the same disconnect and metrics handling --
-and hands each piece to a :class:`Renderer` that speaks the endpoint's shapes.
+module runs that one engine request -- prepared as chat completions' are
+(:mod:`~trio_mlx_http._common.prepare`), streamed by the same driver
+(:mod:`~trio_mlx_http._common.drive`) -- and hands each piece to a
+:class:`Renderer` that speaks the endpoint's shapes.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
 from quart import Response
 
-from trio_mlx import GenerationResult, TrioMLXError
+from trio_mlx import Delta, GenerationResult, GenerationStream, TrioMLXError
 from trio_mlx_http._common import sse as _sse
-from trio_mlx_http._common.images import resolve_prompts
-from trio_mlx_http._common.keepalive import next_delta
+from trio_mlx_http._common.drive import drive, sse_response
+from trio_mlx_http._common.prepare import prepare
 from trio_mlx_http._common.reasoning import ReasoningSplitter
 from trio_mlx_http._common.tools import ToolCall, ToolCallExtractor
-from trio_mlx_http._errors import status_of
-from trio_mlx_http._openai.chat import (
-    _check_tools,
-    _clamp_max_tokens,
-    _enforce_tool_choice,
-    _extractor,
-    _opens_reasoning,
-    _reasoning_effort,
-    _resolve_model,
-    reasoning_markers,
-)
 from trio_mlx_http._openai.schema import GenerationRequest
 from trio_mlx_http._server.state import Access, ServerState
 
 __all__ = ["Ending", "Event", "Piece", "Renderer", "Thought", "run_turn"]
-
-logger = logging.getLogger("trio_mlx_http")
 
 #: A named server-sent event: (event name, JSON payload).
 Event = tuple[str, dict[str, Any]]
@@ -153,142 +139,75 @@ def _stop_sequence(
     return hits[0][2] if hits else None
 
 
-async def _prepare(
-    state: ServerState, request: GenerationRequest
-) -> tuple[str, GenerationRequest, _Splitter]:
-    model, request = _resolve_model(state, _clamp_max_tokens(state, request))
-    _check_tools(state, request.tools)
-    prompts = await resolve_prompts(state.engine, state.settings, request.prompts)
-    request = _reasoning_effort(state, attrs.evolve(request, prompts=prompts))
-    splitter = _Splitter(_extractor(state, request))
-    markers = reasoning_markers(state)
-    opened = False
-    if markers is not None:
-        opened = await _opens_reasoning(state, request, markers)
-        splitter.reasoning = (ReasoningSplitter.opened if opened else ReasoningSplitter)(*markers)
-    # As on chat: a forced tool call becomes a grammar of the model's tool-call format,
-    # and any constraint starts after a reasoning block the prompt opens.
-    reasoning_end = markers[1] if markers is not None and opened else None
-    request = _enforce_tool_choice(state, request, reasoning_end)
-    if request.reasoning_budget is not None and markers is not None:
-        request = _bound_reasoning(state, request, markers, opened)
-    return model, request, splitter
-
-
-def _bound_reasoning(
-    state: ServerState, request: GenerationRequest, markers: tuple[str, str], opened: bool
-) -> GenerationRequest:
-    """The request's reasoning budget as the engine's: the markers as token ids."""
-    tokenizer = state.engine.tokenizer
-    ids = tuple(tuple(tokenizer.encode(m, add_special_tokens=False)) for m in markers)
-    if not all(ids):
-        return request  # a marker the tokenizer cannot spell: max_tokens bounds it
-    params = attrs.evolve(
-        request.params,
-        reasoning_budget=request.reasoning_budget,
-        reasoning_markers=(ids[0], ids[1]),
-        reasoning_opened=opened,
-    )
-    return attrs.evolve(request, params=params)
-
-
 async def run_turn(
     state: ServerState,
     request: GenerationRequest,
     renderer_for: Callable[[str], Renderer],
     access: Access,
+    *,
+    continue_final: bool = False,
 ) -> Response | dict[str, Any]:
     """Run the one-choice ``request``; a stream of named events or the whole body.
 
-    ``renderer_for`` gets the model id to answer with.
+    ``renderer_for`` gets the model id to answer with; ``continue_final``: the
+    last assistant message is continued (see ``Engine.prepare``).
     """
-    model, request, splitter = await _prepare(state, request)
-    renderer = renderer_for(model)
+    prepared = await prepare(state, request, continue_final=continue_final)
+    request = prepared.request
+    splitter = _Splitter(prepared.extractor(), prepared.reasoning())
+    renderer = renderer_for(prepared.model)
+    tokenizer = state.engine.tokenizer
     if request.stream:
-        body = _stream(state, request, renderer, splitter, access)
-        await anext(body)  # enters the engine request: admission errors become statuses
-        access.by_body = True
-        return Response(body, status=200, headers=_sse.SSE_HEADERS, content_type=_sse.CONTENT_TYPE)
+        stream = state.engine.generate(prepared.prompts[0], request.params, client=access.client)
+        feed = _TurnFeed(renderer, splitter, request.params.stop, tokenizer)
+        return await sse_response(drive(state, access, [stream], feed), access)
     completion = await state.engine.complete(
-        request.prompts[0],
-        request.params,
-        tools=request.tools,
-        chat_template_kwargs=request.chat_template_kwargs,
-        client=access.client,
+        prepared.prompts[0], request.params, client=access.client
     )
     result = completion.result
     access.tokens = result.completion_tokens
     state.metrics.finished(access.endpoint, result)
     pieces = splitter.feed(completion.text, final=True)
-    stop = _stop_sequence(result, completion.token_ids, request.params.stop, state.engine.tokenizer)
-    return renderer.whole(pieces, splitter.ending(result, stop, state.engine.tokenizer))
+    stop = _stop_sequence(result, completion.token_ids, request.params.stop, tokenizer)
+    return renderer.whole(pieces, splitter.ending(result, stop, tokenizer))
 
 
-def _frame(events: list[Event]) -> bytes:
+def _frame(events: list[Event]) -> list[bytes]:
     """Events ready together, framed as one write (one ASGI send, one chunk on the wire)."""
-    return b"".join([_sse.named_event(name, payload) for name, payload in events])
+    return (
+        [b"".join([_sse.named_event(name, payload) for name, payload in events])] if events else []
+    )
 
 
-async def _stream(
-    state: ServerState,
-    request: GenerationRequest,
-    renderer: Renderer,
-    splitter: _Splitter,
-    access: Access,
-) -> AsyncIterator[bytes]:
-    """The SSE body: the renderer's events, framed with their names."""
-    status = 499  # nginx's "client closed request", logged if the client leaves
-    admitted = False
-    try:
-        async with state.engine.generate(
-            request.prompts[0],
-            request.params,
-            tools=request.tools,
-            chat_template_kwargs=request.chat_template_kwargs,
-            client=access.client,
-        ) as stream:
-            admitted = True
-            yield b""  # primed: admitted
-            try:
-                # The opening events go out at once, before the first token.
-                if opening := renderer.opened(stream.prompt_tokens):
-                    yield _frame(opening)
-                events: list[Event] = []
-                token_ids: list[int] = []
-                interval = state.settings.sse_keepalive
-                while True:
-                    try:
-                        delta = await next_delta(stream, interval)
-                    except StopAsyncIteration:
-                        break
-                    if delta is None:
-                        yield renderer.keepalive()
-                        continue
-                    token_ids.extend(delta.token_ids)
-                    access.tokens = len(token_ids)
-                    for piece in splitter.feed(delta.text):
-                        events += renderer.piece(piece)
-                    if events:
-                        yield _frame(events)
-                    events = []
-                for piece in splitter.feed("", final=True):
-                    events += renderer.piece(piece)
-                result = stream.result
-                access.tokens = result.completion_tokens
-                state.metrics.finished(access.endpoint, result)
-                stop = _stop_sequence(
-                    result, token_ids, request.params.stop, state.engine.tokenizer
-                )
-                events += renderer.closed(splitter.ending(result, stop, state.engine.tokenizer))
-            except TrioMLXError as error:
-                logger.warning("stream failed: %s", error.message)
-                state.metrics.failed(access.endpoint, "error")
-                status = status_of(error)
-                access.cut_by(error)
-                events = renderer.failed(error)
-            if events:
-                yield _frame(events)
-        if status == 499:  # every event written: a whole stream
-            status = 200
-    finally:
-        access.stream_ended(status, admitted=admitted)
+@attrs.define(eq=False)
+class _TurnFeed:
+    """The driver's feed of one turn: the renderer's named events for the splitter's pieces."""
+
+    renderer: Renderer
+    splitter: _Splitter
+    stops: Sequence[str]
+    tokenizer: Any
+    token_ids: list[int] = attrs.field(factory=list)
+
+    def opening(self, streams: Sequence[GenerationStream]) -> list[bytes]:
+        return _frame(self.renderer.opened(streams[0].prompt_tokens))
+
+    def delta(self, index: int, delta: Delta) -> list[bytes]:
+        self.token_ids.extend(delta.token_ids)
+        return _frame([e for p in self.splitter.feed(delta.text) for e in self.renderer.piece(p)])
+
+    def end(self, index: int, result: GenerationResult) -> list[bytes]:
+        events = [e for p in self.splitter.feed("", final=True) for e in self.renderer.piece(p)]
+        stop = _stop_sequence(result, self.token_ids, self.stops, self.tokenizer)
+        return _frame(
+            events + self.renderer.closed(self.splitter.ending(result, stop, self.tokenizer))
+        )
+
+    def closing(self, results: Sequence[GenerationResult]) -> list[bytes]:
+        return []
+
+    def failed(self, error: TrioMLXError) -> list[bytes]:
+        return _frame(self.renderer.failed(error))
+
+    def keepalive(self) -> bytes:
+        return self.renderer.keepalive()

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from trio_mlx import InvalidRequest, SamplingParams
+from trio_mlx_http._common.fields import get_field
 from trio_mlx_http._common.images import ImageRef, image_part, image_url
 from trio_mlx_http._common.structured import ToolChoice, parse_response_format, parse_tool_choice
 from trio_mlx_http._settings import Settings
@@ -29,18 +30,21 @@ from trio_mlx_http._settings import Settings
 __all__ = [
     "CHAT_FIELDS",
     "COMPLETION_FIELDS",
+    "EFFORTS",
     "IGNORED_FIELDS",
     "UNSUPPORTED_FIELDS",
     "AdapterMount",
     "GenerationRequest",
     "Prompt",
     "TokenizeRequest",
+    "chat_messages",
     "parse_adapter_mount",
     "parse_chat",
     "parse_completion",
     "parse_detokenize",
     "parse_json",
     "parse_tokenize",
+    "sampling_params",
 ]
 
 #: What the engine accepts as a prompt: text, token ids, or chat messages.
@@ -207,19 +211,8 @@ def parse_json(data: bytes) -> dict[str, Any]:
     return body
 
 
-def _get(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    """``body[name]`` if present and not null, checked against ``kind``; else None."""
-    value = body.get(name)
-    if value is None:
-        return None
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        raise InvalidRequest(f"{name} must be {what}, not {value!r:.80}", param=name)
-    return value
-
-
 def _int_in(body: Mapping[str, Any], name: str, low: int, high: int, default: int) -> int:
-    value = _get(body, name, int, "an integer")
+    value = get_field(body, name, int, "an integer")
     if value is None:
         return default
     if not low <= value <= high:
@@ -243,7 +236,7 @@ def _check_fields(body: Mapping[str, Any], honoured: frozenset[str]) -> None:
         raise InvalidRequest(message, param=str(name)[:80], code="unsupported_parameter")
 
 
-def _sampling(
+def sampling_params(
     body: Mapping[str, Any], settings: Settings, extra: dict[str, Any], renames: dict[str, str]
 ) -> SamplingParams:
     """Build SamplingParams from the body, the server defaults and ``extra``.
@@ -284,8 +277,8 @@ def _max_tokens(body: Mapping[str, Any], settings: Settings) -> tuple[Any, str]:
 
 
 def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    stream = bool(_get(body, "stream", bool, "a boolean"))
-    options = _get(body, "stream_options", dict, "an object")
+    stream = bool(get_field(body, "stream", bool, "a boolean"))
+    options = get_field(body, "stream_options", dict, "an object")
     include_usage = False
     if options is not None:
         for key, value in options.items():
@@ -306,11 +299,11 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 
 def _common(body: Mapping[str, Any], settings: Settings) -> tuple[str | None, int, str | None]:
-    model = _get(body, "model", str, "a string")
-    _get(body, "user", str, "a string")
-    _get(body, "metadata", dict, "an object")
+    model = get_field(body, "model", str, "a string")
+    get_field(body, "user", str, "a string")
+    get_field(body, "metadata", dict, "an object")
     n = _int_in(body, "n", 1, settings.max_choices, 1)
-    adapter = _get(body, "adapter", str, "a string")
+    adapter = get_field(body, "adapter", str, "a string")
     return model, n, adapter
 
 
@@ -370,7 +363,7 @@ def _tool_calls_for_template(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def chat_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise InvalidRequest("messages must be a list of messages", param="messages")
     if not value:
@@ -400,7 +393,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    tools = _get(body, "tools", list, "a list of tools")
+    tools = get_field(body, "tools", list, "a list of tools")
     choice = parse_tool_choice(body)
     if not tools or choice.mode == "none":
         return None
@@ -420,19 +413,20 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def _template_kwargs(body: Mapping[str, Any], settings: Settings) -> dict[str, Any] | None:
-    kwargs = _get(body, "chat_template_kwargs", dict, "an object")
+    kwargs = get_field(body, "chat_template_kwargs", dict, "an object")
     merged = {**settings.chat_template_args, **(kwargs or {})}
     return merged or None
 
 
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+#: ``reasoning_effort`` values (chat's; the Responses API's ``reasoning.effort``).
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
-    effort: str | None = _get(body, "reasoning_effort", str, "a string")
-    if effort is not None and effort not in _EFFORTS:
+    effort: str | None = get_field(body, "reasoning_effort", str, "a string")
+    if effort is not None and effort not in EFFORTS:
         raise InvalidRequest(
-            f"reasoning_effort must be one of {', '.join(_EFFORTS)}", param="reasoning_effort"
+            f"reasoning_effort must be one of {', '.join(EFFORTS)}", param="reasoning_effort"
         )
     return effort
 
@@ -442,7 +436,7 @@ _VERBOSITIES = ("low", "medium", "high")
 
 def _verbosity(body: Mapping[str, Any]) -> None:
     """``verbosity``: accepted (a hint no template reads; design/http.md), its value checked."""
-    verbosity = _get(body, "verbosity", str, "a string")
+    verbosity = get_field(body, "verbosity", str, "a string")
     if verbosity is not None and verbosity not in _VERBOSITIES:
         raise InvalidRequest(
             f"verbosity must be one of {', '.join(_VERBOSITIES)}", param="verbosity"
@@ -450,7 +444,7 @@ def _verbosity(body: Mapping[str, Any]) -> None:
 
 
 def _modalities(body: Mapping[str, Any]) -> None:
-    modalities = _get(body, "modalities", list, "a list")
+    modalities = get_field(body, "modalities", list, "a list")
     if modalities is not None and any(m != "text" for m in modalities):
         raise InvalidRequest(
             "only the 'text' modality is supported",
@@ -465,10 +459,10 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
     _modalities(body)
     _verbosity(body)
     model, n, adapter = _common(body, settings)
-    messages = _messages(body.get("messages"))
+    messages = chat_messages(body.get("messages"))
     stream, include_usage = _stream(body)
-    logprobs = _get(body, "logprobs", bool, "a boolean")
-    top = _get(body, "top_logprobs", int, "an integer")
+    logprobs = get_field(body, "logprobs", bool, "a boolean")
+    top = get_field(body, "top_logprobs", int, "an integer")
     if top and not logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     max_tokens, max_name = _max_tokens(body, settings)
@@ -479,7 +473,7 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
         extra["adapter"] = adapter
     extra.update(parse_response_format(body))
     renames = {"max_tokens": max_name, "json_schema": "response_format"}
-    params = _sampling(body, settings, extra, renames)
+    params = sampling_params(body, settings, extra, renames)
     return GenerationRequest(
         model=model,
         prompts=(messages,),
@@ -490,7 +484,7 @@ def parse_chat(body: Mapping[str, Any], settings: Settings) -> GenerationRequest
         tools=_tools(body),
         chat_template_kwargs=_template_kwargs(body, settings),
         reasoning_effort=_reasoning_effort(body),
-        parallel_tool_calls=_get(body, "parallel_tool_calls", bool, "a boolean") is not False,
+        parallel_tool_calls=get_field(body, "parallel_tool_calls", bool, "a boolean") is not False,
         tool_choice=parse_tool_choice(body),
     )
 
@@ -529,11 +523,11 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
     """Validate a ``/v1/completions`` body."""
     _check_fields(body, COMPLETION_FIELDS)
     model, n, adapter = _common(body, settings)
-    best_of = _get(body, "best_of", int, "an integer")
+    best_of = get_field(body, "best_of", int, "an integer")
     if best_of is not None and best_of < n:
         raise InvalidRequest(f"best_of must be >= n ({n}), not {best_of}", param="best_of")
-    echo = bool(_get(body, "echo", bool, "a boolean"))
-    suffix = _get(body, "suffix", str, "a string")
+    echo = bool(get_field(body, "echo", bool, "a boolean"))
+    suffix = get_field(body, "suffix", str, "a string")
     prompts = _prompts(body.get("prompt"), settings.max_choices)
     if len(prompts) * n > settings.max_choices:
         raise InvalidRequest(f"prompts times n may be at most {settings.max_choices}", param="n")
@@ -548,7 +542,7 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
             f"prompts times best_of may be at most {settings.max_choices}", param="best_of"
         )
     # The legacy API's logprobs is the number of alternatives per token.
-    top = _get(body, "logprobs", int, "an integer")
+    top = get_field(body, "logprobs", int, "an integer")
     max_tokens, max_name = _max_tokens(body, settings)
     # OpenAI's way to score a text: echo it with max_tokens 0 (nothing is generated).
     prompt_only = echo and max_tokens == 0 and not isinstance(max_tokens, bool)
@@ -565,7 +559,7 @@ def parse_completion(body: Mapping[str, Any], settings: Settings) -> GenerationR
         extra["adapter"] = adapter
     extra.update(parse_response_format(body))
     renames = {"max_tokens": max_name, "top_logprobs": "logprobs", "json_schema": "response_format"}
-    params = _sampling(body, settings, extra, renames)
+    params = sampling_params(body, settings, extra, renames)
     return GenerationRequest(
         model=model,
         prompts=prompts,
@@ -585,7 +579,7 @@ def parse_tokenize(body: Mapping[str, Any], settings: Settings | None = None) ->
     """Validate a ``/tokenize`` body: ``prompt`` (text) or ``messages``."""
     if body.get("messages") is not None:
         return TokenizeRequest(
-            prompt=_messages(body["messages"]),
+            prompt=chat_messages(body["messages"]),
             tools=_tools(body),
             chat_template_kwargs=_template_kwargs(body, settings or Settings()),
         )

@@ -16,10 +16,16 @@ from typing import Any
 import attrs
 
 from trio_mlx import InvalidRequest
-from trio_mlx_http._common.content import joined_content, joined_text
-from trio_mlx_http._common.images import ImageRef, image_url
+from trio_mlx_http._common.fields import (
+    check_fields,
+    get_field,
+    joined_text,
+    never,
+    unsupported,
+)
+from trio_mlx_http._common.images import ImageRef, image_url, joined_content
 from trio_mlx_http._common.structured import ToolChoice, parse_response_format
-from trio_mlx_http._openai.schema import _EFFORTS, GenerationRequest, _get, _messages, _sampling
+from trio_mlx_http._openai.schema import EFFORTS, GenerationRequest, chat_messages, sampling_params
 from trio_mlx_http._responses.store import ResponseStore
 from trio_mlx_http._settings import Settings
 
@@ -62,23 +68,19 @@ IGNORED = frozenset(
 )
 
 
-def _never(_value: Any) -> bool:
-    return False
-
-
 #: Known fields the server does not support: each accepts only its default
 #: (or null); any other value is 400 ``unsupported_parameter``.
 REFUSED: dict[str, Callable[[Any], bool]] = {
     "background": lambda v: v is False,
-    "conversation": _never,
-    "prompt": _never,
+    "conversation": never,
+    "prompt": never,
     "top_logprobs": lambda v: v == 0,
-    "max_tool_calls": _never,
-    "context_management": _never,
-    "moderation": _never,
-    "image": _never,
-    "access_programs": _never,
-    "background_options": _never,
+    "max_tool_calls": never,
+    "context_management": never,
+    "moderation": never,
+    "image": never,
+    "access_programs": never,
+    "background_options": never,
 }
 
 #: ``include`` values accepted: ``reasoning.encrypted_content`` (nothing is
@@ -97,15 +99,6 @@ _INCLUDES = frozenset(
 )
 _SUMMARIES = ("auto", "concise", "detailed", "none")
 _VERBOSITIES = ("low", "medium", "high")
-
-
-def _unsupported(name: str, detail: str = "") -> InvalidRequest:
-    more = f" ({detail})" if detail else ""
-    return InvalidRequest(
-        f"{name} is not supported by this server{more}; leave it out",
-        param=name,
-        code="unsupported_parameter",
-    )
 
 
 @attrs.frozen
@@ -234,7 +227,7 @@ def _tool_choice(body: Mapping[str, Any]) -> tuple[str | dict[str, Any], ToolCho
     "required" and a named function (``{"type": "function", "name": ...}``) are
     enforced with chat's tool-call grammar (see ``_generation._enforce_tool_choice``).
     """
-    parallel = _get(body, "parallel_tool_calls", bool, "a boolean") is not False
+    parallel = get_field(body, "parallel_tool_calls", bool, "a boolean") is not False
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
@@ -256,7 +249,7 @@ def _tools(
     body: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | dict[str, Any], ToolChoice]:
     """(tools as sent, tools in chat-template form, tool_choice as sent and parsed)."""
-    tools = _get(body, "tools", list, "a list of tools") or []
+    tools = get_field(body, "tools", list, "a list of tools") or []
     choice, parsed = _tool_choice(body)
     chat = []
     for i, tool in enumerate(tools):
@@ -280,7 +273,7 @@ def _text_format(body: Mapping[str, Any]) -> dict[str, Any]:
     format object itself (``{"type": "json_schema", "name", "schema", "strict"}``);
     it is rewritten to chat's shape so that one parser checks both.
     """
-    text = _get(body, "text", dict, "an object")
+    text = get_field(body, "text", dict, "an object")
     if text is None:
         return {}
     verbosity = text.get("verbosity")
@@ -319,21 +312,21 @@ def _reasoning(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
     A summary is accepted, and none is written: the reasoning item carries the
     whole reasoning text and an empty ``summary``.
     """
-    reasoning = _get(body, "reasoning", dict, "an object")
+    reasoning = get_field(body, "reasoning", dict, "an object")
     if reasoning is None:
         return None, None
     for key in reasoning:
         if key not in ("effort", "summary", "generate_summary"):
-            raise _unsupported(f"reasoning.{key}")
+            raise unsupported(f"reasoning.{key}")
     summary = reasoning.get("summary", reasoning.get("generate_summary"))
     if summary is not None and summary not in _SUMMARIES:
         raise InvalidRequest(
             f"reasoning.summary must be one of {', '.join(_SUMMARIES)}", param="reasoning.summary"
         )
     effort = reasoning.get("effort")
-    if effort is not None and effort not in _EFFORTS:
+    if effort is not None and effort not in EFFORTS:
         raise InvalidRequest(
-            f"reasoning.effort must be one of {', '.join(_EFFORTS)}", param="reasoning.effort"
+            f"reasoning.effort must be one of {', '.join(EFFORTS)}", param="reasoning.effort"
         )
     return effort, summary
 
@@ -346,7 +339,7 @@ def _verbosity(body: Mapping[str, Any]) -> str:
 
 def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
     """OpenAI's metadata rules: at most 16 pairs, keys up to 64 and values up to 512 characters."""
-    metadata = _get(body, "metadata", dict, "an object") or {}
+    metadata = get_field(body, "metadata", dict, "an object") or {}
     if len(metadata) > 16:
         raise InvalidRequest("metadata may hold at most 16 pairs", param="metadata")
     for key, value in metadata.items():
@@ -362,47 +355,30 @@ def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
     return dict(metadata)
 
 
-def _check_fields(body: Mapping[str, Any]) -> None:
-    """Refuse every field that is neither honoured nor harmless (``null`` is absent)."""
-    for name, value in body.items():
-        if value is None or name in HONOURED or name in IGNORED:
-            continue
-        is_default = REFUSED.get(name)
-        if is_default is None:
-            raise InvalidRequest(
-                f"unknown field {name!r:.80}: the server does not support it "
-                "(it is not ignored, since it might change the output)",
-                param=str(name)[:80],
-                code="unsupported_parameter",
-            )
-        if not is_default(value):
-            raise _unsupported(name)
-
-
 def _include(body: Mapping[str, Any]) -> None:
-    include = _get(body, "include", list, "a list of strings") or []
+    include = get_field(body, "include", list, "a list of strings") or []
     for value in include:
         if value == "message.output_text.logprobs":
-            raise _unsupported("include", "log-probabilities are not returned here")
+            raise unsupported("include", "log-probabilities are not returned here")
         if value not in _INCLUDES:
             raise InvalidRequest(f"include: unknown value {value!r:.80}", param="include")
 
 
 def _truncation(body: Mapping[str, Any]) -> str:
     """``truncation``: "disabled" or "auto" (echoed; nothing is ever dropped, see design/http.md)."""
-    value = _get(body, "truncation", str, "a string")
+    value = get_field(body, "truncation", str, "a string")
     if value not in (None, "auto", "disabled"):
         raise InvalidRequest("truncation must be 'auto' or 'disabled'", param="truncation")
     return value or "disabled"
 
 
 def _sampling_values(body: Mapping[str, Any], settings: Settings) -> tuple[Any, Any, Any]:
-    temperature = _get(body, "temperature", (int, float), "a number")
+    temperature = get_field(body, "temperature", (int, float), "a number")
     if temperature is not None and not 0 <= temperature <= 2:
         raise InvalidRequest(
             f"temperature must be within [0, 2], not {temperature}", param="temperature"
         )
-    top_p = _get(body, "top_p", (int, float), "a number")
+    top_p = get_field(body, "top_p", (int, float), "a number")
     max_output = body.get("max_output_tokens")
     return (
         settings.temperature if temperature is None else temperature,
@@ -415,17 +391,17 @@ def parse_responses(
     body: Mapping[str, Any], settings: Settings, store: ResponseStore
 ) -> ResponsesRequest:
     """Validate a ``/v1/responses`` body (``previous_response_id`` is looked up in ``store``)."""
-    _check_fields(body)
+    check_fields(body, HONOURED, IGNORED, REFUSED)
     _include(body)
     truncation = _truncation(body)
     effort, summary = _reasoning(body)
     structured = _text_format(body)
-    model = _get(body, "model", str, "a string")
-    instructions = _get(body, "instructions", str, "a string")
+    model = get_field(body, "model", str, "a string")
+    instructions = get_field(body, "instructions", str, "a string")
     metadata = _metadata(body)
-    keep = _get(body, "store", bool, "a boolean")
-    stream = bool(_get(body, "stream", bool, "a boolean"))
-    previous_id = _get(body, "previous_response_id", str, "a string")
+    keep = get_field(body, "store", bool, "a boolean")
+    stream = bool(get_field(body, "stream", bool, "a boolean"))
+    previous_id = get_field(body, "previous_response_id", str, "a string")
     earlier: tuple[dict[str, Any], ...] = ()
     if previous_id is not None:
         stored = store.get(previous_id)
@@ -442,14 +418,14 @@ def parse_responses(
     conversation = (*earlier, *_input(body.get("input")))
     tools, chat_tools, choice, parsed_choice = _tools(body)
     temperature, top_p, max_output = _sampling_values(body, settings)
-    params = _sampling(
+    params = sampling_params(
         {"temperature": temperature, "top_p": top_p},
         settings,
         {"max_tokens": settings.max_tokens if max_output is None else max_output, **structured},
         {"max_tokens": "max_output_tokens"},
     )
     system = [{"role": "system", "content": instructions}] if instructions is not None else []
-    messages = _messages([*system, *conversation])
+    messages = chat_messages([*system, *conversation])
     generation = GenerationRequest(
         model=model,
         prompts=(messages,),

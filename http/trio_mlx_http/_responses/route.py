@@ -20,7 +20,7 @@ from quart import Response
 
 from trio_mlx import InvalidGrammar, InvalidRequest, NotFound, TrioMLXError
 from trio_mlx_http._common.cache_usage import cache_usage
-from trio_mlx_http._common.keepalive import COMMENT
+from trio_mlx_http._common.drive import COMMENT
 from trio_mlx_http._common.structured import grammar_param
 from trio_mlx_http._common.tools import ToolCall
 from trio_mlx_http._common.turn import Ending, Event, Piece, Thought, run_turn
