@@ -149,6 +149,41 @@ async def test_bad_images_are_refused_naming_them(vlm_path: Path) -> None:
         assert len((await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))).token_ids)
 
 
+async def test_a_failed_image_prefill_fails_its_request_alone(
+    vlm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_mlx._start.vision import Vision
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("injected: the vision encoder failed")
+
+    async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
+        text = [{"role": "user", "content": "Tell me about topic 1."}]
+        before = await _answer(engine, text)
+        with monkeypatch.context() as patch:
+            patch.setattr(Vision, "_prefill", broken)
+            with pytest.raises(trio_mlx.GenerationFailed, match="injected"):
+                await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))
+        after = await _answer(engine, text)
+        image = await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))
+    assert after.token_ids == before.token_ids
+    assert len(image.token_ids) == PARAMS.max_tokens
+
+
+def test_pixel_arrays_are_checked() -> None:
+    import numpy as np
+
+    from trio_mlx._core.images import decode
+
+    with pytest.raises(trio_mlx.InvalidRequest, match="uint8"):
+        decode("image 0", trio_mlx.ImageInput(np.zeros((4, 4, 3), np.float32)), 100)
+    with pytest.raises(trio_mlx.InvalidRequest, match="more than the 15 allowed"):
+        decode("image 0", trio_mlx.ImageInput(np.zeros((4, 4, 3), np.uint8)), 15)
+    one = decode("a", trio_mlx.ImageInput(np.zeros((4, 4, 4), np.uint8)), 16)
+    same = decode("b", trio_mlx.ImageInput(np.zeros((4, 4, 3), np.uint8)), 16)
+    assert one.digest == same.digest  # RGBA with zero alpha: the same RGB pixels
+
+
 async def test_a_text_model_refuses_images(tiny_model_path: Path) -> None:
     async with trio_mlx.open_engine(tiny_model_path) as engine:
         assert not engine.takes_images
