@@ -142,6 +142,9 @@ async def open_engine(
     with :class:`~trio_mlx.InvalidRequest`, and ``max_tokens`` is cut to the
     room one request has (``None``: half of MLX's memory limit less the weights,
     less ``prompt_cache_bytes``; see ``design/engine.md``).
+    A vision-language model (a folder whose config has a ``vision_config``; the
+    ``vision`` extra) takes images in chats (:class:`~trio_mlx.ImageInput` parts);
+    ``max_image_pixels`` bounds each image's width x height.
     The remaining settings tune the scheduler's inner bounds (burst length,
     grouped admission, row removal, traced decode, a decision hook for tests);
     :class:`~trio_mlx.EngineSettings` says what each does.
