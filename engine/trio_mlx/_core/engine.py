@@ -6,11 +6,11 @@ import contextlib
 import importlib.util
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -21,10 +21,10 @@ from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
 from trio_mlx._core.gate import LaneName, choose_lane
-from trio_mlx._core.images import decode as decode_image
-from trio_mlx._core.images import has_images, split_images
+from trio_mlx._core.images import has_images, refuse_images
+from trio_mlx._core.images import prepare as prepare_images
 from trio_mlx._core.planner import StepPlanner
-from trio_mlx._core.prompts import PreparedPrompt, Prompt, PromptEncoder, opens_reasoning, too_long
+from trio_mlx._core.prompts import PreparedPrompt, Prompt, PromptEncoder, too_long
 from trio_mlx._core.request import EngineStatistics, Request
 from trio_mlx._core.stream import GenerationStream
 from trio_mlx._core.worker import Worker
@@ -47,7 +47,6 @@ from trio_mlx._memory import KVBudget
 from trio_mlx._params import Completion, SamplingParams, TokenLogprob
 from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
 from trio_mlx._start.settings import DEFAULT_MAX_IMAGE_PIXELS, EngineSettings
-from trio_mlx._start.vision import VisionPrompt
 
 __all__ = ["Engine", "open_engine"]
 
@@ -404,10 +403,7 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
-        if has_images(prompt):
-            raise InvalidRequest(
-                "a chat with images is tokenized by tokenize(), not encode()", param="prompt"
-            )
+        refuse_images(prompt, "tokenized by tokenize(), not encode()")
         return list(self._prompts.encode(prompt, tools, chat_template_kwargs).tokens)
 
     async def tokenize(
@@ -425,7 +421,7 @@ class Engine:
         behind large ones.
         """
         if has_images(prompt):  # image tokens expanded, as generate makes them
-            return list((await self._encode_images(prompt, tools, chat_template_kwargs)).tokens)
+            return list((await self._images(prompt, tools, chat_template_kwargs)).tokens)
         return list((await self._prompts.tokenize(prompt, tools, chat_template_kwargs)).tokens)
 
     async def prepare(
@@ -455,12 +451,8 @@ class Engine:
                 reasoning_markers = (start, end)
         if has_images(prompt):
             if continue_final_message:
-                raise InvalidRequest(
-                    "a chat with images cannot continue its final message (a prefill)",
-                    param="messages",
-                    code="images_unsupported",
-                )
-            return await self._encode_images(prompt, tools, chat_template_kwargs, reasoning_markers)
+                refuse_images(prompt, "not continued from its final message (a prefill)")
+            return await self._images(prompt, tools, chat_template_kwargs, reasoning_markers)
         return await self._prompts.tokenize(
             prompt, tools, chat_template_kwargs, reasoning_markers, continue_final_message
         )
@@ -613,7 +605,7 @@ class Engine:
         if isinstance(prompt, PreparedPrompt):
             prepared = self._check_prepared(prompt, tools, template_kwargs)
         elif has_images(prompt):
-            prepared = await self._encode_images(prompt, tools, template_kwargs)
+            prepared = await self._images(prompt, tools, template_kwargs)
         else:
             # Tokenizing (and rendering a chat template) is CPU work that grows with
             # the prompt: off the event loop, a few prompts at a time.
@@ -637,11 +629,7 @@ class Engine:
             adapter_reason=adapter_reason,
         )
         if images is not None and not lane.batch:
-            raise InvalidRequest(
-                f"an image request runs in the batch, which {lane.reason} does not allow",
-                param="messages",
-                code="images_unsupported",
-            )
+            refuse_images(prompt, f"run in the batch, which {lane.reason} does not allow")
         request_id = self._actor.new_id()
         request = Request(
             request_id,
@@ -651,44 +639,10 @@ class Engine:
         await self._actor.submit(request)
         return request
 
-    async def _encode_images(
-        self,
-        prompt: Prompt,
-        tools: Any,
-        template_kwargs: Mapping[str, Any] | None,
-        markers: tuple[str, str] | None = None,
-    ) -> PreparedPrompt:
-        """A chat with images: decoded and hashed, then the prompt made by the model's
-        processor (image tokens expanded), in a thread."""
-        vision = self._loaded.vision
-        messages, found = split_images(cast(Sequence[Mapping[str, Any]], prompt))
-        if vision is None:
-            raise InvalidRequest(
-                f"the model {self.model_id} does not take images",
-                param="messages",
-                code="images_unsupported",
-            )
-        self._prompts.refuse_oversized(messages, tools=tools)
-        limit = self.max_image_pixels
-
-        def work() -> tuple[list[int], VisionPrompt, str]:
-            decoded = [decode_image(name, image, limit) for name, image in found]
-            return vision.encode(
-                self.tokenizer,
-                messages,
-                [d.image for d in decoded],
-                [d.digest for d in decoded],
-                tools,
-                template_kwargs,
-            )
-
-        tokens, images, text = await trio.to_thread.run_sync(work)
-        context = self.context_length
-        if context is not None and len(tokens) > context:
-            raise too_long(f"the prompt has {len(tokens)} tokens with its images", context)
-        # (attrs' tuple converter reads to mypy as an unsolved Iterable[_T_co])
-        ids: Any = tuple(tokens)
-        return PreparedPrompt(ids, opens_reasoning(text, markers), None, images)
+    def _images(self, *request: Any) -> Awaitable[PreparedPrompt]:
+        """A chat with images as a prompt (:func:`~trio_mlx._core.images.prepare`)."""
+        vision, limit = self._loaded.vision, self.max_image_pixels
+        return prepare_images(vision, self._prompts, self.model_id, limit, request)
 
     def _check_prepared(
         self, prompt: PreparedPrompt, tools: Any, template_kwargs: Mapping[str, Any] | None

@@ -16,10 +16,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import trio
 
+from trio_mlx._core.prompts import PreparedPrompt, PromptEncoder, opens_reasoning
 from trio_mlx._errors import InvalidRequest
+from trio_mlx._start.vision import Vision, VisionPrompt
 
-__all__ = ["DecodedImage", "ImageInput", "decode", "has_images", "split_images"]
+__all__ = [
+    "DecodedImage",
+    "ImageInput",
+    "decode",
+    "has_images",
+    "prepare",
+    "refuse_images",
+    "split_images",
+]
 
 
 def _data(value: Any) -> Any:
@@ -146,4 +157,45 @@ def _check_size(name: str, size: tuple[int, int], max_pixels: int) -> None:
             f"{name} is {width} x {height} pixels, more than the {max_pixels} allowed",
             param="messages",
             code="image_too_large",
+        )
+
+
+async def prepare(
+    vision: Vision | None,
+    prompts: PromptEncoder,
+    model_id: str,
+    max_pixels: int,
+    request: tuple[Any, ...],
+) -> PreparedPrompt:
+    """A chat with images as a prompt: each image decoded and hashed, the chat rendered
+    and its image tokens expanded by the model's processor, in a thread. ``request`` is
+    (the chat, its tools, its template arguments, the reasoning markers)."""
+    prompt, tools, template_kwargs, *rest = request
+    markers = rest[0] if rest else None
+    messages, found = split_images(prompt)
+    if vision is None:
+        raise InvalidRequest(
+            f"the model {model_id} does not take images",
+            param="messages",
+            code="images_unsupported",
+        )
+    prompts.refuse_oversized(messages, tools=tools)
+
+    def work() -> tuple[list[int], VisionPrompt, str]:
+        decoded = [decode(name, image, max_pixels) for name, image in found]
+        images, digests = [d.image for d in decoded], [d.digest for d in decoded]
+        return vision.encode(prompts.tokenizer, messages, images, digests, tools, template_kwargs)
+
+    tokens, images, text = await trio.to_thread.run_sync(work)
+    prompts.check_length(tokens)
+    # (attrs' tuple converter reads to mypy as an unsolved Iterable[_T_co])
+    ids: Any = tuple(tokens)
+    return PreparedPrompt(ids, opens_reasoning(text, markers), None, images)
+
+
+def refuse_images(prompt: Any, why: str) -> None:
+    """InvalidRequest if ``prompt`` is a chat with images: they must be ``why``."""
+    if has_images(prompt):
+        raise InvalidRequest(
+            f"a chat with images must be {why}", param="messages", code="images_unsupported"
         )
