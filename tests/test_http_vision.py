@@ -197,6 +197,24 @@ async def test_bad_images_are_400s_naming_them(vlm_path: Path) -> None:
         ),
         (
             "/v1/chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": data_url(png(1)), "detail": "low"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].image_url.detail",
+            "unsupported_parameter",
+        ),
+        (
+            "/v1/chat/completions",
             {"messages": _chat("ftp://example.com/cat.png")},
             "messages[0].content[0]",
             "invalid_image",

@@ -26,7 +26,15 @@ from trio_mlx import InvalidRequest
 from trio_mlx_http._common.fields import joined_text
 from trio_mlx_http._settings import Settings
 
-__all__ = ["ImageRef", "image_part", "image_url", "joined_content", "resolve", "resolve_prompts"]
+__all__ = [
+    "ImageRef",
+    "check_detail",
+    "image_part",
+    "image_url",
+    "joined_content",
+    "resolve",
+    "resolve_prompts",
+]
 
 
 @attrs.frozen
@@ -61,6 +69,17 @@ def image_url(url: Any, where: str) -> ImageRef:
         param=where,
         code="invalid_image",
     )
+
+
+def check_detail(detail: Any, where: str) -> None:
+    """An image's ``detail``: only "auto" (the model's processor sets the resolution)."""
+    if detail not in (None, "auto"):
+        raise InvalidRequest(
+            f"{where} {detail!r:.20} is not supported: the model's processor sets an "
+            "image's resolution; send 'auto' or leave it out",
+            param=where,
+            code="unsupported_parameter",
+        )
 
 
 def _refs(messages: Sequence[Mapping[str, Any]]) -> list[ImageRef]:

@@ -23,7 +23,7 @@ import attrs
 
 from trio_mlx import InvalidRequest, SamplingParams
 from trio_mlx_http._common.fields import get_field
-from trio_mlx_http._common.images import ImageRef, image_part, image_url
+from trio_mlx_http._common.images import ImageRef, check_detail, image_part, image_url
 from trio_mlx_http._common.structured import ToolChoice, parse_response_format, parse_tool_choice
 from trio_mlx_http._settings import Settings
 
@@ -325,6 +325,8 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
                     parts.append({"type": "text", "text": text})
             elif kind == "image_url":
                 url = part.get("image_url")
+                if isinstance(url, dict):
+                    check_detail(url.get("detail"), f"{where}[{i}].image_url.detail")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
                     raise InvalidRequest(

@@ -23,7 +23,7 @@ from trio_mlx_http._common.fields import (
     never,
     unsupported,
 )
-from trio_mlx_http._common.images import ImageRef, image_url, joined_content
+from trio_mlx_http._common.images import ImageRef, check_detail, image_url, joined_content
 from trio_mlx_http._common.structured import ToolChoice, parse_response_format
 from trio_mlx_http._openai.schema import EFFORTS, GenerationRequest, chat_messages, sampling_params
 from trio_mlx_http._responses.store import ResponseStore
@@ -151,10 +151,7 @@ def _image_part(part: Any, where: str) -> ImageRef | None:
             f"{where}.file_id is not supported (no file store); send image_url",
             param=f"{where}.file_id",
         )
-    if part.get("detail") not in (None, "auto", "low", "high"):
-        raise InvalidRequest(
-            f"{where}.detail must be 'auto', 'low' or 'high'", param=f"{where}.detail"
-        )
+    check_detail(part.get("detail"), f"{where}.detail")
     url = part.get("image_url")
     if not isinstance(url, str):
         raise InvalidRequest(f"{where} needs image_url (a data: or http(s) URL)", param=where)
