@@ -170,6 +170,23 @@ async def test_a_failed_image_prefill_fails_its_request_alone(
     assert len(image.token_ids) == PARAMS.max_tokens
 
 
+async def test_a_vision_family_that_cannot_batch_is_refused_at_load(
+    vlm_path: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from trio_mlx.testing import with_context
+
+    folder = with_context(vlm_path, tmp_path / "qwen2-vl-shaped", 2048)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
+    with pytest.raises(trio_mlx.InvalidRequest, match="'qwen2_vl' is not supported") as refused:
+        async with trio_mlx.open_engine(folder):
+            pass
+    assert refused.value.code == "vision_family_unsupported"
+
+
 def test_pixel_arrays_are_checked() -> None:
     import numpy as np
 
