@@ -118,6 +118,7 @@ def test_two_writers_on_one_folder_leave_every_entry_whole(tmp_path: Path) -> No
     def write(writer: DiskTier) -> None:
         for prompt, layers in zip(prompts, caches, strict=True):
             writer.submit(prompt, layers)  # both write every key
+            writer.flush()  # each one, not only the newest of a backlog
 
     threads = [threading.Thread(target=write, args=(w,)) for w in writers]
     for thread in threads:
@@ -161,3 +162,75 @@ def test_eviction_keeps_the_folder_under_its_cap(tmp_path: Path) -> None:
     held = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     assert 0 < held <= 3 * size
     assert len(list(tmp_path.glob("*.json"))) == len(list(tmp_path.glob("*.safetensors")))
+
+
+def _kv(seed: int, tokens: int = 40) -> list[object]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    kv = KVCache()
+    shape = (1, 2, tokens, 8)
+    kv.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+    mx.eval(kv.state)
+    return [kv]
+
+
+def test_a_slow_disk_keeps_the_newest_checkpoints_and_drops_the_oldest_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    started = threading.Event()
+    write = DiskTier._write
+
+    def slow_write(self: DiskTier, *args: object) -> None:  # a disk slower than the turns
+        started.set()
+        release.wait(30)
+        write(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskTier, "_write", slow_write)
+    tier = DiskTier(tmp_path, "model", 1 << 30, min_tokens=1)
+    tier.open()
+    prompts = [[seed] * 40 for seed in range(1, 6)]
+    tier.submit(prompts[0], _kv(1))
+    assert started.wait(30)  # the writer holds the first; the rest wait
+    for seed, prompt in enumerate(prompts[1:], start=2):
+        tier.submit(prompt, _kv(seed))
+    release.set()
+    tier.close()
+    reader = DiskTier(tmp_path, "model", 1 << 30, min_tokens=1)
+    reader.open()
+    try:
+        kept = [reader.lookup([*prompt, 0], 0) is not None for prompt in prompts]
+    finally:
+        reader.close()
+    assert tier.dropped == 2
+    assert kept == [True, False, False, True, True]
+
+
+def test_a_flipped_byte_in_any_chunk_is_caught_and_the_entry_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from trio_mlx._lanes import prompt_disk
+
+    monkeypatch.setattr(prompt_disk, "CHUNK", 4096)  # several chunks from a small entry
+    tier = DiskTier(tmp_path, "model", 1 << 30, min_tokens=1)
+    tier.open()
+    prompt = [7] * 200
+    tier.submit(prompt, _kv(7, tokens=200))
+    tier.close()
+    (data,) = entry_files(tmp_path)
+    raw = bytearray(data.read_bytes())
+    assert len(raw) > 3 * 4096
+    raw[2 * 4096 + 100] ^= 0xFF  # the third chunk's
+    data.write_bytes(bytes(raw))
+    reader = DiskTier(tmp_path, "model", 1 << 30, min_tokens=1)
+    reader.open()
+    try:
+        with caplog.at_level(logging.WARNING, logger="trio_mlx"):
+            found = reader.lookup([*prompt, 0], 0)
+    finally:
+        reader.close()
+    assert found is None
+    assert reader.failures == 1
+    assert "CRC-32 of its chunks" in caplog.text

@@ -11,16 +11,23 @@ whole file or none, and there is no shared index file for two writers to race
 on: each server reads the folder's index files.
 
 Writes run on a writer thread of this module (the MLX thread evaluates the
-arrays and hands them over; ``submit`` never waits for the disk). Reads run
-where the prompt cache is looked up (the MLX thread): a missing, truncated or
-corrupt entry (size, CRC-32, identity or digest not as its index says, or a
-load that fails) is skipped with a warning and forgotten, never served.
+arrays and hands them over; ``submit`` never waits for the disk). At most
+``max_pending`` checkpoints wait for it: a newer one drops the oldest waiting
+(an agent's turns come faster than a 1.3 GB file is written, and each waiting
+checkpoint holds its arrays in memory; the newest is the one the next turn
+extends). Reads run where the prompt cache is looked up (the MLX thread): a
+missing, truncated or corrupt entry (size, a CRC-32 of one of its 64 MiB
+chunks, identity or digest not as its index says, or a load that fails) is
+skipped with a warning and forgotten, never served. The chunks' CRCs are
+checked on a pool of threads while MLX loads the file (zlib releases the GIL):
+one pass over 1.4 GB was most of a restart's first token on the H200.
 Eviction is least recently used by file time (a hit touches the file), to
 ``max_bytes`` of data files, after each write.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -43,7 +50,7 @@ logger = logging.getLogger("trio_mlx")
 
 _DATA = ".safetensors"
 _INDEX = ".json"
-_FORMAT = 1
+_FORMAT = 2  # 2: a CRC-32 a chunk
 
 
 def tokens_digest(tokens: Sequence[int]) -> str:
@@ -71,12 +78,36 @@ def model_identity(folder: str | os.PathLike[str], *extra: str) -> str:
     return digest.hexdigest()
 
 
-def _crc32(path: Path) -> int:
+#: Bytes of a data file under one CRC-32 of its index.
+CHUNK = 64 << 20
+_checkers: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _crc32(path: Path, start: int = 0, size: int = -1) -> int:
+    """The CRC-32 of ``size`` bytes of ``path`` from ``start`` (-1: to its end)."""
     crc = 0
     with path.open("rb") as file:
-        while chunk := file.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
+        file.seek(start)
+        left = size if size >= 0 else 1 << 62
+        while left > 0 and (block := file.read(min(1 << 22, left))):
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
     return crc
+
+
+def _chunk_crcs(path: Path) -> list[int]:
+    """The CRC-32 of each ``CHUNK`` of ``path``, in order."""
+    size = path.stat().st_size
+    return [_crc32(path, start, CHUNK) for start in range(0, max(size, 1), CHUNK)]
+
+
+def _chunk_checks(path: Path, count: int) -> list[concurrent.futures.Future[int]]:
+    """The CRC-32 of each of ``path``'s first ``count`` chunks, worked out on a pool."""
+    global _checkers
+    if _checkers is None:
+        workers = max(1, min(8, os.cpu_count() or 1))
+        _checkers = concurrent.futures.ThreadPoolExecutor(workers, "trio-mlx-crc")
+    return [_checkers.submit(_crc32, path, i * CHUNK, CHUNK) for i in range(count)]
 
 
 def _listed(folder: Path, suffix: str) -> list[Path]:
@@ -108,10 +139,14 @@ class DiskTier:
     #: Shortest checkpoint written (tokens): a shorter prompt prefills faster than
     #: its file loads (design/engine.md, "The disk tier").
     min_tokens: int = 1024
-    #: Entries read back, written, and skipped as missing or corrupt (counters).
+    #: Checkpoints waiting for the writer at most; a newer one drops the oldest.
+    max_pending: int = 2
+    #: Entries read back, written, skipped as missing or corrupt, and dropped
+    #: unwritten behind newer ones (counters).
     hits: int = attrs.field(init=False, default=0)
     writes: int = attrs.field(init=False, default=0)
     failures: int = attrs.field(init=False, default=0)
+    dropped: int = attrs.field(init=False, default=0)
     #: Length -> token digest -> entry name, for this identity (rebuilt when the
     #: folder changes: another server may have written or evicted entries).
     _index: dict[int, dict[str, str]] = attrs.field(init=False, factory=dict)
@@ -203,9 +238,11 @@ class DiskTier:
             meta = json.loads((self.folder / f"{name}{_INDEX}").read_text())
             if data.stat().st_size != int(meta["bytes"]):
                 raise ValueError(f"{data.stat().st_size} bytes, its index says {meta['bytes']}")
-            if _crc32(data) != int(meta["crc32"]):
-                raise ValueError("its CRC-32 is not its index's")
+            crcs = [int(crc) for crc in meta["crc32_chunks"]]
+            checks = _chunk_checks(data, len(crcs))  # beside the load; used only if they match
             cache, saved = load_prompt_cache(str(data), return_metadata=True)  # type: ignore[no-untyped-call]
+            if [check.result() for check in checks] != crcs:
+                raise ValueError("a CRC-32 of its chunks is not its index's")
             if saved.get("identity") != self.identity or int(saved.get("length", -1)) != length:
                 raise ValueError("it was written for another model or prompt")
             os.utime(data)  # most recently used
@@ -227,6 +264,13 @@ class DiskTier:
         digest = tokens_digest(tokens)
         if self._index.get(len(tokens), {}).get(digest) is not None:
             return  # already on disk
+        while self._queue.qsize() >= self.max_pending:
+            try:
+                self._queue.get_nowait()  # the oldest waiting; the writer may take it first
+            except queue.Empty:
+                break
+            self._queue.task_done()
+            self.dropped += 1
         self._queue.put((self._name(digest), len(tokens), digest, cache))
 
     def _write_loop(self) -> None:
@@ -253,7 +297,7 @@ class DiskTier:
             "length": length,
             "digest": digest,
             "bytes": data.stat().st_size,
-            "crc32": _crc32(data),
+            "crc32_chunks": _chunk_crcs(data),
         }
         _replace_atomically(
             self.folder / f"{name}{_INDEX}", lambda path: path.write_text(json.dumps(index))
