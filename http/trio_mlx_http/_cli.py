@@ -209,6 +209,34 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413"
     )
     parser.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs in requests (default: data: URLs and base64 only)",
+    )
+    parser.add_argument(
+        "--max-images", type=int, default=8, help="most images one request may hold"
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        type=_size,
+        default=20 * 1024 * 1024,
+        metavar="BYTES",
+        help="most bytes of one image, encoded (default: 20M)",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most pixels (width x height) of one image (default: 8192 x 8192)",
+    )
+    parser.add_argument(
+        "--image-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one image URL may take to fetch",
+    )
+    parser.add_argument(
         "--max-connections",
         type=int,
         default=1024,

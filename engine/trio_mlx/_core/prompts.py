@@ -58,6 +58,9 @@ class PreparedPrompt:
     #: A chat's stable prefix (its system prompt and tools) in tokens, where the
     #: prompt cache keeps a checkpoint; None: no such prefix.
     stable_prefix: int | None = None
+    #: A chat with images: their model inputs and hashes (the engine's
+    #: ``VisionPrompt``); None: text only.
+    images: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 def opens_reasoning(text: str, markers: tuple[str, str] | None) -> bool:

@@ -16,13 +16,13 @@ admitted or resumed, when dead rows reach ``removal_fraction`` of the live ones,
 when the oldest has been dead ``removal_delay`` decode steps, or when no live row
 is left; never by a clock, so every rank of distributed mode removes alike).
 
-Parking takes a row's KV cache out (``remove(..., return_prompt_caches=True)``);
-decode is pipelined, so it already holds the last emitted token: it is trimmed by
-one and the row re-inserted as ``[[last_token]]`` (nothing is trimmed for a row
-back in the batch but not stepped yet).
-
-The lane's subclasses of mlx-lm's batch classes, which read and set their
-private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
+Parking (preemption) takes a row's KV cache out (``return_prompt_caches=True``).
+Decode is pipelined, so that cache holds the last emitted token: it is trimmed by
+one and the row re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``,
+token for token like an uninterrupted run (a row not stepped since it was back
+holds no last token: nothing is trimmed). An image row joins with its prompt
+prefilled through the vision model (``vision``). The subclasses of mlx-lm's batch
+classes, which touch their private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
 """
 
 from __future__ import annotations
@@ -66,10 +66,8 @@ class BatchLane:
     #: Shortest cached prefix worth taking from the prompt cache (tokens): a
     #: shorter one (a chat template's shared header) is prefilled instead.
     cache_min_prefix: int = 64
-    #: Most prompt tokens prefilled per decode step, counted as mlx-lm pads
-    #: them (rows x the longest chunk); also the chunk a long prompt is cut
-    #: into. None: no bound beyond mlx-lm's (``prefill_step_size`` per prompt,
-    #: ``prefill_batch_size`` prompts). See ``_feed``.
+    #: Most prompt tokens prefilled per decode step, padded as mlx-lm pads them
+    #: (rows x the longest chunk); None: mlx-lm's bounds only. See ``_feed``.
     prefill_budget: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
@@ -80,8 +78,8 @@ class BatchLane:
     long_prompt_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
-    #: Experimental, off (1): every prefill pass right-padded to a multiple of this
-    #: width, so passes repeat a few shapes (``EngineSettings``; design/performance.md).
+    #: Experimental, off (1): prefill passes right-padded to a multiple of this
+    #: width (design/performance.md: it did not lower the worst step on the H200).
     prefill_width_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
@@ -93,10 +91,8 @@ class BatchLane:
     #: Decode a row alone in the batch over plain ``KVCache``s (see ``_Generation``);
     #: False: as a one-row batch (``TRIO_MLX_SOLO_DECODE=0``, for side-by-side runs).
     solo_decode: bool = True
-    #: Decode steps traced once per batch shape (:mod:`trio_mlx._accel.traced_decode`),
-    #: once a traced step has matched the model's own; the loader turns it on on
-    #: CUDA (``TRIO_MLX_TRACED_DECODE``: 0 off, 1 on anywhere). False: the model's
-    #: own step every time.
+    #: Decode steps traced once per batch shape (:mod:`trio_mlx._accel.traced_decode`)
+    #: once a traced step matched the model's own; the loader sets it (on on CUDA).
     traced_decode: bool = False
     #: Keep prompt-cache checkpoints of each row's prefill (its stable prefix and its
     #: whole prompt, see :mod:`trio_mlx._lanes.prompt_cache`). None: where the
@@ -104,6 +100,8 @@ class BatchLane:
     #: a ``KVCache`` row's end-of-generation entry is cut back to them instead
     #: (the loader sets it when the prompt cache has a disk tier: what it keeps).
     prompt_checkpoints: bool | None = None
+    #: A vision model's :class:`~trio_mlx._start.vision.Vision`, which prefills image rows.
+    vision: Any = None
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
     #: A decode step that takes this many seconds or more is logged, with what it
@@ -114,14 +112,13 @@ class BatchLane:
     speculation: Speculation | None = None
     #: Its state while on (None: off, or the model's caches cannot roll back).
     speculator: Speculator | None = attrs.field(init=False, default=None)
-    #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
+    #: Seconds spent inside ``BatchGenerator.next()``, and its calls (decode steps).
     generator_seconds: float = attrs.field(init=False, default=0.0)
-    #: Decode steps run (``BatchGenerator.next()`` calls), for the slow-step log.
     decode_steps: int = attrs.field(init=False, default=0)
     _slow_log: SlowStepLog = attrs.field(init=False, factory=SlowStepLog)
-    #: Rows inserted into the batch per adapter name (base rows are not counted here).
+    #: Rows inserted per adapter name (base rows not counted); the stack whose layers
+    #: are on the model during the current ``next()`` (else None).
     adapter_rows: Counter[str] = attrs.field(init=False, factory=Counter)
-    #: The stack whose layers are on the model during the current ``next()`` (else None).
     _active_stack: AdapterStack | None = attrs.field(init=False, default=None)
     _generator: Any = attrs.field(init=False, default=None)
     _rows: dict[int, Row] = attrs.field(init=False, factory=dict)
@@ -246,12 +243,14 @@ class BatchLane:
         return 0 if name is None else stack.slots[name]
 
     def _key(self, row: Row) -> Hashable:
-        """The row's prompt cache key: a prefix computed under one adapter serves only it."""
-        if row.adapter is None:
-            return self.cache_key
-        stack = self._stack()
-        mount = stack.mounts.get(row.adapter) if stack is not None else None
-        return (self.cache_key, "adapter", row.adapter, mount)
+        """The row's prompt cache key: its adapter's, and its images' (their pixels' hashes)."""
+        key: Hashable = self.cache_key
+        if row.adapter is not None:
+            stack = self._stack()
+            mount = stack.mounts.get(row.adapter) if stack is not None else None
+            key = (self.cache_key, "adapter", row.adapter, mount)
+        images = row.spec.images
+        return key if images is None else (key, "images", images.digests)
 
     @property
     def dead_rows(self) -> int:
@@ -333,8 +332,9 @@ class BatchLane:
         if elapsed >= self.slow_step_seconds and (compacted or inserts or resumes):
             self._slow_log.admission(
                 self.slow_step_quiet,
-                f"{elapsed * 1000:.0f} ms; {compacted} dead rows compacted, {len(inserts)} rows "
-                f"inserted, {len(resumes)} resumed, {len(self._by_uid)} rows in the batch",
+                f"{elapsed * 1000:.0f} ms; {compacted} "
+                f"dead rows compacted, {len(inserts)} rows inserted, {len(resumes)} resumed, "
+                f"{len(self._by_uid)} rows in the batch",
             )
         decoded = 0
         if self._by_uid or self._waiting:
@@ -519,13 +519,17 @@ class BatchLane:
         """Queue a new (or restarted) row for prefill; returns the tokens the prompt cache serves."""
         prompt = list(row.spec.prompt)
         cache, rest = None, prompt
-        if self.prompt_cache is not None:
+        if row.spec.images is not None:  # the images' part prefilled now, unless cached
+            args = (prompt, row.spec.images, self.prompt_cache, self._key(row))
+            cache, rest, served = self.vision.start(*args, self.cache_min_prefix)
+        elif self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch(
                 self._key(row), prompt, min_prefix=self.cache_min_prefix, share=True
             )
+        served = len(prompt) - len(rest) if row.spec.images is None else served
         row.waiting = (prompt, cache, rest)
         self._waiting.append(row.spec.id)
-        return len(prompt) - len(rest)
+        return served
 
     def _feed(self) -> list[RowEvent]:
         """Hand waiting rows to the generator, oldest first, within ``prefill_budget``.
@@ -676,8 +680,7 @@ class BatchLane:
         self._joined(row, uid)
 
     def _drop(self, row_id: int) -> None:
-        row = self._rows.pop(row_id, None)
-        if row is not None and row.uid is not None:
+        if (row := self._rows.pop(row_id, None)) is not None and row.uid is not None:
             self._parted(row.uid)
 
     def _decode(self, order: dict[int, list[RowEvent]], outputs: dict[int, RowOutput]) -> bool:

@@ -31,6 +31,7 @@ from trio_mlx._memory import KVProfile, default_limit, default_prompt_cache
 from trio_mlx._params import SamplingParams
 from trio_mlx._start import kv_measure
 from trio_mlx._start import model_fixes as _model_fixes
+from trio_mlx._start import vision as _vision
 from trio_mlx._start import warmup as _cuda_warmup
 from trio_mlx._start.settings import EngineSettings
 
@@ -70,6 +71,8 @@ class Loaded:
     #: KV memory budget of the rows (``EngineSettings.kv_memory_bytes`` None).
     kv_profile: KVProfile = attrs.field(factory=KVProfile)
     kv_default: int = 0
+    #: A vision model's image side (None: a text model).
+    vision: _vision.Vision | None = None
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -214,6 +217,7 @@ def load(
     _accel.prepare(settings)
     lane_type: type[BatchLane] = BatchLane
     channel = None
+    vision: _vision.Vision | None = None
     result: Any  # (model, tokenizer, config)
     if _distributed.launched() if distributed is None else distributed:
         group = _distributed.group()
@@ -238,6 +242,11 @@ def load(
         # Every rank has its shard: a barrier before the first step.
         channel.share(None, limit=_distributed.start_timeout())
         lane_type = _distributed.MirroredLane
+    elif _vision.is_vision(path):
+        if settings.adapter_path is not None:
+            raise InvalidRequest("a vision model takes no adapter_path", param="adapter_path")
+        model, tokenizer, config, vision = _vision.load(path)
+        result = (model, tokenizer, config)
     else:
         result = mlx_lm.load(path, adapter_path=settings.adapter_path, return_config=True)
     model, tokenizer, config = result
@@ -296,6 +305,7 @@ def load(
         )
         if settings.prompt_lookup or draft is not None
         else None,
+        vision=vision,
     )
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))
@@ -329,6 +339,7 @@ def load(
         grouping,
         kv_profile,
         kv_default,
+        vision,
     )
 
 

@@ -20,6 +20,7 @@ from trio_mlx._errors import InvalidRequest, NotFound
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT, DEFAULT_GRAMMAR_CACHE_BYTES
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "DEFAULT_PROMPT_CACHE_DISK_BYTES",
     "PARALLEL",
     "SWITCHES",
@@ -27,6 +28,9 @@ __all__ = [
     "switches",
 ]
 
+#: The default bound on an input image's pixels: 8192 x 8192 (PIL's own bomb
+#: check starts at about 89 million).
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 #: The default byte cap of the prompt cache's disk tier (when it has a folder).
 DEFAULT_PROMPT_CACHE_DISK_BYTES = 10 * 1024**3
 #: How a model is split over the ranks of a distributed group.
@@ -184,6 +188,10 @@ class EngineSettings:
     #: None: a share of the memory the weights leave (``_memory.default_prompt_cache``).
     prompt_cache_bytes: int | None = attrs.field(
         default=None, validator=_int_at_least(0, optional=True)
+    )
+    #: Most pixels (width x height) an input image may decode to (a vision model's).
+    max_image_pixels: int = attrs.field(
+        default=DEFAULT_MAX_IMAGE_PIXELS, validator=_int_at_least(1)
     )
     #: The prompt cache's disk tier: its folder (None: off) and byte cap.
     prompt_cache_dir: str | None = attrs.field(
