@@ -104,8 +104,7 @@ class BatchLane:
     vision: Any = None
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
-    #: A decode step that takes this many seconds or more is logged, with what it
-    #: carried (``SlowStepLog``); at most one line per ``slow_step_quiet`` seconds.
+    #: A decode step this slow is logged (``SlowStepLog``), once per ``slow_step_quiet`` s.
     slow_step_seconds: float = 0.5
     slow_step_quiet: float = 10.0
     #: Speculative decoding (:mod:`trio_mlx._lanes.speculative`); None: off.
