@@ -106,7 +106,7 @@ def _shown(path: Path) -> Path:
 
 
 def tests_impl(session: nox.Session, profile: str, *default_args: str) -> None:
-    _install(session, "test")
+    _install(session, "test", "vision")  # the vision tests run, never skip, here
     env = _model_env()
     env["HYPOTHESIS_PROFILE"] = profile
     # mlx ships mlx.launch: the distributed tests must run, never skip, here.

@@ -116,3 +116,26 @@ def test_the_install_key_follows_pyproject_and_the_extras(
     assert moved != key  # another checkout: its own install
     (copy / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + "\n# x\n")
     assert noxfile._install_key("cpu,test") != moved
+
+
+@attrs.define
+class _TestsSession(_Session):
+    """A session the ``tests`` session itself runs in: ``posargs`` and ``run`` too."""
+
+    posargs: list[str] = attrs.field(factory=list)
+    runs: list[tuple[str, ...]] = attrs.field(factory=list)
+
+    def run(self, *args: str, **_: Any) -> None:
+        self.runs.append(args)
+
+
+def test_the_tests_session_installs_the_vision_extra(
+    noxfile: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vision tests skip without mlx-vlm; in ``nox -s tests`` they must run."""
+    session = _TestsSession(tmp_path)
+    monkeypatch.setattr(noxfile, "_model_env", dict)
+    noxfile.tests(session)
+    (extras,) = {args[-1] for args in session.installs}
+    assert extras == f".[{noxfile._extras('test', 'vision')}]"
+    assert [args[0] for args in session.runs] == ["pytest"]

@@ -22,7 +22,9 @@ Runs, side by side in one run, and writes ``bench/results/latest/<machine>/``
     long prompt, through both servers on tiny models of several architectures:
     TTFT and prompt-cache hits per turn, and the first turn after a restart from
     the disk tier (:mod:`bench.suite.agent`; only when ``--only`` names it).
-11. embeddings beside chat: embeddings/s alone and beside N chat streams, and the
+11. speculative decoding by prompt lookup, on and off, at several B
+    (:mod:`bench.suite.speculative`; only when ``--only spec`` names it).
+12. embeddings beside chat: embeddings/s alone and beside N chat streams, and the
     chat's tok/s ratio (:mod:`bench.suite.embed`; only when ``--only`` names it).
 
 A part of trio-mlx that is not there yet (the engine API, ``trio-mlx serve``) is
@@ -82,6 +84,14 @@ _COMMON: dict[str, Any] = {
         "seconds": 5.0,
         "rounds": 3,
         "batch_tokens": None,
+    },
+    # Speculative decoding (bench.suite.speculative): B rows of one trace, on and off.
+    "spec": {
+        "batches": [1, 4, 16, 64],
+        "max_tokens": 128,
+        "rounds": 2,
+        "num_draft_tokens": 4,
+        "traces": ["edit", "repeat"],
     },
     # The agent part's session (bench.suite.agent_trace.AgentSize): about 8k tokens of
     # system prompt on a CPU, 24k on a GPU; tool results of 500-3,000 tokens.
@@ -432,6 +442,9 @@ class Suite:
             self.write()
         if only is not None and "embed" in only and self.engine:
             self.embed(models[0])
+            self.write()
+        if only is not None and "spec" in only and self.engine:
+            self.spec(models[0])
             self.write()
         if wanted("traffic"):
             self.traffic(models[0])
@@ -814,11 +827,11 @@ class Suite:
         self.results["multilora"] = multilora.collect(records, model.name, m)
 
     def embed(self, model: Model) -> None:
-        """Part 11: embeddings beside chat (see :mod:`bench.suite.embed`)."""
+        """Part 12: embeddings beside chat (see :mod:`bench.suite.embed`)."""
         e = {**self.profile["embed"]}
         if self.args.concurrency:
             e["streams"] = [int(c) for c in self.args.concurrency.split(",")]
-        self.log(f"11. embeddings beside chat on {model.name}: N = {e['streams']}")
+        self.log(f"12. embeddings beside chat on {model.name}: N = {e['streams']}")
         records = run_job(_job("embed", model, **e), self.env, self.log, self.results["notes"])
         for r in records:
             self.log(
@@ -829,6 +842,22 @@ class Suite:
                 f"beside embeddings ({r['chat_ratio'] or 0:.2f}x)"
             )
         self.results["embed"] = {"model": model.name, "settings": e, "rows": records}
+
+    def spec(self, model: Model) -> None:
+        """Part 11: speculative decoding (see :mod:`bench.suite.speculative`)."""
+        from bench.suite.models import cache_dir
+
+        m = {**self.profile["spec"], "cache": str(cache_dir())}
+        if self.args.batches:
+            m["batches"] = [int(b) for b in self.args.batches.split(",")]
+        self.log(f"11. speculative decoding (prompt lookup): B = {m['batches']}")
+        records = run_job(_job("spec", model, **m), self.env, self.log, self.results["notes"])
+        for r in records:
+            acc = r["on"]["acceptance"]
+            self.log(f"  {r['trace']} B={r['batch']}: off {r['off']['decode_tok_s']:,.0f}, on "
+                     f"{r['on']['decode_tok_s']:,.0f} tok/s, acceptance "
+                     f"{'-' if acc is None else f'{acc:.0%}'}")  # fmt: skip
+        self.results["spec"] = {"settings": m, "rows": records}
 
     def bound(self, model: Model) -> None:
         if self.args.profile != "gpu":
@@ -865,7 +894,7 @@ def main() -> None:
     )
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory, structured, "
-                        "multilora, embed, traffic, agent")  # fmt: skip
+                        "multilora, embed, traffic, agent, spec")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/latest/MACHINE/")
     parser.add_argument("--batches", help="comma-separated B for the overhead part "
                         "(default: the profile's)")  # fmt: skip

@@ -1,4 +1,4 @@
-"""Part 11: embeddings beside chat, through the engine (``--only embed``).
+"""Part 12: embeddings beside chat, through the engine (``--only embed``).
 
 In a worker process (:func:`job`), for each chat concurrency N and each
 ``embedding_share``, one engine (``embedding_pooling="last"``) runs three
@@ -128,7 +128,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         return []
     s = data["settings"]
     lines = [
-        f"## 11. Embeddings beside chat on `{data['model']}`",
+        f"## 12. Embeddings beside chat on `{data['model']}`",
         "",
         f"{s['clients']} closed-loop embedding clients, {s['inputs']} inputs of "
         f"{s['input_tokens']} tokens a request; N greedy chat streams of {s['max_tokens']} "

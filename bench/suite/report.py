@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.suite import embed, multilora
+from bench.suite import embed, multilora, speculative
 
 
 def _num(value: Any, digits: int = 0) -> str:
@@ -516,6 +516,7 @@ def markdown(results: dict[str, Any]) -> str:
         _structured_md,
         multilora.markdown,
         embed.markdown,
+        speculative.markdown,
         _traffic_md,
         _agent_md,
     ):

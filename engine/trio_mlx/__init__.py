@@ -6,6 +6,7 @@ The engine never imports the web stack (quart, hypercorn, trio_mlx_http).
 
 from trio_mlx._core.arbiter import ArbiterPolicy, ArbiterStatistics
 from trio_mlx._core.engine import Engine, open_engine
+from trio_mlx._core.images import ImageInput
 from trio_mlx._core.prompts import PreparedPrompt
 from trio_mlx._core.request import EngineStatistics
 from trio_mlx._core.stream import GenerationStream
@@ -51,6 +52,7 @@ __all__ = [
     "GenerationFailed",
     "GenerationResult",
     "GenerationStream",
+    "ImageInput",
     "InvalidAdapter",
     "InvalidGrammar",
     "InvalidRequest",

@@ -282,6 +282,9 @@ class SamplingParams:
     )
     #: The prompt already opened the reasoning block (its chat template wrote the start).
     reasoning_opened: bool = attrs.field(default=False, validator=_boolean)
+    #: May speculate where the engine does (``open_engine(prompt_lookup=True)``); False
+    #: opts this request out. Outputs are the same either way (greedy token for token).
+    speculate: bool = attrs.field(default=True, validator=_boolean)
 
     #: Constrain the output to JSON valid against this JSON schema (a mapping, or its
     #: JSON text). ``{"type": "object"}`` asks for any one JSON object. JSON is

@@ -28,6 +28,8 @@ __all__ = [
     "CHAT_TEMPLATE",
     "FAMILIES",
     "SPECIAL_TOKENS",
+    "VLM_CHAT_TEMPLATE",
+    "VLM_FAMILIES",
     "BatchLane",
     "PromptCache",
     "RowSpec",
@@ -38,6 +40,7 @@ __all__ = [
     "dead_rows",
     "make_random_llama",
     "make_random_model",
+    "make_random_vlm",
     "step_planner",
     "train_tokenizer",
     "with_context",
@@ -438,4 +441,135 @@ def make_random_model(
         dtype="float32",
         embed_scale=_EMBED_SCALE.get(model_type),
     )
+    return directory
+
+
+#: The vision-language families :func:`make_random_vlm` builds (mlx-vlm's classes).
+VLM_FAMILIES = ("llava",)
+
+#: A ChatML template whose content may be a list of parts: an image part renders as
+#: the model's image token, which its processor expands to the image's tokens.
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_random_vlm(
+    directory: Path,
+    *,
+    family: str = "llava",
+    seed: int = 0,
+    weight_scale: float = 4.0,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    image_size: int = 32,
+) -> Path:
+    """Write a tiny random vision-language model that ``mlx_vlm.load`` (and the engine)
+    loads offline: mlx-vlm's own classes of ``family`` (:data:`VLM_FAMILIES`).
+
+    The language model is :func:`make_random_llama`'s shape and tokenizer plus an
+    ``<image>`` token; the vision tower a two-layer CLIP over 32 x 32 images in 8 x 8
+    patches (16 image tokens an image), with a CLIP image processor config (the bench
+    asks for a larger ``hidden_size``, ``num_hidden_layers`` and ``image_size``). Needs
+    mlx-vlm (the ``vision`` extra). ``weight_scale`` multiplies the language model's
+    and the projector's matrices, so greedy answers vary with the image.
+    """
+    if family not in VLM_FAMILIES:
+        raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VLM_FAMILIES)}")
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx_vlm.models import llava
+    from tokenizers import AddedToken
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = type(_tokenizer(512, None)).from_str(_tokenizer(512, None).to_str())
+    write_tokenizer(tokenizer, directory)
+    tokenizer.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    image_id = tokenizer.token_to_id("<image>")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config["added_tokens_decoder"][str(image_id)] = {
+        **tokenizer_config["added_tokens_decoder"]["0"],
+        "content": "<image>",
+    }
+    tokenizer_config["chat_template"] = VLM_CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    vocab = tokenizer.get_vocab_size()
+    text = llama_config(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden_size,
+    )
+    vision = {
+        "model_type": "clip_vision_model",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": 8,
+        "projection_dim": 32,
+        "num_channels": 3,
+        "layer_norm_eps": 1e-5,
+    }
+    config = {
+        "model_type": family,
+        "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_index": image_id,
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -2,
+        "vocab_size": vocab,
+        "eos_token_id": [0, 2],
+        "torch_dtype": "float32",
+    }
+    model_config = llava.ModelConfig.from_dict(config)
+    model_config.text_config = llava.TextConfig.from_dict(text)
+    model_config.vision_config = llava.VisionConfig.from_dict(vision)
+    mx.random.seed(seed)
+    model = llava.Model(model_config)
+
+    def scaled(path: str, p: Any) -> Any:
+        if p.ndim < 2 or path.startswith("vision_tower"):
+            return p
+        return p * weight_scale
+
+    model.update(tree_map_with_path(scaled, model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    clip_mean, clip_std = [0.4815, 0.4578, 0.4082], [0.2686, 0.2613, 0.2758]
+    preprocessor = {
+        "image_processor_type": "CLIPImageProcessor",
+        "do_resize": True,
+        "size": {"shortest_edge": image_size},
+        "do_center_crop": True,
+        "crop_size": {"height": image_size, "width": image_size},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": clip_mean,
+        "image_std": clip_std,
+        "do_convert_rgb": True,
+        "resample": 3,
+    }
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    processor = {
+        "processor_class": "LlavaProcessor",
+        "patch_size": 8,
+        "vision_feature_select_strategy": "default",
+        "image_token": "<image>",
+        "num_additional_image_tokens": 1,
+    }
+    (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
     return directory

@@ -200,6 +200,34 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="most inputs one /v1/embeddings request may carry (default: 2048)",
     )
     parser.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        default=None,
+        help="speculative decoding: each row drafts tokens from its own prompt and output, "
+        "verified in the batch's forward pass (greedy outputs unchanged)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="FOLDER",
+        help="speculative decoding with a draft model (a folder) that shares the model's "
+        "tokenizer (checked at load); not with --prompt-lookup",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="most draft tokens a row verifies per step (default: 4)",
+    )
+    parser.add_argument(
+        "--speculation-max-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no speculation while the batch holds more rows than this (default: 8)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("TRIO_MLX_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: env TRIO_MLX_API_KEY)",
@@ -207,6 +235,34 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cors-origin", default=None, help="Access-Control-Allow-Origin value")
     parser.add_argument(
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413"
+    )
+    parser.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs in requests (default: data: URLs and base64 only)",
+    )
+    parser.add_argument(
+        "--max-images", type=int, default=8, help="most images one request may hold"
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        type=_size,
+        default=20 * 1024 * 1024,
+        metavar="BYTES",
+        help="most bytes of one image, encoded (default: 20M)",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most pixels (width x height) of one image (default: 8192 x 8192)",
+    )
+    parser.add_argument(
+        "--image-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one image URL may take to fetch",
     )
     parser.add_argument(
         "--max-connections",

@@ -70,5 +70,12 @@ class Settings:
     #: Seconds a stream may stay silent (queued, or in a long prefill) before it
     #: sends a keep-alive; None sends none.
     sse_keepalive: float | None = attrs.field(default=15.0, validator=_positive_or_none)
+    #: Images in requests (a vision model's): ``http(s)`` image URLs are fetched only
+    #: when allowed; the most images a request holds, each at most so many bytes; the
+    #: seconds one URL may take to fetch.
+    allow_image_urls: bool = False
+    max_images: int = attrs.field(default=8, validator=_positive)
+    max_image_bytes: int = attrs.field(default=20 * 1024 * 1024, validator=_positive)
+    image_fetch_timeout: float = attrs.field(default=10.0, validator=_positive_or_none)
     #: The most choices (``n``) and prompts one request may ask for.
     max_choices: int = attrs.field(default=16, validator=_positive)

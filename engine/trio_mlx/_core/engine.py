@@ -6,7 +6,7 @@ import contextlib
 import importlib.util
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -23,6 +23,8 @@ from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
 from trio_mlx._core.embedder import configured_pooling
 from trio_mlx._core.gate import LaneName, choose_lane
+from trio_mlx._core.images import has_images, refuse_images
+from trio_mlx._core.images import prepare as prepare_images
 from trio_mlx._core.planner import StepPlanner
 from trio_mlx._core.prompts import PreparedPrompt, Prompt, PromptEncoder, too_long
 from trio_mlx._core.request import EngineStatistics, Request
@@ -47,7 +49,7 @@ from trio_mlx._lanes.structured import (
 from trio_mlx._memory import KVBudget
 from trio_mlx._params import Completion, Embeddings, SamplingParams, TokenLogprob
 from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
-from trio_mlx._start.settings import EngineSettings
+from trio_mlx._start.settings import DEFAULT_MAX_IMAGE_PIXELS, EngineSettings
 
 __all__ = ["Engine", "open_engine"]
 
@@ -142,6 +144,9 @@ async def open_engine(
     with :class:`~trio_mlx.InvalidRequest`, and ``max_tokens`` is cut to the
     room one request has (``None``: half of MLX's memory limit less the weights,
     less ``prompt_cache_bytes``; see ``design/engine.md``).
+    A vision-language model (a folder whose config has a ``vision_config``; the
+    ``vision`` extra) takes images in chats (:class:`~trio_mlx.ImageInput` parts);
+    ``max_image_pixels`` bounds each image's width x height.
     The remaining settings tune the scheduler's inner bounds (burst length,
     grouped admission, row removal, traced decode, a decision hook for tests);
     :class:`~trio_mlx.EngineSettings` says what each does.
@@ -226,6 +231,7 @@ async def _serve(
         engine = Engine(model_id, loaded, registry, actor, settings)
         engine.grammar_timeout = float(settings.grammar_timeout)
         engine.grammar_cache_bytes = settings.grammar_cache_bytes
+        engine.max_image_pixels = settings.max_image_pixels
         worker.on_death = actor.on_worker_death
         try:
             async with trio.open_nursery() as nursery:
@@ -324,6 +330,8 @@ class Engine:
     _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)
     #: The byte bound of the compiled grammars kept (see :func:`open_engine`).
     grammar_cache_bytes: int = attrs.field(init=False, default=DEFAULT_GRAMMAR_CACHE_BYTES)
+    #: Most pixels an input image may have (see :class:`~trio_mlx.EngineSettings`).
+    max_image_pixels: int = attrs.field(init=False, default=DEFAULT_MAX_IMAGE_PIXELS)
     _compile_gate: CompileGate = attrs.field(init=False, factory=CompileGate)
     _prompts: PromptEncoder = attrs.field(init=False)
 
@@ -352,6 +360,12 @@ class Engine:
         return int(value) if isinstance(value, int) else None
 
     @property
+    def takes_images(self) -> bool:
+        """Whether the model is a vision-language model: chats may hold image parts
+        (``{"type": "image", "image": trio_mlx.ImageInput(...)}``)."""
+        return self._loaded.vision is not None
+
+    @property
     def adapters(self) -> tuple[str, ...]:
         """Names of the mounted LoRA adapters."""
         return self._registry.names
@@ -373,6 +387,7 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the engine: arbiter state, queues, counters, memory."""
         cache = self._loaded.prompt_cache
+        speculator = self._loaded.lane.speculator
         active, cached, peak = _mlx_memory()
         return attrs.evolve(
             self._actor.statistics(),
@@ -381,6 +396,8 @@ class Engine:
             mlx_peak_memory=peak,
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
             prompt_cache=cache.statistics() if cache is not None else None,
+            draft_tokens=dict(speculator.drafted) if speculator is not None else {},
+            draft_accepted_tokens=dict(speculator.accepted) if speculator is not None else {},
         )
 
     def encode(
@@ -399,6 +416,7 @@ class Engine:
         Raises :class:`~trio_mlx.InvalidRequest` for an empty prompt, one that
         tokenizes to nothing, or one longer than the model's context.
         """
+        refuse_images(prompt, "tokenized by tokenize(), not encode()")
         return list(self._prompts.encode(prompt, tools, chat_template_kwargs).tokens)
 
     async def tokenize(
@@ -415,6 +433,8 @@ class Engine:
         less than the thread hop and is tokenized inline, so it never queues
         behind large ones.
         """
+        if has_images(prompt):  # image tokens expanded, as generate makes them
+            return list((await self._images(prompt, tools, chat_template_kwargs)).tokens)
         return list((await self._prompts.tokenize(prompt, tools, chat_template_kwargs)).tokens)
 
     async def prepare(
@@ -442,6 +462,10 @@ class Engine:
             end = getattr(self.tokenizer, "think_end", None)
             if isinstance(start, str) and isinstance(end, str):
                 reasoning_markers = (start, end)
+        if has_images(prompt):
+            if continue_final_message:
+                refuse_images(prompt, "not continued from its final message (a prefill)")
+            return await self._images(prompt, tools, chat_template_kwargs, reasoning_markers)
         return await self._prompts.tokenize(
             prompt, tools, chat_template_kwargs, reasoning_markers, continue_final_message
         )
@@ -616,11 +640,13 @@ class Engine:
             raise EngineClosed("the engine is closed")
         if isinstance(prompt, PreparedPrompt):
             prepared = self._check_prepared(prompt, tools, template_kwargs)
+        elif has_images(prompt):
+            prepared = await self._images(prompt, tools, template_kwargs)
         else:
             # Tokenizing (and rendering a chat template) is CPU work that grows with
             # the prompt: off the event loop, a few prompts at a time.
             prepared = await self._prompts.tokenize(prompt, tools, template_kwargs)
-        tokens, checkpoint = prepared.tokens, prepared.stable_prefix
+        tokens, checkpoint, images = prepared.tokens, prepared.stable_prefix, prepared.images
         params = self._fit_context(len(tokens), params)
         params = self._fit_memory(len(tokens), params)
         self._check_logit_bias(params)
@@ -638,14 +664,21 @@ class Engine:
             caches_merge=self._loaded.caches_merge,
             adapter_reason=adapter_reason,
         )
+        if images is not None and not lane.batch:
+            refuse_images(prompt, f"run in the batch, which {lane.reason} does not allow")
         request_id = self._actor.new_id()
         request = Request(
             request_id,
             lane.name,
-            spec=RowSpec(request_id, tokens, params, constraint, checkpoint),
+            spec=RowSpec(request_id, tokens, params, constraint, checkpoint, images),
         )
         await self._actor.submit(request)
         return request
+
+    def _images(self, *request: Any) -> Awaitable[PreparedPrompt]:
+        """A chat with images as a prompt (:func:`~trio_mlx._core.images.prepare`)."""
+        vision, limit = self._loaded.vision, self.max_image_pixels
+        return prepare_images(vision, self._prompts, self.model_id, limit, request)
 
     def _check_prepared(
         self, prompt: PreparedPrompt, tools: Any, template_kwargs: Mapping[str, Any] | None

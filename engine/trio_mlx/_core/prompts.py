@@ -31,6 +31,16 @@ def _token_ids(_instance: Any, _attribute: Any, tokens: tuple[int, ...]) -> None
         raise InvalidRequest("a prepared prompt's tokens must be token ids (ints)", param="prompt")
 
 
+def _check_unicode(text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be encoded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(
+            "the prompt is not valid Unicode (a lone surrogate?)", param="prompt"
+        ) from None
+
+
 @attrs.frozen
 class PreparedPrompt:
     """A prompt rendered and tokenized once, by :meth:`~trio_mlx.Engine.prepare`.
@@ -48,6 +58,9 @@ class PreparedPrompt:
     #: A chat's stable prefix (its system prompt and tools) in tokens, where the
     #: prompt cache keeps a checkpoint; None: no such prefix.
     stable_prefix: int | None = None
+    #: A chat with images: their model inputs and hashes (the engine's
+    #: ``VisionPrompt``); None: text only.
+    images: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 def opens_reasoning(text: str, markers: tuple[str, str] | None) -> bool:
@@ -136,12 +149,7 @@ class PromptEncoder:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param="prompt")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidRequest(
-                    "the prompt is not valid Unicode (a lone surrogate?)", param="prompt"
-                ) from None
+            _check_unicode(prompt)
             bos = tokenizer.bos_token
             tokens = list(
                 tokenizer.encode(
@@ -153,6 +161,7 @@ class PromptEncoder:
                 raise InvalidRequest("the prompt is empty", param="prompt")
             if all(isinstance(m, Mapping) for m in prompt):
                 text = self._render(prompt, tools, chat_template_kwargs, continue_final)
+                _check_unicode(text)  # a message's lone surrogate: the tokenizer would raise
                 opened = opens_reasoning(text, markers)
                 tokens = list(tokenizer.encode(text, add_special_tokens=False))
                 if self.stable_prefixes:

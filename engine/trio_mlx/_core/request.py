@@ -184,6 +184,10 @@ class EngineStatistics:
     #: Embedding inputs served, and their tokens (requests: ``"embed:<ending>"``).
     embedding_inputs: int = 0
     embedding_tokens: int = 0
+    #: Speculative decoding's draft tokens verified and accepted, by method
+    #: (``"prompt_lookup"``); empty while it is off.
+    draft_tokens: Mapping[str, int] = attrs.field(factory=dict)
+    draft_accepted_tokens: Mapping[str, int] = attrs.field(factory=dict)
 
 
 def failure(error: BaseException) -> BaseException:

@@ -1,38 +1,28 @@
 """The batch lane: continuous batching on mlx-lm's ``BatchGenerator`` (MLX thread only).
 
-Every row carries its own sampler (``make_sampler``) and logits processors
-(``make_logits_processors``: penalties and logit_bias), so the whole
+Every row carries its own sampler and logits processors, so the whole
 :class:`~trio_mlx.SamplingParams` surface batches. One :meth:`BatchLane.step`
-call is one worker call: it removes cancelled rows, inserts admitted and
-resumed ones, runs one ``BatchGenerator.next()`` (or a short burst of them,
-see :meth:`BatchLane.step`) and returns every row's
-:class:`~trio_mlx._lanes.output.RowEvent` at once. Admitted rows reach mlx-lm's
-prompt batch within ``prefill_budget`` tokens per step (``_feed``); its prefill
-is queued, not waited for, and rows that finish it join the decode batch
-without a forward pass of their own (``prompt_class``, ``generation_class``).
+call is one worker call: it removes cancelled rows, inserts admitted and resumed
+ones, runs one ``BatchGenerator.next()`` (or a short burst) and returns every
+row's :class:`~trio_mlx._lanes.output.RowEvent` at once. Admitted rows reach
+mlx-lm's prompt batch within ``prefill_budget`` tokens per step (``_feed``); rows
+that finish prefill join the decode batch without a forward pass of their own.
 
 Rows are finished by the lane, not by mlx-lm (``RowOutput`` applies
-``max_tokens``, EOS and stop strings; mlx-lm gets no stop tokens and an
-unreachable ``max_tokens``), so a finished or cancelled row stops producing
-output at once while its KV slot is freed later, in bulk: *deferred removal*.
-A dead row stays in the batch (decoding tokens nobody reads) until one
-``BatchGenerator.remove`` takes every dead row out at once: when the step
-call admits or resumes rows (the batch's KV is rebuilt then anyway), when
-dead rows reach ``removal_fraction`` of the live ones, when the oldest has
-been dead ``removal_delay`` decode steps (the bound on how long a cancelled
-row holds its slot), or when no live row is left. Every trigger is computed
-from the commands and the tokens, never from a clock, so every rank of
-distributed mode removes the same rows at the same step.
+``max_tokens``, EOS and stop strings), so a finished or cancelled row stops
+producing output at once while its KV slot is freed later, in bulk: *deferred
+removal* (one ``BatchGenerator.remove`` for every dead row: when rows are
+admitted or resumed, when dead rows reach ``removal_fraction`` of the live ones,
+when the oldest has been dead ``removal_delay`` decode steps, or when no live row
+is left; never by a clock, so every rank of distributed mode removes alike).
 
-Parking (preemption) takes a row's KV cache out with
-``remove(..., return_prompt_caches=True)``. Decode is pipelined, so that
-cache already holds the last emitted token: it is trimmed by one and the row
-is re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``, which
-continues token for token like an uninterrupted run. (A row back in the batch
-but not stepped yet holds no last token: nothing is trimmed then.)
-
-The lane's subclasses of mlx-lm's batch classes, which read and set their
-private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
+Parking (preemption) takes a row's KV cache out (``return_prompt_caches=True``).
+Decode is pipelined, so that cache holds the last emitted token: it is trimmed by
+one and the row re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``,
+token for token like an uninterrupted run (a row not stepped since it was back
+holds no last token: nothing is trimmed). An image row joins with its prompt
+prefilled through the vision model (``vision``). The subclasses of mlx-lm's batch
+classes, which touch their private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
 """
 
 from __future__ import annotations
@@ -54,6 +44,7 @@ from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import DECODE, RowSpec, StepPlan, StepResult
 from trio_mlx._lanes.rows import UNBOUNDED, Dead, Guarded, Row, RowModel
 from trio_mlx._lanes.slow_steps import SlowStepLog, buffer_length, gc_seconds, memory_now
+from trio_mlx._lanes.speculative import Speculation, Speculator, cache_reason
 from trio_mlx._lanes.structured import GrammarBatch
 
 __all__ = ["BatchLane"]
@@ -75,10 +66,8 @@ class BatchLane:
     #: Shortest cached prefix worth taking from the prompt cache (tokens): a
     #: shorter one (a chat template's shared header) is prefilled instead.
     cache_min_prefix: int = 64
-    #: Most prompt tokens prefilled per decode step, counted as mlx-lm pads
-    #: them (rows x the longest chunk); also the chunk a long prompt is cut
-    #: into. None: no bound beyond mlx-lm's (``prefill_step_size`` per prompt,
-    #: ``prefill_batch_size`` prompts). See ``_feed``.
+    #: Most prompt tokens prefilled per decode step, padded as mlx-lm pads them
+    #: (rows x the longest chunk); None: mlx-lm's bounds only. See ``_feed``.
     prefill_budget: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
@@ -89,12 +78,8 @@ class BatchLane:
     long_prompt_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
-    #: Experimental, off (1): every prefill pass right-padded to a multiple of
-    #: this width, so that passes repeat a few shapes instead of meeting new ones
-    #: (on the H200 most of a long prompt's stall was the first time MLX met a
-    #: shape: design/performance.md). Costs the padded tokens'
-    #: compute; at 256 it did not lower the long prompt's worst step on the
-    #: H200, so no default sets it.
+    #: Experimental, off (1): prefill passes right-padded to a multiple of this
+    #: width (design/performance.md: it did not lower the worst step on the H200).
     prefill_width_multiple: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: Most decode steps a dead row keeps its KV slot (see the module's notes).
     removal_delay: int = 16
@@ -106,10 +91,8 @@ class BatchLane:
     #: Decode a row alone in the batch over plain ``KVCache``s (see ``_Generation``);
     #: False: as a one-row batch (``TRIO_MLX_SOLO_DECODE=0``, for side-by-side runs).
     solo_decode: bool = True
-    #: Decode steps traced once per batch shape (:mod:`trio_mlx._accel.traced_decode`),
-    #: once a traced step has matched the model's own; the loader turns it on on
-    #: CUDA (``TRIO_MLX_TRACED_DECODE``: 0 off, 1 on anywhere). False: the model's
-    #: own step every time.
+    #: Decode steps traced once per batch shape (:mod:`trio_mlx._accel.traced_decode`)
+    #: once a traced step matched the model's own; the loader sets it (on on CUDA).
     traced_decode: bool = False
     #: Keep prompt-cache checkpoints of each row's prefill (its stable prefix and its
     #: whole prompt, see :mod:`trio_mlx._lanes.prompt_cache`). None: where the
@@ -117,20 +100,24 @@ class BatchLane:
     #: a ``KVCache`` row's end-of-generation entry is cut back to them instead
     #: (the loader sets it when the prompt cache has a disk tier: what it keeps).
     prompt_checkpoints: bool | None = None
+    #: A vision model's :class:`~trio_mlx._start.vision.Vision`, which prefills image rows.
+    vision: Any = None
     #: The mounted plain LoRA adapters, stacked (set by the engine; None: no adapters).
     adapter_stack: Callable[[], AdapterStack] | None = None
-    #: A decode step that takes this many seconds or more is logged, with what it
-    #: carried (``SlowStepLog``); at most one line per ``slow_step_quiet`` seconds.
+    #: A decode step this slow is logged (``SlowStepLog``), once per ``slow_step_quiet`` s.
     slow_step_seconds: float = 0.5
     slow_step_quiet: float = 10.0
-    #: Seconds spent inside ``BatchGenerator.next()`` (the rest of a step is this lane's own work).
+    #: Speculative decoding (:mod:`trio_mlx._lanes.speculative`); None: off.
+    speculation: Speculation | None = None
+    #: Its state while on (None: off, or the model's caches cannot roll back).
+    speculator: Speculator | None = attrs.field(init=False, default=None)
+    #: Seconds spent inside ``BatchGenerator.next()``, and its calls (decode steps).
     generator_seconds: float = attrs.field(init=False, default=0.0)
-    #: Decode steps run (``BatchGenerator.next()`` calls), for the slow-step log.
     decode_steps: int = attrs.field(init=False, default=0)
     _slow_log: SlowStepLog = attrs.field(init=False, factory=SlowStepLog)
-    #: Rows inserted into the batch per adapter name (base rows are not counted here).
+    #: Rows inserted per adapter name (base rows not counted); the stack whose layers
+    #: are on the model during the current ``next()`` (else None).
     adapter_rows: Counter[str] = attrs.field(init=False, factory=Counter)
-    #: The stack whose layers are on the model during the current ``next()`` (else None).
     _active_stack: AdapterStack | None = attrs.field(init=False, default=None)
     _generator: Any = attrs.field(init=False, default=None)
     _rows: dict[int, Row] = attrs.field(init=False, factory=dict)
@@ -159,14 +146,17 @@ class BatchLane:
     _marks: dict[int, Hashable] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
+        caches = make_prompt_cache(self.model)
+        if self.speculation is not None and not (reason := cache_reason(caches)):
+            self.speculator = Speculator(self.speculation)
+        elif self.speculation is not None:
+            logger.info("speculative decoding is off for this model: %s", reason)
         self._generator = self._new_generator()
         if self.prompt_checkpoints is None:
-            from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-            self.prompt_checkpoints = any(
-                type(c) is not KVCache for c in make_prompt_cache(self.model)
-            )
+            self.prompt_checkpoints = any(type(c) is not KVCache for c in caches)
 
     def _new_generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
@@ -187,6 +177,7 @@ class BatchLane:
         generation.logprob_uids = set()
         generation.grammar_uids = set()
         generation.solo_allowed = self.solo_decode
+        generation.speculator = self.speculator
         generator._generation_batch = generation
         generator._prompt_batch = prompt_class().empty(
             model, generator.sampler, prefill_step_size=self.prefill_step_size
@@ -219,12 +210,16 @@ class BatchLane:
             self._logprob_uids.add(uid)
         if row.spec.constraint is not None:
             self._grammar_uids.add(uid)
+        if self.speculator is not None:
+            self.speculator.join(uid, row.spec.params)
 
     def _parted(self, uid: int) -> None:
         """Bookkeeping of a row that stops decoding under ``uid`` (the reverse of ``_joined``)."""
         self._by_uid.pop(uid, None)
         self._marks.pop(uid, None)
         self._logprob_uids.discard(uid)
+        if self.speculator is not None:
+            self.speculator.part(uid)
 
     @property
     def rows(self) -> int:
@@ -247,12 +242,14 @@ class BatchLane:
         return 0 if name is None else stack.slots[name]
 
     def _key(self, row: Row) -> Hashable:
-        """The row's prompt cache key: a prefix computed under one adapter serves only it."""
-        if row.adapter is None:
-            return self.cache_key
-        stack = self._stack()
-        mount = stack.mounts.get(row.adapter) if stack is not None else None
-        return (self.cache_key, "adapter", row.adapter, mount)
+        """The row's prompt cache key: its adapter's, and its images' (their pixels' hashes)."""
+        key: Hashable = self.cache_key
+        if row.adapter is not None:
+            stack = self._stack()
+            mount = stack.mounts.get(row.adapter) if stack is not None else None
+            key = (self.cache_key, "adapter", row.adapter, mount)
+        images = row.spec.images
+        return key if images is None else (key, "images", images.digests)
 
     @property
     def dead_rows(self) -> int:
@@ -334,8 +331,9 @@ class BatchLane:
         if elapsed >= self.slow_step_seconds and (compacted or inserts or resumes):
             self._slow_log.admission(
                 self.slow_step_quiet,
-                f"{elapsed * 1000:.0f} ms; {compacted} dead rows compacted, {len(inserts)} rows "
-                f"inserted, {len(resumes)} resumed, {len(self._by_uid)} rows in the batch",
+                f"{elapsed * 1000:.0f} ms; {compacted} "
+                f"dead rows compacted, {len(inserts)} rows inserted, {len(resumes)} resumed, "
+                f"{len(self._by_uid)} rows in the batch",
             )
         decoded = 0
         if self._by_uid or self._waiting:
@@ -520,13 +518,17 @@ class BatchLane:
         """Queue a new (or restarted) row for prefill; returns the tokens the prompt cache serves."""
         prompt = list(row.spec.prompt)
         cache, rest = None, prompt
-        if self.prompt_cache is not None:
+        if row.spec.images is not None:  # the images' part prefilled now, unless cached
+            args = (prompt, row.spec.images, self.prompt_cache, self._key(row))
+            cache, rest, served = self.vision.start(*args, self.cache_min_prefix)
+        elif self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch(
                 self._key(row), prompt, min_prefix=self.cache_min_prefix, share=True
             )
+        served = len(prompt) - len(rest) if row.spec.images is None else served
         row.waiting = (prompt, cache, rest)
         self._waiting.append(row.spec.id)
-        return len(prompt) - len(rest)
+        return served
 
     def _feed(self) -> list[RowEvent]:
         """Hand waiting rows to the generator, oldest first, within ``prefill_budget``.
@@ -677,8 +679,7 @@ class BatchLane:
         self._joined(row, uid)
 
     def _drop(self, row_id: int) -> None:
-        row = self._rows.pop(row_id, None)
-        if row is not None and row.uid is not None:
+        if (row := self._rows.pop(row_id, None)) is not None and row.uid is not None:
             self._parted(row.uid)
 
     def _decode(self, order: dict[int, list[RowEvent]], outputs: dict[int, RowOutput]) -> bool:
@@ -766,6 +767,8 @@ class BatchLane:
             row_id = by_uid.get(uid)
             if row_id is None:
                 continue  # a dead row
+            if finished and finished[-1] == row_id:
+                continue  # a speculative step's tokens after the row's last one
             row = rows[row_id]
             output = row.output
             if row.error is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from trio_mlx._lanes.processors import LogitBias
 from trio_mlx._lanes.rows import Guarded
+from trio_mlx._lanes.speculative import Speculator, accepted, roll_back
 from trio_mlx._lanes.structured import GrammarBatch, GrammarProcessor
 
 __all__ = [
@@ -301,6 +302,10 @@ def generation_class() -> Any:
         #: Whether a row alone may go solo (the lane's ``solo_decode``; off for good
         #: once the model's caches turn out not to be plain ``BatchKVCache``s).
         solo_allowed: bool = True
+        #: Speculative decoding (:mod:`trio_mlx._lanes.speculative`; None: off).
+        speculator: Speculator | None = None
+        #: After a speculative step: each row's accepted drafts, emitted after its token.
+        extra: list[list[int]] | None = None
 
         def _enter_solo(self) -> None:
             b: Any = self
@@ -385,6 +390,11 @@ def generation_class() -> Any:
             b: Any = self  # mlx-lm's attributes are untyped
             if not self.solo and len(b.uids) == 1 and not self.fresh and self.solo_allowed:
                 self._enter_solo()
+            speculator = self.speculator
+            if speculator is not None and speculator.wanted(b.uids):
+                done = self._speculate(speculator)
+                if done is not None:
+                    return done
             queued, queued_lps = b._next_tokens, b._next_logprobs
             b._current_tokens, b._current_logprobs = queued, queued_lps
             built = time.perf_counter()
@@ -406,6 +416,62 @@ def generation_class() -> Any:
                 history.append(token)
             return tokens, queued_lps
 
+        def _speculate(self, speculator: Speculator) -> tuple[list[int], list[Any]] | None:
+            """A speculative step (see :mod:`trio_mlx._lanes.speculative`), not pipelined:
+            the pending tokens are read first (drafts follow them). None, and nothing
+            run, when no row has a draft."""
+            b: Any = self
+            queued, queued_lps = b._next_tokens, b._next_logprobs
+            waiting = time.perf_counter()
+            mx.eval(queued, queued_lps)
+            pending: list[int] = queued.tolist()
+            waited = time.perf_counter() - waiting
+            fresh, want_lps = self.fresh, b.logprob_uids
+            processors = b.logits_processors or [None] * len(b.uids)
+            eligible = [
+                not processors[e] and uid not in fresh and uid not in want_lps
+                for e, uid in enumerate(b.uids)
+            ]
+            drafts = speculator.plan(b.uids, b.tokens, pending, eligible)
+            width = 1 + max(len(d) for d in drafts)
+            if width == 1:
+                return None
+            built = time.perf_counter()
+            b._current_tokens, b._current_logprobs = queued, queued_lps
+            inputs = mx.array(
+                [
+                    [t, *d, *[0] * (width - 1 - len(d))]
+                    for t, d in zip(pending, drafts, strict=True)
+                ],
+                dtype=queued.dtype,
+            )
+            # Here, in a method of the batch: RowModel reads the rows' uids off its caller.
+            logits = b.model(inputs, cache=b.prompt_cache)
+            first, contexts = _processed(b, logits[:, 0, :], queued)
+            logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+            sampled = _sampled(b, logprobs)
+            queueing = time.perf_counter()
+            mx.eval(sampled, logprobs, contexts)
+            rows = speculator.rows
+            taken, nexts = accepted(
+                logits,
+                drafts,
+                [rows[u].sampled if d else None for u, d in zip(b.uids, drafts, strict=True)],
+            )
+            plain: list[int] = sampled.tolist()
+            chosen = [p if n is None else n for p, n in zip(plain, nexts, strict=True)]
+            roll_back(b.prompt_cache, width, taken)
+            speculator.record(b.uids, drafts, taken)
+            b._next_tokens = mx.array(chosen, dtype=sampled.dtype)
+            b._next_logprobs = list(logprobs) if want_lps else [logprobs] * len(b.uids)
+            mx.async_eval(b._next_tokens, [c.state for c in b.prompt_cache])  # type: ignore[no-untyped-call]
+            self.extra = [d[:n] for d, n in zip(drafts, taken, strict=True)]
+            for history, token, more in zip(b.tokens, pending, self.extra, strict=False):
+                history.append(token)
+                history.extend(more)
+            self.phases = (queueing - built, time.perf_counter() - queueing, waited)
+            return pending, queued_lps
+
         def _logits(self, queued: Any) -> Any:
             """The step's logits: traced where the lane has a traced step that takes
             it (``BatchLane.traced_decode``), else the model's own step."""
@@ -424,7 +490,15 @@ def generation_class() -> Any:
             if not self.uids:
                 return []
             tokens, logprobs = self._step()
-            return list(zip(self.uids, tokens, logprobs, strict=True))
+            extra, self.extra = self.extra, None
+            if extra is None:
+                return list(zip(self.uids, tokens, logprobs, strict=True))
+            # A speculative step: each row's token, then its accepted drafts.
+            out = []
+            for uid, token, lps, more in zip(self.uids, tokens, logprobs, extra, strict=True):
+                out.append((uid, token, lps))
+                out.extend((uid, t, lps) for t in more)
+            return out
 
     _GENERATION_CLASS = _Generation
     return _Generation

@@ -158,6 +158,12 @@ class PromptCache:
         self.tokens_reused += reuse
         return cache, tokens[reuse:]
 
+    def covered(self, key: Hashable, tokens: Sequence[int]) -> int:
+        """The tokens :meth:`fetch` would serve ``tokens`` from memory under ``key``
+        (nothing is copied, counted or moved in the LRU order)."""
+        found = self._nearest(key, list(tokens)) if len(tokens) > 1 else None
+        return found[2] if found is not None else 0
+
     def _nearest(self, key: Hashable, tokens: list[int]) -> tuple[list[Any], list[int], int] | None:
         """The best entry for ``tokens``: (its cache, its tokens, tokens of it to reuse).
 

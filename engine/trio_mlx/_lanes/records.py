@@ -25,6 +25,9 @@ class RowSpec:
     #: The prompt's stable prefix in tokens (a chat's system prompt and tools: where
     #: its first other message starts), kept as a prompt-cache checkpoint; None: none.
     checkpoint: int | None = None
+    #: An image request's :class:`~trio_mlx._start.vision.VisionPrompt` (its image
+    #: inputs and their hashes); None: text only.
+    images: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

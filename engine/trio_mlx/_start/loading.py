@@ -26,10 +26,12 @@ from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
+from trio_mlx._lanes.speculative import Speculation
 from trio_mlx._memory import KVProfile, default_limit, default_prompt_cache
 from trio_mlx._params import SamplingParams
 from trio_mlx._start import kv_measure
 from trio_mlx._start import model_fixes as _model_fixes
+from trio_mlx._start import vision as _vision
 from trio_mlx._start import warmup as _cuda_warmup
 from trio_mlx._start.settings import EngineSettings
 
@@ -69,6 +71,8 @@ class Loaded:
     #: KV memory budget of the rows (``EngineSettings.kv_memory_bytes`` None).
     kv_profile: KVProfile = attrs.field(factory=KVProfile)
     kv_default: int = 0
+    #: A vision model's image side (None: a text model).
+    vision: _vision.Vision | None = None
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -213,6 +217,7 @@ def load(
     _accel.prepare(settings)
     lane_type: type[BatchLane] = BatchLane
     channel = None
+    vision: _vision.Vision | None = None
     result: Any  # (model, tokenizer, config)
     if _distributed.launched() if distributed is None else distributed:
         group = _distributed.group()
@@ -225,19 +230,29 @@ def load(
         settings = channel.share(
             attrs.evolve(settings, decision_hook=None), limit=_distributed.start_timeout()
         )
-        if settings.adapter_path is not None:
+        if settings.adapter_path is not None or settings.prompt_lookup:
+            adapter = settings.adapter_path is not None
             raise InvalidRequest(
-                "distributed mode does not support LoRA adapters",
-                param="adapter_path",
+                "distributed mode does not support "
+                + ("LoRA adapters" if adapter else "speculative decoding"),
+                param="adapter_path" if adapter else "prompt_lookup",
                 code="unsupported_in_distributed_mode",
             )
         result = _distributed.load_shard(path, group, settings.parallel)
         # Every rank has its shard: a barrier before the first step.
         channel.share(None, limit=_distributed.start_timeout())
         lane_type = _distributed.MirroredLane
+    elif _vision.is_vision(path):
+        if settings.adapter_path is not None:
+            raise InvalidRequest("a vision model takes no adapter_path", param="adapter_path")
+        model, tokenizer, config, vision = _vision.load(path)
+        result = (model, tokenizer, config)
     else:
         result = mlx_lm.load(path, adapter_path=settings.adapter_path, return_config=True)
     model, tokenizer, config = result
+    draft = None
+    if settings.draft_model is not None:
+        draft = load_draft(settings.draft_model, tokenizer, config)
     prompt_cache_bytes = settings.prompt_cache_bytes
     if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
         # Pipeline stages hold different layers, so byte-capped caches would
@@ -282,6 +297,15 @@ def load(
         prefill_width_multiple=settings.prefill_width_multiple,
         solo_decode=device.solo_decode,
         traced_decode=device.traced_decode,
+        speculation=Speculation(
+            method="prompt_lookup" if draft is None else "draft_model",
+            draft=draft,
+            num_draft_tokens=settings.num_draft_tokens,
+            max_batch=settings.speculation_max_batch,
+        )
+        if settings.prompt_lookup or draft is not None
+        else None,
+        vision=vision,
     )
     if caches_merge:
         lane.step(StepPlan([RowSpec(0, (warm[0], warm[0]), SamplingParams(max_tokens=2))]))
@@ -315,7 +339,43 @@ def load(
         grouping,
         kv_profile,
         kv_default,
+        vision,
     )
+
+
+def load_draft(path: str, tokenizer: Any, config: dict[str, Any]) -> Any:
+    """The draft model in folder ``path``, refused unless it shares the model's vocabulary
+    and its caches can be cut back (plain ``KVCache`` layers)."""
+    import json
+
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from trio_mlx._lanes.speculative import cache_reason
+
+    with open(os.path.join(path, "config.json")) as f:
+        draft_config = json.load(f)
+    ours, theirs = config.get("vocab_size"), draft_config.get("vocab_size")
+    why = f"vocab_size {theirs} where the model has {ours}" if ours != theirs else None
+    if why is None and load_tokenizer(Path(path)).vocab != tokenizer.vocab:
+        why = "a tokenizer with another vocabulary"
+    if why is not None:
+        raise InvalidRequest(
+            f"draft model {path} cannot draft for this model: it has {why} (a draft model "
+            "must share the model's tokenizer)",
+            param="draft_model",
+            code="draft_vocabulary_mismatch",
+        )
+    draft = mlx_lm.load(path)[0]
+    reason = cache_reason(make_prompt_cache(draft))
+    if reason is not None:
+        raise InvalidRequest(
+            f"draft model {path} cannot draft: {reason}",
+            param="draft_model",
+            code="draft_model_unsupported",
+        )
+    return draft
 
 
 def set_chat_template(tokenizer: Any, template: str) -> None:

@@ -21,6 +21,7 @@ from trio_mlx._lanes.embed import POOLINGS
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT, DEFAULT_GRAMMAR_CACHE_BYTES
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "DEFAULT_PROMPT_CACHE_DISK_BYTES",
     "PARALLEL",
     "SWITCHES",
@@ -28,6 +29,9 @@ __all__ = [
     "switches",
 ]
 
+#: The default bound on an input image's pixels: 8192 x 8192 (PIL's own bomb
+#: check starts at about 89 million).
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 #: The default byte cap of the prompt cache's disk tier (when it has a folder).
 DEFAULT_PROMPT_CACHE_DISK_BYTES = 10 * 1024**3
 #: How a model is split over the ranks of a distributed group.
@@ -115,6 +119,20 @@ def _adapter_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) 
         raise NotFound(f"adapter {value!r} not found: no such folder", param="adapter_path")
 
 
+def _draft_folder(settings: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    """A draft model is a local folder (the bundled models' kind), checked before any load,
+    and one way of drafting at a time."""
+    if value is not None and settings.prompt_lookup:
+        raise InvalidRequest(
+            "draft_model and prompt_lookup cannot both be set: choose one way of drafting",
+            param="draft_model",
+        )
+    if value is not None and not os.path.isfile(os.path.join(value, "config.json")):
+        raise NotFound(
+            f"draft model {value!r} not found: no folder with a config.json", param="draft_model"
+        )
+
+
 def _cache_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
     if value is not None and os.path.exists(value) and not os.path.isdir(value):
         raise InvalidRequest(f"prompt_cache_dir {value} is not a folder", param=_name(attribute))
@@ -173,6 +191,13 @@ class EngineSettings:
       ``embedding_batch_tokens`` (padded tokens of one pass; None: a quarter
       of the prefill budget, which a pass then stalls the streams less than): see
       ``Engine.embed``.
+    - ``prompt_lookup``, ``draft_model``, ``num_draft_tokens``,
+      ``speculation_max_batch``: speculative decoding in the batch (``prompt_lookup``:
+      drafts from each row's own prompt and output; at most ``num_draft_tokens`` a
+      row and step; none while the batch holds more than ``speculation_max_batch``
+      rows; ``design/engine.md``). ``draft_model`` (a folder; it must share the
+      model's tokenizer, checked at load) drafts instead of the lookup, greedily,
+      each row over its own KV cache.
     - ``decision_hook``: called on the Trio thread with each arbiter decision
       and the arbiter's statistics after it (tests record them); not sent to
       the other ranks of a distributed group.
@@ -186,6 +211,10 @@ class EngineSettings:
     #: None: a share of the memory the weights leave (``_memory.default_prompt_cache``).
     prompt_cache_bytes: int | None = attrs.field(
         default=None, validator=_int_at_least(0, optional=True)
+    )
+    #: Most pixels (width x height) an input image may decode to (a vision model's).
+    max_image_pixels: int = attrs.field(
+        default=DEFAULT_MAX_IMAGE_PIXELS, validator=_int_at_least(1)
     )
     #: The prompt cache's disk tier: its folder (None: off) and byte cap.
     prompt_cache_dir: str | None = attrs.field(
@@ -238,6 +267,10 @@ class EngineSettings:
     removal_fraction: int = attrs.field(default=8, validator=_int_at_least(0))
     prefill_width_multiple: int = attrs.field(default=1, validator=_int_at_least(1))
     traced_decode: bool | None = attrs.field(default=None, validator=_flag)
+    prompt_lookup: bool = attrs.field(default=False, validator=_flag)
+    draft_model: str | None = attrs.field(default=None, converter=_path, validator=_draft_folder)
+    num_draft_tokens: int = attrs.field(default=4, validator=_int_at_least(1))
+    speculation_max_batch: int = attrs.field(default=8, validator=_int_at_least(1))
     decision_hook: Callable[[Any, Any], None] | None = attrs.field(
         default=None, validator=_hook, eq=False, repr=False
     )

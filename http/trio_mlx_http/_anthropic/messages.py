@@ -33,6 +33,7 @@ from trio_mlx_http._common.fields import (
     never,
     unsupported,
 )
+from trio_mlx_http._common.images import ImageRef, image_part, image_url
 from trio_mlx_http._common.prepare import prepare
 from trio_mlx_http._common.sse import named_event
 from trio_mlx_http._common.structured import ToolChoice, grammar_param
@@ -115,6 +116,28 @@ def _block_text(block: Any, where: str) -> str:
     )
 
 
+def _image_block(block: Mapping[str, Any], where: str) -> ImageRef:
+    """An ``image`` block's image: a base64 source or a url source."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source, dict) and isinstance(source.get("data"), str):
+        return ImageRef(where, data=source["data"])
+    if kind == "url" and isinstance(source, dict):
+        return image_url(source.get("url"), where)
+    raise InvalidRequest(
+        f"{where}.source must be {{'type': 'base64', 'media_type': ..., 'data': ...}} "
+        "or {'type': 'url', 'url': ...}",
+        param=where,
+    )
+
+
+def _joined(pieces: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's text, or with an image among ``pieces`` its text and image parts."""
+    if all(isinstance(p, str) for p in pieces):
+        return "".join(p for p in pieces if isinstance(p, str))
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in pieces]
+
+
 def _text(content: Any, where: str) -> str:
     """A string, or the joined text of a list of text blocks."""
     return joined_text(content, where, _block_text, "text blocks")
@@ -157,7 +180,7 @@ def _message(message: Any, where: str) -> list[dict[str, Any]]:
             param=f"{where}.content",
         )
     results: list[dict[str, Any]] = []
-    texts: list[str] = []
+    texts: list[str | dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for i, block in enumerate(content):
         at = f"{where}.content[{i}]"
@@ -169,11 +192,13 @@ def _message(message: Any, where: str) -> list[dict[str, Any]]:
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             # Anthropic leaves earlier turns' thinking out of the context; so do we.
             continue
+        elif kind == "image" and role == "user":
+            texts.append(image_part(_image_block(block, at)))
         else:
             texts.append(_block_text(block, at))
     out = results
     if texts or calls or not results:
-        said: dict[str, Any] = {"role": role, "content": "".join(texts)}
+        said: dict[str, Any] = {"role": role, "content": _joined(texts)}
         if calls:
             said["tool_calls"] = calls
         out.append(said)

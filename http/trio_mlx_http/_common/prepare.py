@@ -7,7 +7,8 @@ what the engine runs, in one pass and in this order:
 1. the model: a served name, or a mounted adapter's name selecting that adapter;
 2. the tools: refused when the tokenizer has no tool-call markers;
 3. ``reasoning_effort`` onto the chat template's own reasoning switch;
-4. ``suffix`` (completions) into the model's fill-in-the-middle markers;
+4. the images of a chat fetched and bounded (:mod:`~trio_mlx_http._common.images`);
+   ``suffix`` (completions) into the model's fill-in-the-middle markers;
 5. each prompt rendered and tokenized once by the engine (``Engine.prepare``),
    which also says whether the rendered chat opens a reasoning block;
 6. a forced ``tool_choice`` into a grammar, any constraint started after a
@@ -27,6 +28,7 @@ import attrs
 import trio
 
 from trio_mlx import InvalidRequest, NotFound, PreparedPrompt, TrioMLXError
+from trio_mlx_http._common.images import resolve_prompts
 from trio_mlx_http._common.reasoning import ReasoningSplitter
 from trio_mlx_http._common.structured import after_reasoning, tool_call_grammar
 from trio_mlx_http._common.tools import ToolCallExtractor
@@ -98,7 +100,9 @@ async def prepare(
     """
     model, request = _resolve_model(state, request)
     _check_tools(state, request.tools)
-    request = _reasoning_effort(state, request)
+    # Images fetched and bounded, before anything renders the chat.
+    prompts = await resolve_prompts(state.engine, state.settings, request.prompts)
+    request = _reasoning_effort(state, attrs.evolve(request, prompts=prompts))
     request = _fill_in_the_middle(state, request)
     markers = reasoning_markers(state) if chat else None
     render = partial(

@@ -23,6 +23,7 @@ import attrs
 
 from trio_mlx import InvalidRequest, SamplingParams
 from trio_mlx_http._common.fields import get_field
+from trio_mlx_http._common.images import ImageRef, check_detail, image_part, image_url
 from trio_mlx_http._common.structured import ToolChoice, parse_response_format, parse_tool_choice
 from trio_mlx_http._settings import Settings
 
@@ -306,30 +307,45 @@ def _common(body: Mapping[str, Any], settings: Settings) -> tuple[str | None, in
     return model, n, adapter
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """Text, or (with an image among the parts) a list of text and image parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif (
-                isinstance(part, dict)
-                and part.get("type") == "text"
-                and isinstance(part.get("text"), str)
-            ):
-                texts.append(part["text"])
+        parts: list[dict[str, Any]] = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(part, str) or (kind == "text" and isinstance(part.get("text"), str)):
+                text = part if isinstance(part, str) else part["text"]
+                if parts and parts[-1]["type"] == "text":
+                    parts[-1] = {"type": "text", "text": parts[-1]["text"] + text}
+                else:
+                    parts.append({"type": "text", "text": text})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                if isinstance(url, dict):
+                    check_detail(url.get("detail"), f"{where}[{i}].image_url.detail")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise InvalidRequest(
+                        f"{where}[{i}] needs image_url.url (a data: or http(s) URL)",
+                        param=where,
+                    )
+                parts.append(image_part(image_url(url, f"{where}[{i}]")))
+            elif kind == "image" and isinstance(part.get("image"), ImageRef):
+                parts.append(part)  # an image another API's parser read
             else:
                 raise InvalidRequest(
-                    f"{where} parts must be {{'type': 'text', 'text': ...}}; "
-                    "only text content is supported",
+                    f"{where} parts must be {{'type': 'text', 'text': ...}} or "
+                    "{'type': 'image_url', 'image_url': {'url': ...}}",
                     param=where,
                 )
-        return "".join(texts)
-    raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
+        if any(p["type"] == "image" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
+    raise InvalidRequest(f"{where} must be a string or a list of content parts", param=where)
 
 
 def _tool_calls_for_template(calls: Any, where: str) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from trio_mlx_http._common.fields import (
     never,
     unsupported,
 )
+from trio_mlx_http._common.images import ImageRef, check_detail, image_url, joined_content
 from trio_mlx_http._common.structured import ToolChoice, parse_response_format
 from trio_mlx_http._openai.schema import EFFORTS, GenerationRequest, chat_messages, sampling_params
 from trio_mlx_http._responses.store import ResponseStore
@@ -141,6 +142,22 @@ def _text(content: Any, where: str) -> str:
     return joined_text(content, where, _text_part, "text parts")
 
 
+def _image_part(part: Any, where: str) -> ImageRef | None:
+    """An ``input_image`` part's image (``image_url``: a data: or http(s) URL)."""
+    if not isinstance(part, dict) or part.get("type") != "input_image":
+        return None
+    if part.get("file_id") is not None:
+        raise InvalidRequest(
+            f"{where}.file_id is not supported (no file store); send image_url",
+            param=f"{where}.file_id",
+        )
+    check_detail(part.get("detail"), f"{where}.detail")
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise InvalidRequest(f"{where} needs image_url (a data: or http(s) URL)", param=where)
+    return image_url(url, where)
+
+
 def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str):
@@ -161,7 +178,10 @@ def _input_item(item: Any, where: str, out: list[dict[str, Any]]) -> None:
                 f"{where}.role must be 'user', 'assistant', 'system' or 'developer'",
                 param=f"{where}.role",
             )
-        out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        content = joined_content(
+            item.get("content"), f"{where}.content", _text_part, _image_part, "text parts"
+        )
+        out.append({"role": role, "content": content})
     elif kind == "function_call":
         call = _function_call(item, where)
         last = out[-1] if out else None

@@ -25,6 +25,8 @@ from typing import Any
 
 import attrs
 
+from trio_mlx_http._common.images import ImageRef
+
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_MAX_BYTES", "ResponseStore", "StoredResponse"]
 
 #: Responses kept by default (each holds its whole conversation as text).
@@ -46,8 +48,23 @@ class StoredResponse:
     conversation: tuple[dict[str, Any], ...]
 
 
+def _image_json(value: Any) -> Any:
+    """A conversation's image (as the request gave it) in JSON: ``_image_back`` reads it."""
+    if isinstance(value, ImageRef):
+        return {_IMAGE: attrs.asdict(value)}
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _image_back(value: dict[str, Any]) -> Any:
+    return ImageRef(**value[_IMAGE]) if len(value) == 1 and _IMAGE in value else value
+
+
+#: The key a stored image's JSON object has alone.
+_IMAGE = "\u0000image"
+
+
 def _encoded(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode(
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=_image_json).encode(
         "utf-8", "surrogatepass"
     )
 
@@ -100,7 +117,8 @@ class ResponseStore:
         if entry is None:
             return None
         body, conversation = entry
-        return StoredResponse(body=json.loads(body), conversation=tuple(json.loads(conversation)))
+        messages = json.loads(conversation, object_hook=_image_back)
+        return StoredResponse(body=json.loads(body), conversation=tuple(messages))
 
     def body(self, response_id: str) -> dict[str, Any] | None:
         """Only the stored response's body, parsed anew (now the most recently used), or None."""

@@ -20,6 +20,7 @@ from quart_trio import QuartTrio
 
 from trio_mlx import Engine, EngineClosed, InvalidRequest, NotFound
 from trio_mlx_http._anthropic import messages as _anthropic
+from trio_mlx_http._common.images import resolve_prompts
 from trio_mlx_http._errors import Forbidden, Unauthorized, install_error_handlers
 from trio_mlx_http._openai import chat as _generation
 from trio_mlx_http._openai import embeddings as _embeddings
@@ -273,6 +274,8 @@ def _model_card(state: ServerState, model_id: str, parent: str | None = None) ->
     }
     if parent is None:
         card["context_length"] = state.engine.context_length
+        # What the model takes in: a vision model also images.
+        card["input_modalities"] = ["text", "image"] if state.engine.takes_images else ["text"]
     else:
         card["parent"] = parent
     return card
@@ -364,8 +367,9 @@ def _install_tokens(app: QuartTrio) -> None:
     async def tokenize() -> Response:
         state = _state()
         parsed = await _parsed(partial(_schema.parse_tokenize, settings=state.settings))
+        (prompt,) = await resolve_prompts(state.engine, state.settings, (parsed.prompt,))
         tokens = await state.engine.tokenize(
-            parsed.prompt, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs
+            prompt, tools=parsed.tools, chat_template_kwargs=parsed.chat_template_kwargs
         )
         return await _off_loop_json(
             {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.context_length}

@@ -112,6 +112,18 @@ class _EngineCollector:
             lane, _, adapter = key.partition(":")
             rows.add_metric([lane, adapter], count)
         yield rows
+        for name, what, counts in (
+            ("trio_mlx_draft_tokens", "Speculative draft tokens verified", stats.draft_tokens),
+            (
+                "trio_mlx_draft_accepted_tokens",
+                "Speculative draft tokens accepted",
+                stats.draft_accepted_tokens,
+            ),
+        ):
+            drafts = CounterMetricFamily(name, f"{what}, by method.", labels=["method"])
+            for method, count in sorted(counts.items()):
+                drafts.add_metric([method], count)
+            yield drafts
         # One series per state, 1 for the current one (Prometheus' "state set" idiom).
         state = GaugeMetricFamily(
             "trio_mlx_arbiter_state", "1 for the arbiter's current state.", labels=["state"]

@@ -131,10 +131,17 @@ _MESSAGE = {
                     "type": "array",
                     "items": {
                         "type": "object",
-                        "required": ["type", "text"],
+                        "required": ["type"],
                         "properties": {
-                            "type": {"type": "string", "enum": ["text"]},
+                            # image_url: a vision model's (a data: URL, or http(s)
+                            # with --allow-image-urls).
+                            "type": {"type": "string", "enum": ["text", "image_url"]},
                             "text": {"type": "string"},
+                            "image_url": {
+                                "type": "object",
+                                "required": ["url"],
+                                "properties": {"url": {"type": "string"}},
+                            },
                         },
                     },
                 },
@@ -167,10 +174,14 @@ _TEXT_PARTS = {
     "type": "array",
     "items": {
         "type": "object",
-        "required": ["type", "text"],
+        "required": ["type"],
         "properties": {
-            "type": {"type": "string", "enum": ["input_text", "output_text", "text"]},
+            "type": {
+                "type": "string",
+                "enum": ["input_text", "output_text", "text", "input_image"],
+            },
             "text": {"type": "string"},
+            "image_url": {"type": "string"},
         },
     },
 }
@@ -242,8 +253,9 @@ _ANTHROPIC_BLOCKS = {
         "type": "object",
         "required": ["type"],
         "properties": {
-            "type": {"type": "string", "enum": ["text", "tool_use", "tool_result"]},
+            "type": {"type": "string", "enum": ["text", "image", "tool_use", "tool_result"]},
             "text": {"type": "string"},
+            "source": {"type": "object"},
             "id": {"type": "string"},
             "name": {"type": "string"},
             "input": {"type": "object"},

@@ -51,6 +51,11 @@ def _engine_settings(args: argparse.Namespace) -> trio_mlx.EngineSettings:
         "embedding_matryoshka",
         "embedding_share",
         "max_embedding_inputs",
+        "prompt_lookup",
+        "draft_model",
+        "num_draft_tokens",
+        "speculation_max_batch",
+        "max_image_pixels",
     ):
         value = getattr(args, name, None)
         if value is not None:
@@ -114,6 +119,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         api_key=args.api_key,
         adapter_dir=args.adapter_dir,
         max_body_bytes=args.max_body_bytes,
+        allow_image_urls=getattr(args, "allow_image_urls", False),
+        max_images=getattr(args, "max_images", 8),
+        max_image_bytes=getattr(args, "max_image_bytes", 20 * 1024 * 1024),
+        image_fetch_timeout=getattr(args, "image_fetch_timeout", 10.0),
         cors_origin=args.cors_origin,
         max_tokens=args.max_tokens,
         temperature=args.temp,

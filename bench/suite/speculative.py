@@ -1,0 +1,155 @@
+"""Part 11 (``--only spec``): speculative decoding by prompt lookup, on and off.
+
+Two traces, each at several batch sizes B, through ``engine.complete`` (B requests
+submitted together, greedy, a fixed number of tokens each):
+
+* ``edit``: the bundled model asked, as raw text, to write a Python file out again
+  with a function renamed (the prompt holds the file and the answer's first line):
+  an editor's request. Whether drafts are accepted depends on whether the model
+  copies what it was shown.
+* ``repeat``: a random llama with small weights (``weight_scale=1``: its greedy text
+  soon repeats itself), the case where nearly every draft is right: what accepted
+  drafts are worth on this machine.
+
+Decode tok/s is each row's ``(tokens - 1) / (duration - TTFT)`` summed over the rows,
+best of ``rounds`` (off and on interleaved); acceptance is accepted / drafted tokens.
+``speculation_max_batch`` is set to the largest B, so every B speculates: the
+ratio shows where speculation stops paying.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.suite.jobs import emit
+
+_NAMES = ["parse", "load", "read", "write", "merge", "split", "check", "build", "render", "save"]
+_THINGS = ["config", "line", "record", "table", "entry", "header", "value", "path", "item", "row"]
+
+
+def code_file(rng: random.Random, functions: int = 4) -> tuple[str, str, str]:
+    """A small Python file, one of its function names, and a new name for it."""
+    parts, names = [], []
+    for _ in range(functions):
+        name = f"{rng.choice(_NAMES)}_{rng.choice(_THINGS)}"
+        arg = rng.choice(_THINGS)
+        names.append(name)
+        parts.append(
+            f'def {name}({arg}, strict=False):\n    """{name.replace("_", " ").capitalize()} '
+            f'a {arg}."""\n    result = []\n    for part in {arg}.split(","):\n'
+            f"        if strict and not part:\n            raise ValueError({arg})\n"
+            f"        result.append(part.strip())\n    return result\n"
+        )
+    old = rng.choice(names)
+    return "\n\n".join(parts), old, "new_" + old
+
+
+def edit_prompt(rng: random.Random) -> str:
+    code, old, new = code_file(rng)
+    first = code.splitlines()[0].replace(old, new)
+    return f"File util.py:\n\n{code}\n\nThe same file, with {old} renamed to {new}:\n\n{first}\n"
+
+
+def _model(trace: str, job: dict[str, Any]) -> str | None:
+    if trace == "edit":
+        return None  # the bundled model
+    from trio_mlx.testing import make_random_llama
+
+    path = Path(job["cache"]) / "spec-repeat-llama"
+    if not (path / "config.json").exists():
+        make_random_llama(
+            path, hidden_size=512, num_hidden_layers=8, intermediate_size=1024, weight_scale=1.0
+        )
+    return str(path)
+
+
+async def _run(model: str | None, prompts: list[Any], lookup: bool, job: dict[str, Any]) -> Any:
+    import trio
+
+    import trio_mlx
+
+    params = trio_mlx.SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
+    rates: list[float] = []
+    async with trio_mlx.open_engine(
+        model,
+        max_batch=max(2, len(prompts)),  # max_batch=1 is the serial lane: no speculation
+        prompt_lookup=lookup,
+        num_draft_tokens=job.get("num_draft_tokens", 4),
+        speculation_max_batch=max(job["batches"]),
+    ) as engine:
+
+        async def one(prompt: Any) -> None:
+            r = (await engine.complete(prompt, params)).result
+            decode = r.duration - (r.time_to_first_token or 0.0)
+            rates.append((r.completion_tokens - 1) / decode if decode > 0 else 0.0)
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for prompt in prompts:
+                nursery.start_soon(one, prompt)
+        wall = time.perf_counter() - start
+        stats = engine.statistics()
+    drafted = stats.draft_tokens.get("prompt_lookup", 0)
+    taken = stats.draft_accepted_tokens.get("prompt_lookup", 0)
+    return {
+        "decode_tok_s": sum(rates),
+        "e2e_tok_s": len(prompts) * job["max_tokens"] / wall,
+        "drafted": drafted,
+        "accepted": taken,
+        "acceptance": taken / drafted if drafted else None,
+    }
+
+
+def job(job: dict[str, Any]) -> None:
+    """The worker process's side: every trace, B and mode, ``rounds`` times interleaved."""
+    import trio
+
+    for trace in job["traces"]:
+        model = _model(trace, job)
+        for b in job["batches"]:
+            rng = random.Random(b)
+            prompts: list[Any] = [
+                edit_prompt(rng) if trace == "edit" else f"{edit_prompt(rng)[:200]}"
+                for _ in range(b)
+            ]
+            best: dict[bool, Any] = {}
+            for _ in range(job["rounds"]):
+                for lookup in (False, True):
+                    got = trio.run(_run, model, prompts, lookup, job)
+                    if lookup not in best or got["decode_tok_s"] > best[lookup]["decode_tok_s"]:
+                        best[lookup] = got
+            off, on = best[False], best[True]
+            emit({
+                "job": "spec", "trace": trace, "batch": b, "off": off, "on": on,
+                "ratio": on["decode_tok_s"] / off["decode_tok_s"] if off["decode_tok_s"] else None,
+            })  # fmt: skip
+
+
+def markdown(results: dict[str, Any]) -> list[str]:
+    """The part's section of ``results.md``."""
+    data = results.get("spec")
+    if not data:
+        return []
+    s = data["settings"]
+    lines = [
+        "## 11. Speculative decoding (prompt lookup)",
+        "",
+        f"{s['max_tokens']} greedy tokens a row, K = {s.get('num_draft_tokens', 4)}, best of "
+        f"{s['rounds']} rounds; `edit`: the bundled model rewriting a file it was shown, "
+        "`repeat`: a random llama whose text repeats itself. Decode tok/s summed over rows.",
+        "",
+        "| trace | B | off tok/s | on tok/s | on/off | drafted | accepted | acceptance |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        off, on = r["off"], r["on"]
+        acc = "-" if on["acceptance"] is None else f"{on['acceptance']:.0%}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        lines.append(
+            f"| {r['trace']} | {r['batch']} | {off['decode_tok_s']:,.0f} | "
+            f"{on['decode_tok_s']:,.0f} | {ratio} | {on['drafted']} | {on['accepted']} | {acc} |"
+        )
+    return [*lines, ""]

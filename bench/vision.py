@@ -1,0 +1,135 @@
+"""Images beside text: an image request's TTFT, and what one costs the text streams.
+
+In process, on a random llava (``trio_mlx.testing.make_random_vlm``) or a model folder:
+
+    python -m bench.vision                       # CPU: hidden 512, 4 layers, 112 px images
+    python -m bench.vision --model PATH --streams 8 32 --tokens 256   # a GPU, a real VLM
+
+Per stream count C it runs C greedy text streams of ``--tokens`` tokens alone, then the
+same C streams while image requests (a new image each, so none is cached) run one after
+another beside them, and reports the text streams' tokens per second in both (the goal:
+with images at least 0.9x of text-only), the image requests' TTFT alone and among the
+streams, and a repeated image's TTFT (served from the prompt cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import trio_mlx
+
+NO_EOS = {0: -100.0, 2: -100.0}
+
+
+def _png(seed: int, size: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(size, size, 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def _image_chat(seed: int, size: int) -> list[dict[str, Any]]:
+    image = trio_mlx.ImageInput(_png(seed, size))
+    parts = [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]
+    return [{"role": "user", "content": parts}]
+
+
+async def _ttft(engine: trio_mlx.Engine, prompt: Any, tokens: int) -> float:
+    params = trio_mlx.SamplingParams(max_tokens=tokens, logit_bias=NO_EOS)
+    start = time.perf_counter()
+    first = None
+    async with engine.generate(prompt, params) as stream:
+        async for _delta in stream:
+            if first is None:
+                first = time.perf_counter() - start
+    assert first is not None
+    return first
+
+
+async def _text_rate(
+    engine: trio_mlx.Engine, streams: int, tokens: int, image_size: int | None
+) -> tuple[float, list[float]]:
+    """The text streams' tokens per second; the image requests' TTFTs beside them."""
+    params = trio_mlx.SamplingParams(max_tokens=tokens, logit_bias=NO_EOS)
+    done = trio.Event()
+    left = streams
+    ttfts: list[float] = []
+    ends: list[float] = []
+
+    async def text(i: int) -> None:
+        nonlocal left
+        chat = [{"role": "user", "content": f"Tell me about topic {i}."}]
+        await engine.complete(chat, params)
+        ends.append(time.perf_counter())
+        left -= 1
+        if not left:
+            done.set()
+
+    async def images(size: int) -> None:
+        seed = 1000
+        while not done.is_set():
+            ttfts.append(await _ttft(engine, _image_chat(seed, size), 16))
+            seed += 1
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(text, i)
+        if image_size is not None:
+            nursery.start_soon(images, image_size)
+    return streams * tokens / (max(ends) - start), ttfts
+
+
+async def run(args: argparse.Namespace) -> None:
+    if args.model is None:
+        from trio_mlx.testing import make_random_vlm
+
+        folder = Path(tempfile.mkdtemp()) / "llava"
+        model = make_random_vlm(
+            folder, hidden_size=args.hidden, num_hidden_layers=args.layers, image_size=args.image
+        )
+    else:
+        model = Path(args.model)
+    size = args.image
+    async with trio_mlx.open_engine(model, max_batch=max(args.streams) + 1) as engine:
+        await _ttft(engine, _image_chat(0, size), 2)  # warm
+        alone = [await _ttft(engine, _image_chat(seed, size), 2) for seed in range(1, 6)]
+        cached = [await _ttft(engine, _image_chat(1, size), 2) for _ in range(3)]
+        print(f"model {model}; image {size} px")
+        print(f"image TTFT alone: median {statistics.median(alone) * 1000:.0f} ms (5 images)")
+        print(f"repeated image TTFT (cached): median {statistics.median(cached) * 1000:.0f} ms")
+        for streams in args.streams:
+            text_only, _ = await _text_rate(engine, streams, args.tokens, None)
+            mixed, ttfts = await _text_rate(engine, streams, args.tokens, size)
+            beside = statistics.median(ttfts) * 1000 if ttfts else float("nan")
+            print(
+                f"C={streams}: text {text_only:.0f} tok/s alone, {mixed:.0f} with images "
+                f"({mixed / text_only:.2f}x); {len(ttfts)} image requests, TTFT median "
+                f"{beside:.0f} ms among the streams"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a VLM folder (default: a random llava)")
+    parser.add_argument("--streams", type=int, nargs="+", default=[8])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--image", type=int, default=112, help="image side in pixels")
+    trio.run(run, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Speculative decoding inside the batch: the per-step plan, verification and rollback.
+
+A speculative step (``generation_class``'s ``_speculate``) reads the batch's
+pending tokens, asks :class:`Speculator` which rows draft and how far
+(:meth:`Speculator.plan`), runs ONE forward pass over every row's pending token
+and drafts (shorter rows padded; their padding is never accepted), and each row
+accepts its longest valid prefix (:func:`accepted`): a greedy row where its
+drafts equal the target's argmax, a sampled row by the rejection rule for a
+deterministic draft (accept ``x`` with probability ``p(x)``; on a rejection the
+next token is drawn from ``p`` without ``x``), so its tokens follow the target's
+distribution. The positions a row rejected are rolled back (:func:`roll_back`):
+the batch's ``BatchKVCache`` is cut to the longest acceptance and each row that
+accepted fewer is shifted right by the difference (its left padding grows), so
+every row's tokens stay contiguous and end at the batch's index as everywhere
+else in the lane. Models whose caches are not all plain ``KVCache`` do not
+speculate (see :func:`cache_reason`).
+
+Rows that never speculate (they still share the step): rows with logits
+processors (grammars, penalties, bias, ``min_tokens``, a reasoning budget),
+rows that asked for logprobs, XTC rows, rows just out of prefill, and
+``SamplingParams(speculate=False)``. ``K`` adapts per row: one more after a
+step that accepted every draft, the accepted count (at least 1) after one that
+did not, and a row whose draft was wholly rejected pauses for 1, 2, 4, ... 16
+steps (one whose lookups find nothing, 1 ... 16: a speculative step reads the pending
+tokens before it runs, so it is not pipelined). Above ``max_batch`` rows no step
+speculates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from trio_mlx._lanes.drafter import ModelDraft, PromptLookup
+from trio_mlx._params import SamplingParams
+
+__all__ = [
+    "RowDraft",
+    "Speculation",
+    "Speculator",
+    "accepted",
+    "cache_reason",
+    "roll_back",
+    "target_filter",
+]
+
+logger = logging.getLogger("trio_mlx")
+
+#: The longest pause (steps) of a row whose drafts keep being rejected.
+MAX_PAUSE = 16
+#: The longest pause (steps) of a row whose lookups keep finding nothing.
+MAX_IDLE_PAUSE = 16
+
+
+@attrs.frozen
+class Speculation:
+    """How the lane speculates (built from :class:`~trio_mlx.EngineSettings`)."""
+
+    #: ``"prompt_lookup"``, or ``"draft_model"`` (``draft``, a loaded mlx-lm model).
+    method: str = "prompt_lookup"
+    draft: Any = attrs.field(default=None, eq=False, repr=False)
+    #: Most draft tokens a row verifies per step (``K``).
+    num_draft_tokens: int = 4
+    #: Above this many rows in the batch (dead ones included), no step speculates.
+    max_batch: int = 8
+
+
+@attrs.define(eq=False)
+class RowDraft:
+    """A speculating row's state: its drafter, its ``K`` and its pause."""
+
+    drafter: PromptLookup | ModelDraft
+    #: None: greedy; else the row's sampler as (temperature, filter of the log-probabilities).
+    sampled: tuple[float, Callable[[Any], Any]] | None
+    k: int
+    pause: int = 0
+    misses: int = 0
+    #: Steps in a row its lookup found no draft (it then pauses 1, 2, 4, ... 16 steps).
+    idle: int = 0
+
+
+def target_filter(params: SamplingParams) -> tuple[float, Callable[[Any], Any]] | None:
+    """The distribution a sampled row's sampler draws from, as mlx-lm's sampler makes
+    it: (temperature, the filters it applies, in its order); None for a greedy row."""
+    if params.temperature == 0:
+        return None
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    steps: list[Callable[[Any], Any]] = []
+    if params.top_p < 1.0:
+        top_p = max(params.top_p, 1e-30)  # as processors.make_row_sampler
+        steps.append(lambda x: apply_top_p(x, top_p))
+    if params.min_p != 0.0:
+        steps.append(lambda x: apply_min_p(x, params.min_p, 1))
+    if params.top_k > 0:
+        steps.append(lambda x: apply_top_k(x, params.top_k))
+
+    def apply(logprobs: Any) -> Any:
+        for step in steps:
+            logprobs = step(logprobs)
+        return logprobs
+
+    return params.temperature, apply
+
+
+def cache_reason(caches: Sequence[Any]) -> str | None:
+    """Why a model with these (fresh) caches cannot speculate; None: it can."""
+    from mlx_lm.models.cache import KVCache
+
+    other = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+    if not caches or not other:
+        return None
+    return (
+        f"its caches ({', '.join(other)}) cannot be rolled back per row in the batch "
+        "(only plain KVCache layers are)"
+    )
+
+
+@attrs.define(eq=False)
+class Speculator:
+    """The lane's speculation state (MLX thread): rows by generator uid, and counters."""
+
+    settings: Speculation
+    #: Generator uid -> the row's state (rows that may speculate).
+    rows: dict[int, RowDraft] = attrs.field(factory=dict)
+    #: Draft tokens verified and accepted, by method (read by ``statistics()``).
+    drafted: Counter[str] = attrs.field(factory=Counter)
+    accepted: Counter[str] = attrs.field(factory=Counter)
+    #: Speculative steps run.
+    steps: int = 0
+
+    def join(self, uid: int, params: SamplingParams) -> None:
+        """A row joined the batch under ``uid``; it speculates unless it opted out."""
+        if not params.speculate or params.xtc_probability > 0:
+            return
+        draft = self.settings.draft
+        self.rows[uid] = RowDraft(
+            PromptLookup() if draft is None else ModelDraft(draft),
+            target_filter(params),
+            self.settings.num_draft_tokens,
+        )
+
+    def part(self, uid: int) -> None:
+        self.rows.pop(uid, None)
+
+    def wanted(self, uids: Sequence[int]) -> bool:
+        """Whether this step may speculate (decided before the pending tokens are read);
+        each paused row's pause counts down one step."""
+        if len(uids) > self.settings.max_batch:
+            return False
+        ready = False
+        rows = self.rows
+        for uid in uids:
+            row = rows.get(uid)
+            if row is None:
+                continue
+            if row.pause > 0:
+                row.pause -= 1
+            else:
+                ready = True
+        return ready
+
+    def plan(
+        self,
+        uids: Sequence[int],
+        histories: Sequence[Sequence[int]],
+        pending: Sequence[int],
+        eligible: Sequence[bool],
+    ) -> list[list[int]]:
+        """Each row's drafts for this step (empty: it does not speculate now)."""
+        drafts: list[list[int]] = []
+        for uid, history, last, ok in zip(uids, histories, pending, eligible, strict=True):
+            row = self.rows.get(uid)
+            if row is None or not ok:
+                drafts.append([])
+                continue
+            if row.pause > 0:
+                drafts.append([])
+                continue
+            row.drafter.feed(history)
+            draft = row.drafter.draft(last, row.k)
+            if draft:
+                row.idle = 0
+            else:
+                # Reading the pending tokens costs the step its pipelining: a row
+                # whose text is not repeating anything looks less often.
+                row.pause = min(MAX_IDLE_PAUSE, 1 << row.idle)
+                row.idle += 1
+            drafts.append(draft)
+        return drafts
+
+    def record(
+        self, uids: Sequence[int], drafts: Sequence[list[int]], taken: Sequence[int]
+    ) -> None:
+        """Count a step's drafts and acceptances; adapt each row's ``K``."""
+        self.steps += 1
+        method = self.settings.method
+        limit = self.settings.num_draft_tokens
+        for uid, draft, n in zip(uids, drafts, taken, strict=True):
+            if not draft:
+                continue
+            self.drafted[method] += len(draft)
+            self.accepted[method] += n
+            row = self.rows.get(uid)
+            if row is None:
+                continue
+            row.drafter.settle(n)
+            if n == len(draft):
+                row.k, row.misses = min(limit, row.k + 1), 0
+            else:
+                row.k = max(1, n)
+            if n == 0:
+                row.pause = min(MAX_PAUSE, 1 << row.misses)
+                row.misses += 1
+            else:
+                row.misses = 0
+
+
+def accepted(
+    logits: Any,
+    drafts: Sequence[list[int]],
+    sampled: Sequence[tuple[float, Callable[[Any], Any]] | None],
+) -> tuple[list[int], list[int | None]]:
+    """Each row's accepted draft count and, for a sampled row, its next token.
+
+    ``logits`` (rows, width, vocabulary) are the target's over each row's pending
+    token and drafts. A greedy row (``sampled`` None) accepts drafts while they
+    equal the argmax before them; its next token is the argmax after the last
+    accepted one. A sampled row accepts
+    draft ``x`` with probability ``p(x)`` and, at the first rejection, draws its
+    next token from ``p`` with ``x`` removed (renormalised); with every draft
+    accepted, from ``p`` after the last. Rows without drafts: 0, None.
+    """
+    import mlx.core as mx
+
+    counts = [0] * len(drafts)
+    nexts: list[int | None] = [None] * len(drafts)
+    greedy_rows = [e for e, d in enumerate(drafts) if d and sampled[e] is None]
+    if greedy_rows:
+        rows = mx.array(greedy_rows)
+        targets: Any = mx.argmax(logits[rows], axis=-1).tolist()
+        for e, target in zip(greedy_rows, targets, strict=True):
+            n = 0
+            for j, token in enumerate(drafts[e]):
+                if token != target[j]:
+                    break
+                n += 1
+            counts[e], nexts[e] = n, target[n]
+    for e, draft in enumerate(drafts):
+        how = sampled[e]
+        if not draft or how is None:
+            continue
+        temperature, apply = how
+        k = len(draft)
+        row = logits[e, : k + 1].astype(mx.float32)
+        logprobs = apply(row - mx.logsumexp(row, axis=-1, keepdims=True))
+        probs = mx.softmax(logprobs * (1 / temperature), axis=-1)
+        chosen = mx.take_along_axis(probs[:k], mx.array(draft)[:, None], axis=-1)[:, 0]
+        accept: Any = (mx.random.uniform(shape=(k,)) < chosen).tolist()
+        n = next((j for j, ok in enumerate(accept) if not ok), k)
+        p = probs[n]
+        if n < k:
+            p = p * (mx.arange(p.shape[-1]) != draft[n])
+        counts[e] = n
+        drawn: Any = mx.random.categorical(mx.log(p)).item()
+        nexts[e] = int(drawn)
+    return counts, nexts
+
+
+def roll_back(caches: Sequence[Any], width: int, taken: Sequence[int]) -> None:
+    """Cut the positions the rows rejected out of a step's caches.
+
+    The step appended ``width`` positions to every row (its pending token and
+    ``width - 1`` drafts or padding); row ``e`` keeps ``1 + taken[e]``. Every
+    layer is cut to the longest kept run, and each row that kept fewer is
+    shifted right so that its tokens end at the batch's index (its left padding
+    grows by the shift). Plain ``KVCache`` layers (a row decoding alone) are cut.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    longest = max(taken)
+    cut = width - 1 - longest
+    for c in caches:
+        if cut:
+            c.trim(cut)
+    if type(caches[0]) is KVCache:
+        return
+    shifts = [longest - n for n in taken]
+    if not any(shifts):
+        return
+    shift = mx.array(shifts)
+    end = caches[0]._idx
+    positions = mx.maximum(mx.arange(end)[None, :] - shift[:, None], 0)[:, None, :, None]
+    for c in caches:
+        for name in ("keys", "values"):
+            buffer = getattr(c, name)
+            used = buffer[..., :end, :]
+            index = mx.broadcast_to(positions, (*used.shape[:3], 1))
+            buffer[..., :end, :] = mx.take_along_axis(used, index, axis=2)
+        c.offset = c.offset - shift
+        c.left_padding = c.left_padding + shift

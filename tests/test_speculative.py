@@ -1,0 +1,411 @@
+"""Speculative decoding in the batch (prompt lookup): greedy outputs equal plain decoding
+token for token, drafts get accepted where the text repeats, the rejection rule keeps a
+sampled row's distribution, and models that cannot speculate say so and stay unchanged."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_mlx
+from trio_mlx.testing import batch_lane, make_random_llama, make_random_model
+
+#: A prompt that repeats itself: its n-grams come back in the output.
+REPEATING = "alpha beta gamma delta epsilon alpha beta gamma delta epsilon alpha beta gamma"
+PROMPTS = [
+    REPEATING,
+    "The quick brown fox jumps over the lazy dog",
+    "one two three one two three one two",
+    "def f(x): return x + 1\ndef g(x): return f(x) * 2\ndef f(x): return",
+    "Hello",
+    "a b c d e f g a b c d e f g a b c",
+    "lorem ipsum dolor sit amet lorem ipsum",
+    "zeta eta theta iota kappa lambda mu",
+]
+
+
+@pytest.fixture(scope="module")
+def loopy_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random llama with small weights: its greedy text soon repeats itself, so
+    prompt lookup finds drafts in its own output."""
+    return make_random_llama(tmp_path_factory.mktemp("models") / "loopy", weight_scale=1.0)
+
+
+async def _run(
+    path: Path, requests: list[tuple[Any, trio_mlx.SamplingParams]], **settings: Any
+) -> tuple[list[tuple[int, ...]], trio_mlx.EngineStatistics, bool]:
+    """Every request's token ids (all at once in one engine), its statistics, and
+    whether the lane had a speculator."""
+    outs: list[tuple[int, ...]] = [()] * len(requests)
+    async with trio_mlx.open_engine(path, max_batch=8, **settings) as engine:
+
+        async def one(i: int, prompt: Any, params: trio_mlx.SamplingParams) -> None:
+            outs[i] = (await engine.complete(prompt, params)).token_ids
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i, (prompt, params) in enumerate(requests):
+                    nursery.start_soon(one, i, prompt, params)
+        return outs, engine.statistics(), batch_lane(engine).speculator is not None
+
+
+def _greedy(n: int = 40, **extra: Any) -> trio_mlx.SamplingParams:
+    return trio_mlx.SamplingParams(max_tokens=n, ignore_eos=True, **extra)
+
+
+@pytest.mark.parametrize("model", ["tiny", "loopy"])
+async def test_a_batch_of_8_mixing_speculating_and_plain_rows_equals_plain_decoding(
+    tiny_model_path: Path, loopy_model_path: Path, model: str
+) -> None:
+    path = tiny_model_path if model == "tiny" else loopy_model_path
+    requests = [(p, _greedy(speculate=i % 2 == 0)) for i, p in enumerate(PROMPTS)]
+    plain, _, _ = await _run(path, requests)
+    spec, stats, on = await _run(path, requests, prompt_lookup=True)
+    assert on
+    assert spec == plain
+    assert stats.draft_tokens["prompt_lookup"] > 0
+    assert 0 < stats.draft_accepted_tokens["prompt_lookup"] <= stats.draft_tokens["prompt_lookup"]
+
+
+async def test_a_row_alone_accepts_drafts_and_equals_plain_decoding(
+    tiny_model_path: Path, endless_model_path: Path
+) -> None:
+    # The endless model says "a" forever: after a few tokens every draft is right.
+    chat = [{"role": "user", "content": REPEATING}]
+    plain, _, _ = await _run(endless_model_path, [(chat, _greedy(60))])
+    spec, stats, _ = await _run(
+        endless_model_path,
+        [(chat, _greedy(60))],
+        prompt_lookup=True,
+        num_draft_tokens=6,
+    )
+    assert spec == plain
+    drafted, taken = (
+        stats.draft_tokens["prompt_lookup"],
+        stats.draft_accepted_tokens["prompt_lookup"],
+    )
+    assert taken > 0.8 * drafted
+    # The random tiny model alone, on a prompt that repeats itself: unchanged.
+    requests = [(REPEATING, _greedy(60))]
+    plain, _, _ = await _run(tiny_model_path, requests)
+    spec, _, _ = await _run(tiny_model_path, requests, prompt_lookup=True, num_draft_tokens=6)
+    assert spec == plain
+
+
+async def test_rejected_drafts_leave_the_output_unchanged(endless_model_path: Path) -> None:
+    # "aaab aaac ...": the prompt's drafts after "aa" say b, c, ... where the model says a.
+    chat = [{"role": "user", "content": "aaab aaac aaad aaae aaaf aaag"}]
+    for requests in ([(chat, _greedy(40))], [(chat, _greedy(40)), (PROMPTS[3], _greedy(40))]):
+        plain, _, _ = await _run(endless_model_path, requests)
+        spec, stats, _ = await _run(endless_model_path, requests, prompt_lookup=True)
+        assert spec == plain
+        drafted = stats.draft_tokens["prompt_lookup"]
+        assert 0 < stats.draft_accepted_tokens["prompt_lookup"] < drafted
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 2, "mixed"])
+async def test_drafts_wrong_from_a_position_roll_back_exactly(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, wrong_at: int | str
+) -> None:
+    """Fault injection: each row's drafts are the tokens plain decoding produced, made
+    wrong from position ``wrong_at`` on (0: every draft rejected; "mixed": a different
+    position per row), so each step cuts and shifts rows by known amounts."""
+    from trio_mlx._lanes.drafter import PromptLookup
+
+    requests = [(p, _greedy(30)) for p in PROMPTS]
+    plain, _, _ = await _run(tiny_model_path, requests)
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+    known = list(zip(prompts, plain, strict=True))
+
+    def oracle(self: PromptLookup, last: int, limit: int) -> list[int]:
+        seq = [*self.tokens, last]
+        for row, (prompt, out) in enumerate(known):
+            if seq[: len(prompt)] == prompt and len(seq) > len(prompt):
+                truth = list(out[len(seq) - len(prompt) :][:limit])
+                at = (row + 1) % 4 if wrong_at == "mixed" else int(wrong_at)
+                return [t if i < at else (t + 1) % 512 for i, t in enumerate(truth)]
+        raise AssertionError("a row the test does not know")
+
+    monkeypatch.setattr(PromptLookup, "draft", oracle)
+    for batch in (requests[:1], requests):
+        spec, stats, _ = await _run(tiny_model_path, batch, prompt_lookup=True)
+        assert spec == plain[: len(batch)]
+        drafted, taken = (
+            stats.draft_tokens["prompt_lookup"],
+            stats.draft_accepted_tokens["prompt_lookup"],
+        )
+        assert drafted > 0
+        if wrong_at == 0:
+            assert taken == 0
+        else:
+            assert 0 < taken < drafted
+
+
+async def test_constrained_penalised_and_logprob_rows_share_a_speculating_batch(
+    loopy_model_path: Path,
+) -> None:
+    requests = [
+        (PROMPTS[0], trio_mlx.SamplingParams(max_tokens=30, regex="[a-z ]{5,40}")),
+        (PROMPTS[1], _greedy(30, repetition_penalty=1.3)),
+        (PROMPTS[2], _greedy(30, logprobs=True)),
+        (PROMPTS[5], _greedy(30)),
+        (PROMPTS[6], _greedy(30)),
+    ]
+    plain, _, _ = await _run(loopy_model_path, requests)
+    spec, stats, _ = await _run(loopy_model_path, requests, prompt_lookup=True)
+    assert spec == plain
+    assert stats.draft_tokens["prompt_lookup"] > 0
+    # A sampled row speculates in the batch too (its tokens are random: only counted).
+    sampled = [(PROMPTS[0], _greedy(30, temperature=0.7, top_k=50)), *requests[3:]]
+    spec, stats, _ = await _run(loopy_model_path, sampled, prompt_lookup=True)
+    assert [len(tokens) for tokens in spec] == [30, 30, 30]
+
+
+async def test_above_the_speculation_batch_bound_no_row_drafts(tiny_model_path: Path) -> None:
+    requests = [(p, _greedy(20)) for p in PROMPTS[:4]]
+    plain, _, _ = await _run(tiny_model_path, requests, burst_steps=1)
+    spec, stats, _ = await _run(
+        tiny_model_path, requests, prompt_lookup=True, speculation_max_batch=1, burst_steps=1
+    )
+    assert spec == plain
+    # Only once the batch is down to one row may it speculate.
+    assert stats.draft_tokens.get("prompt_lookup", 0) < sum(map(len, plain))
+
+
+@pytest.mark.parametrize(
+    ("family", "kind"), [("qwen3_next", "ArraysCache"), ("gemma3_text", "RotatingKVCache")]
+)
+async def test_a_model_whose_caches_cannot_roll_back_does_not_speculate_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, family: str, kind: str
+) -> None:
+    path = make_random_model(tmp_path / family, family)
+    requests = [(p, _greedy(20)) for p in PROMPTS[:3]]
+    plain, _, _ = await _run(path, requests)
+    with caplog.at_level(logging.INFO, logger="trio_mlx"):
+        spec, stats, on = await _run(path, requests, prompt_lookup=True)
+    assert not on
+    assert spec == plain
+    assert stats.draft_tokens == {}
+    lines = [
+        r.getMessage() for r in caplog.records if "speculative decoding is off" in r.getMessage()
+    ]
+    assert len(lines) == 1
+    assert kind in lines[0]
+
+
+async def test_a_draft_model_with_another_vocabulary_is_refused_at_load(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    other = make_random_llama(tmp_path / "small-vocab", vocab_size=256)
+    with pytest.raises(trio_mlx.InvalidRequest, match="vocab_size") as info:
+        async with trio_mlx.open_engine(tiny_model_path, draft_model=other):
+            pass  # pragma: no cover - refused above
+    assert info.value.param == "draft_model"
+    assert info.value.code == "draft_vocabulary_mismatch"
+    # One whose caches cannot be cut back cannot draft.
+    hybrid = make_random_model(tmp_path / "hybrid-draft", "qwen3_next")
+    with pytest.raises(trio_mlx.InvalidRequest) as cannot:
+        async with trio_mlx.open_engine(hybrid, draft_model=hybrid):
+            pass  # pragma: no cover - refused above
+    assert cannot.value.code == "draft_model_unsupported"
+    with pytest.raises(trio_mlx.NotFound):
+        trio_mlx.EngineSettings(draft_model=tmp_path / "nowhere")
+    with pytest.raises(trio_mlx.InvalidRequest, match="choose one"):
+        trio_mlx.EngineSettings(draft_model=tiny_model_path, prompt_lookup=True)
+
+
+@pytest.mark.parametrize("draft", ["itself", "weak"])
+async def test_a_draft_model_leaves_greedy_outputs_unchanged(
+    tiny_model_path: Path, tmp_path: Path, draft: str
+) -> None:
+    """The target as its own draft (nearly every draft accepted) and a weak one (another
+    random model with the same tokenizer: most rejected), in a batch mixing rows that
+    speculate, rows that opted out and a penalised row, and a row alone."""
+    path = tiny_model_path
+    if draft == "weak":
+        path = make_random_llama(tmp_path / "weak", seed=7, num_hidden_layers=1)
+    requests = [(p, _greedy(24, speculate=i != 1)) for i, p in enumerate(PROMPTS[:4])]
+    requests.append((PROMPTS[4], _greedy(24, repetition_penalty=1.2)))
+    for batch in (requests[:1], requests):
+        plain, _, _ = await _run(tiny_model_path, batch)
+        spec, stats, on = await _run(tiny_model_path, batch, draft_model=path)
+        assert on
+        assert spec == plain
+        drafted = stats.draft_tokens["draft_model"]
+        taken = stats.draft_accepted_tokens["draft_model"]
+        assert drafted > 0
+        if draft == "itself":
+            assert taken > 0.9 * drafted
+        else:
+            assert taken < 0.5 * drafted
+
+
+def test_the_rejection_rule_keeps_the_target_distribution() -> None:
+    """Draft token 1 against p = (0.1, 0.3, 0.6): accepted with probability 0.3, and
+    the emitted token follows p (rejections draw from p without 1). Fixed seed."""
+    import math
+
+    import mlx.core as mx
+
+    from trio_mlx._lanes.speculative import accepted, target_filter
+
+    p = [0.1, 0.3, 0.6]
+    logits = mx.log(mx.array([[p, p]]))  # one row, its pending token and one draft
+    how = target_filter(trio_mlx.SamplingParams(temperature=1.0))
+    assert how is not None
+    mx.random.seed(1234)
+    trials = 3000
+    emitted: Counter[int] = Counter()
+    taken = 0
+    for _ in range(trials):
+        counts, nexts = accepted(logits, [[1]], [how])
+        taken += counts[0]
+        emitted[1 if counts[0] else nexts[0] or 0] += 1
+    # Bounds of about 4.5 standard deviations for 3,000 draws.
+    assert abs(taken / trials - 0.3) < 4.5 * math.sqrt(0.3 * 0.7 / trials)
+    for token, q in enumerate(p):
+        assert abs(emitted[token] / trials - q) < 4.5 * math.sqrt(q * (1 - q) / trials)
+
+
+def test_a_greedy_row_accepts_its_longest_matching_prefix() -> None:
+    import mlx.core as mx
+
+    from trio_mlx._lanes.speculative import accepted
+
+    # Argmax per position: 3, 1, 2, 0.
+    logits = mx.eye(4)[mx.array([[3, 1, 2, 0], [3, 1, 2, 0]])]
+    counts, nexts = accepted(logits, [[3, 1, 0], [2]], [None, None])
+    assert counts == [2, 0]
+    assert nexts == [2, 3]
+
+
+def test_the_speculation_flags_reach_the_engine() -> None:
+    from trio_mlx_http._cli import build_parser
+    from trio_mlx_http._server.run import _engine_settings
+
+    args = ["serve", "--prompt-lookup", "--num-draft-tokens", "6", "--speculation-max-batch", "2"]
+    settings = _engine_settings(build_parser().parse_args(args))
+    assert settings.prompt_lookup is True
+    assert (settings.num_draft_tokens, settings.speculation_max_batch) == (6, 2)
+    plain = _engine_settings(build_parser().parse_args(["serve"]))
+    assert (plain.prompt_lookup, plain.draft_model) == (False, None)
+    with pytest.raises(trio_mlx.InvalidRequest):
+        trio_mlx.EngineSettings(num_draft_tokens=0)
+
+
+async def test_metrics_count_draft_and_accepted_tokens(endless_model_path: Path) -> None:
+    import httpx
+    import openai
+
+    from http_helpers import live_server
+
+    async with (
+        live_server(endless_model_path, prompt_lookup=True) as server,
+        openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client,
+        httpx.AsyncClient(base_url=server.url, timeout=60) as http,
+    ):
+        await client.chat.completions.create(
+            model=server.engine.model_id,
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=30,
+            temperature=0,
+        )
+        stats = server.engine.statistics()
+        metrics = (await http.get("/metrics")).text
+    drafted = stats.draft_tokens["prompt_lookup"]
+    taken = stats.draft_accepted_tokens["prompt_lookup"]
+    assert 0 < taken <= drafted
+    assert f'trio_mlx_draft_tokens_total{{method="prompt_lookup"}} {float(drafted)}' in metrics
+    assert (
+        f'trio_mlx_draft_accepted_tokens_total{{method="prompt_lookup"}} {float(taken)}' in metrics
+    )
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
+    from trio_mlx._lanes.drafter import PromptLookup
+
+    cases = [
+        ([1, 2, 3, 4, 5, 1, 2], 3, 4, [4, 5, 1, 2]),  # the prompt's run
+        ([7, 7, 7], 7, 4, [7, 7, 7, 7]),  # a loop goes on from the draft itself
+        ([1, 2, 1, 2, 1], 2, 5, [1, 2, 1, 2, 1]),
+        ([5, 6, 9, 1, 5, 6], 9, 2, [1, 5]),  # the longest n-gram first
+        ([1, 2, 3], 9, 3, []),  # no match: no draft
+    ]
+    for history, last, limit, want in cases:
+        lookup = PromptLookup()
+        lookup.feed(history)
+        assert lookup.draft(last, limit) == want, history
+    lookup = PromptLookup()
+    lookup.feed([1, 2, 3])
+    lookup.feed([1, 2, 3, 1, 2])  # fed incrementally
+    assert lookup.draft(3, 2) == [1, 2]
+
+
+async def test_speculating_rows_parked_and_resumed_continue_token_for_token(
+    loopy_model_path: Path,
+) -> None:
+    params = _greedy(60)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+    plain, _, _ = await _run(loopy_model_path, [(p, params) for p in prompts])
+    async with trio_mlx.open_engine(
+        loopy_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_lookup=True
+    ) as engine:
+        parked: list[tuple[int, ...]] = [()] * 3
+        started = trio.Event()
+
+        async def row(i: int) -> None:
+            async with engine.generate(prompts[i], params) as stream:
+                ids: list[int] = []
+                async for delta in stream:
+                    ids.extend(delta.token_ids)
+                    if len(ids) >= 20:
+                        started.set()
+                parked[i] = tuple(ids)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(row, i)
+                await started.wait()
+                await engine.run_exclusive(lambda model, tokenizer: None)
+        stats = engine.statistics()
+    assert stats.preemptions >= 1
+    assert stats.draft_accepted_tokens["prompt_lookup"] > 0
+    assert parked == plain
+
+
+async def test_adapter_rows_speculate_in_the_same_forward(
+    loopy_model_path: Path, tiny_adapter_path: Path
+) -> None:
+    # The tiny model's adapter fits the loopy model (same shapes).
+    requests = [
+        (p, _greedy(30, adapter="shout" if i % 2 else None)) for i, p in enumerate(PROMPTS[:4])
+    ]
+    outs: dict[bool, list[tuple[int, ...]]] = {}
+    for lookup in (False, True):
+        async with trio_mlx.open_engine(loopy_model_path, prompt_lookup=lookup) as engine:
+            await engine.mount_adapter("shout", tiny_adapter_path)
+            got: list[tuple[int, ...]] = [()] * len(requests)
+
+            async def one(
+                i: int, prompt: str, params: trio_mlx.SamplingParams, got: list[Any] = got
+            ) -> None:
+                got[i] = (await engine.complete(prompt, params)).token_ids
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    for i, (prompt, params) in enumerate(requests):
+                        nursery.start_soon(one, i, prompt, params)
+            outs[lookup] = got
+            stats = engine.statistics()
+            assert stats.adapter_requests.get("batch:shout") == 2
+            if lookup:
+                assert stats.draft_accepted_tokens["prompt_lookup"] > 0
+    assert outs[True] == outs[False]
+    assert outs[True][1] != outs[True][0]

@@ -1,0 +1,227 @@
+"""Vision-language models in the engine: a tiny random llava (mlx-vlm's own classes).
+
+Image rows are prefilled through the vision encoder, then decode in the continuous
+batch beside text rows; the prompt cache keys them by the images' pixels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+import trio_mlx
+
+pytest.importorskip(
+    "mlx_vlm", reason="mlx-vlm is not installed (the 'vision' extra; nox -s tests installs it)"
+)
+
+from engine_helpers import NO_EOS
+from vision_helpers import image_chat, png
+
+PARAMS = trio_mlx.SamplingParams(max_tokens=10, logit_bias=NO_EOS)
+
+
+@pytest.fixture(scope="module")
+def vlm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trio_mlx.testing import make_random_vlm
+
+    return make_random_vlm(tmp_path_factory.mktemp("models") / "tiny-llava")
+
+
+async def _answer(engine: trio_mlx.Engine, prompt: object) -> trio_mlx.Completion:
+    return await engine.complete(prompt, PARAMS)  # type: ignore[arg-type]
+
+
+async def test_images_decide_the_answer_and_the_same_image_answers_the_same(
+    vlm_path: Path,
+) -> None:
+    async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
+        assert engine.takes_images
+        first = await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))
+        second = await _answer(engine, image_chat(trio_mlx.ImageInput(png(2))))
+        again = await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))
+    assert first.token_ids != second.token_ids
+    assert first.token_ids == again.token_ids
+    assert len(first.token_ids) == PARAMS.max_tokens
+
+
+async def test_pixels_and_encoded_bytes_of_one_image_answer_alike(vlm_path: Path) -> None:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(io.BytesIO(png(3))).convert("RGB"))
+    async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
+        encoded = await _answer(engine, image_chat(trio_mlx.ImageInput(png(3))))
+        raw = await _answer(engine, image_chat(trio_mlx.ImageInput(pixels)))
+    assert encoded.token_ids == raw.token_ids
+
+
+async def test_an_image_row_among_text_rows_leaves_their_tokens_alone(vlm_path: Path) -> None:
+    texts = [[{"role": "user", "content": f"Tell me about topic {i}."}] for i in range(7)]
+    picture = image_chat(trio_mlx.ImageInput(png(4)))
+    async with trio_mlx.open_engine(vlm_path, max_batch=8, prompt_cache_bytes=0) as engine:
+        alone = [await _answer(engine, chat) for chat in texts]
+        image_alone = await _answer(engine, picture)
+        together: dict[int, trio_mlx.Completion] = {}
+        peak = 0
+
+        async def run(i: int, prompt: object) -> None:
+            together[i] = await _answer(engine, prompt)
+
+        async def watch() -> None:  # how many rows decoded at once
+            nonlocal peak
+            while len(together) < 8:
+                peak = max(peak, engine.statistics().running_rows)
+                await trio.sleep(0.001)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            nursery.start_soon(run, 7, picture)
+            for i, chat in enumerate(texts):
+                nursery.start_soon(run, i, chat)
+    assert peak >= 2
+    assert [together[i].token_ids for i in range(7)] == [c.token_ids for c in alone]
+    assert together[7].token_ids == image_alone.token_ids
+    assert together[7].result.lane == "batch"
+
+
+async def test_a_repeated_image_is_served_from_the_prompt_cache(vlm_path: Path) -> None:
+    async with trio_mlx.open_engine(vlm_path) as engine:
+        first = await _answer(engine, image_chat(trio_mlx.ImageInput(png(5))))
+        again = await _answer(engine, image_chat(trio_mlx.ImageInput(png(5))))
+        other = await _answer(engine, image_chat(trio_mlx.ImageInput(png(6))))
+    assert first.result.cached_tokens == 0
+    # All but the prompt's last token, the image's 16 tokens among them.
+    assert again.result.cached_tokens == first.result.prompt_tokens - 1
+    assert again.token_ids == first.token_ids
+    # Another image of the same size has the same tokens, but not the same prompt.
+    assert other.result.prompt_tokens == first.result.prompt_tokens
+    assert other.result.cached_tokens == 0
+
+
+async def test_a_screenshot_history_reuses_the_earlier_turns(vlm_path: Path) -> None:
+    first = image_chat(trio_mlx.ImageInput(png(7)))
+
+    async def turns(engine: trio_mlx.Engine) -> list[trio_mlx.Completion]:
+        one = await _answer(engine, first)
+        second = [
+            *first,
+            {"role": "assistant", "content": one.text},
+            *image_chat(trio_mlx.ImageInput(png(8)), "And now?"),
+        ]
+        two = await _answer(engine, second)
+        third = [*second, {"role": "assistant", "content": two.text}]
+        third.append({"role": "user", "content": "Which was brighter?"})
+        return [one, two, await _answer(engine, third)]
+
+    async with trio_mlx.open_engine(vlm_path) as engine:
+        cached = await turns(engine)
+    async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
+        fresh = await turns(engine)
+    assert [c.token_ids for c in cached] == [c.token_ids for c in fresh]
+    one, two, three = (c.result for c in cached)
+    # Turn 2 takes turn 1's prompt (its image included) from the cache and sees only
+    # its new image; turn 3 (no new image) takes all of turn 2's prompt.
+    assert one.cached_tokens == 0
+    assert one.prompt_tokens - 1 <= two.cached_tokens < two.prompt_tokens - 16
+    assert three.cached_tokens >= two.prompt_tokens - 1
+
+
+async def test_bad_images_are_refused_naming_them(vlm_path: Path) -> None:
+    async with trio_mlx.open_engine(vlm_path, max_image_pixels=32 * 32) as engine:
+        with pytest.raises(trio_mlx.InvalidRequest, match="image 0 is not an image") as bad:
+            await _answer(engine, image_chat(trio_mlx.ImageInput(b"not a png")))
+        assert bad.value.code == "invalid_image"
+        with pytest.raises(trio_mlx.InvalidRequest, match="33 x 32 pixels") as big:
+            await _answer(engine, image_chat(trio_mlx.ImageInput(png(1, (33, 32)))))
+        assert big.value.code == "image_too_large"
+        chat = image_chat(trio_mlx.ImageInput(png(1)))
+        with pytest.raises(trio_mlx.InvalidRequest, match="seed"):
+            await engine.complete(chat, trio_mlx.SamplingParams(max_tokens=2, seed=1))
+        # The engine serves on.
+        assert len((await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))).token_ids)
+
+
+async def test_a_failed_image_prefill_fails_its_request_alone(
+    vlm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_mlx._start.vision import Vision
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("injected: the vision encoder failed")
+
+    async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
+        text = [{"role": "user", "content": "Tell me about topic 1."}]
+        before = await _answer(engine, text)
+        with monkeypatch.context() as patch:
+            patch.setattr(Vision, "_prefill", broken)
+            with pytest.raises(trio_mlx.GenerationFailed, match="injected"):
+                await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))
+        after = await _answer(engine, text)
+        image = await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))
+    assert after.token_ids == before.token_ids
+    assert len(image.token_ids) == PARAMS.max_tokens
+
+
+async def test_a_vision_family_that_cannot_batch_is_refused_at_load(
+    vlm_path: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from trio_mlx.testing import with_context
+
+    folder = with_context(vlm_path, tmp_path / "qwen2-vl-shaped", 2048)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
+    with pytest.raises(trio_mlx.InvalidRequest, match="'qwen2_vl' is not supported") as refused:
+        async with trio_mlx.open_engine(folder):
+            pass
+    assert refused.value.code == "vision_family_unsupported"
+
+
+def test_pixel_arrays_are_checked() -> None:
+    import numpy as np
+
+    from trio_mlx._core.images import decode
+
+    with pytest.raises(trio_mlx.InvalidRequest, match="uint8"):
+        decode("image 0", trio_mlx.ImageInput(np.zeros((4, 4, 3), np.float32)), 100)
+    with pytest.raises(trio_mlx.InvalidRequest, match="more than the 15 allowed"):
+        decode("image 0", trio_mlx.ImageInput(np.zeros((4, 4, 3), np.uint8)), 15)
+    one = decode("a", trio_mlx.ImageInput(np.zeros((4, 4, 4), np.uint8)), 16)
+    same = decode("b", trio_mlx.ImageInput(np.zeros((4, 4, 3), np.uint8)), 16)
+    assert one.digest == same.digest  # RGBA with zero alpha: the same RGB pixels
+
+
+async def test_a_text_model_refuses_images(tiny_model_path: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_path) as engine:
+        assert not engine.takes_images
+        with pytest.raises(trio_mlx.InvalidRequest, match="does not take images") as refused:
+            await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))
+    assert refused.value.code == "images_unsupported"
+
+
+def test_a_text_model_never_imports_mlx_vlm(tiny_model_path: Path) -> None:
+    script = (
+        "import sys, trio, trio_mlx\n"
+        "async def main():\n"
+        f"    async with trio_mlx.open_engine({str(tiny_model_path)!r}) as engine:\n"
+        "        await engine.complete('Hello', trio_mlx.SamplingParams(max_tokens=2))\n"
+        "trio.run(main)\n"
+        "print('mlx_vlm' in sys.modules)\n"
+    )
+    engine_root = Path(trio_mlx.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(engine_root), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -1,0 +1,37 @@
+"""Images and chats for the vision tests (the tiny VLM is ``trio_mlx.testing.make_random_vlm``)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+#: The vision tests' question after each image.
+QUESTION = "What is in the picture?"
+
+
+def png(seed: int, size: tuple[int, int] = (32, 32), *, flat: bool = False) -> bytes:
+    """A seeded random RGB image (``flat``: one colour, a few bytes), PNG-encoded."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
+    if flat:
+        pixels[:] = pixels[0, 0]
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_chat(image: Any, text: str = QUESTION) -> list[dict[str, Any]]:
+    """A one-message chat: ``image`` (an ``ImageInput``) then ``text``."""
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": text}],
+        }
+    ]
