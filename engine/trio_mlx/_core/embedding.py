@@ -1,4 +1,4 @@
-"""``Engine.embed``'s work on the Trio side: check, tokenize, submit, gather.
+"""``Engine.embed`` and its work on the Trio side: check, tokenize, submit, gather.
 
 The request goes to the actor as one row of :attr:`~trio_mlx._core.gate.LaneName.EMBED`
 (see ``design/engine.md``, "Embeddings"); this module checks it first and turns
@@ -7,14 +7,22 @@ the vectors that came back into :class:`~trio_mlx.Embeddings`.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import attrs
 import trio
 
 from trio_mlx._core.actor import Actor
-from trio_mlx._core.embedder import EmbedWork, check_dimensions, embed_tokens, finish
+from trio_mlx._core.embedder import (
+    EmbedWork,
+    check_dimensions,
+    configured_pooling,
+    embed_tokens,
+    finish,
+)
 from trio_mlx._core.gate import LaneName
+from trio_mlx._core.prompts import PromptEncoder
 from trio_mlx._core.request import Request, failure
 from trio_mlx._errors import EngineClosed, InvalidRequest
 from trio_mlx._lanes.embed import hidden_model
@@ -22,7 +30,7 @@ from trio_mlx._params import Embeddings
 from trio_mlx._start.loading import Loaded
 from trio_mlx._start.settings import EngineSettings
 
-__all__ = ["embed", "pooling"]
+__all__ = ["EmbeddingAPI", "embed", "pooling", "with_pooling"]
 
 #: Embedding results with more floats than this are built in a thread.
 _INLINE_FLOATS = 65_536
@@ -83,3 +91,50 @@ async def embed(
     # Thousands of wide vectors become floats in a thread, off the event loop.
     large = len(work.vectors) * len(work.vectors[0]) > _INLINE_FLOATS
     return await trio.to_thread.run_sync(build) if large else build()
+
+
+async def with_pooling(settings: EngineSettings, path: str) -> EngineSettings:
+    """``settings`` with the pooling the model folder configures, unless one is set
+    (a Hub id has no folder: none is read)."""
+    if settings.embedding_pooling is not None:
+        return settings
+    found = await trio.to_thread.run_sync(configured_pooling, path)
+    return attrs.evolve(settings, embedding_pooling=found)
+
+
+class EmbeddingAPI:
+    """``Engine``'s embeddings methods (a base class, so the engine module stays small)."""
+
+    _actor: Actor
+    _loaded: Loaded
+    _settings: EngineSettings
+    _prompts: PromptEncoder
+
+    def _refuse_distributed(self, what: str, param: str | None = None) -> None:
+        raise NotImplementedError  # the engine's
+
+    @property
+    def embedding_pooling(self) -> str | None:
+        """How :meth:`embed` pools (``last``, ``mean``, ``cls``); None: no embeddings."""
+        return pooling(self._loaded, self._settings)
+
+    async def embed(
+        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None
+    ) -> Embeddings:
+        """Embed each input (text, or token ids): its pooled final hidden state, unit length.
+
+        The request is one row to the arbiter; its inputs go several per padded
+        pass, which take at most ``embedding_share`` of the MLX thread's time
+        while chat rows decode. ``dimensions`` keeps the first that many values,
+        normalized again (only with ``embedding_matryoshka``). Raises
+        :class:`~trio_mlx.InvalidRequest` (``param="input"``) for no inputs, more
+        than ``max_embedding_inputs``, an empty, over-long or mistyped input, and
+        ``embeddings_unsupported`` when the model has no pooling configured.
+        """
+        self._refuse_distributed("embeddings", "input")
+        return await embed(
+            self._actor, self._loaded, self._settings, self._embed_input, inputs, dimensions
+        )
+
+    async def _embed_input(self, item: str | Sequence[int]) -> list[int]:
+        return list((await self._prompts.tokenize(item, None, None)).tokens)

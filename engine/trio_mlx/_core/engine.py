@@ -21,7 +21,6 @@ from trio_mlx._core import embedding as _embedding
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
-from trio_mlx._core.embedder import configured_pooling
 from trio_mlx._core.gate import LaneName, choose_lane
 from trio_mlx._core.images import has_images, refuse_images
 from trio_mlx._core.images import prepare as prepare_images
@@ -47,7 +46,7 @@ from trio_mlx._lanes.structured import (
     GrammarCompiler,
 )
 from trio_mlx._memory import KVBudget
-from trio_mlx._params import Completion, Embeddings, SamplingParams, TokenLogprob
+from trio_mlx._params import Completion, SamplingParams, TokenLogprob
 from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
 from trio_mlx._start.settings import DEFAULT_MAX_IMAGE_PIXELS, EngineSettings
 
@@ -168,9 +167,7 @@ async def open_engine(
         named = re.match(r"'(\w+)'", message)
         raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
     path = resolve_model(model)
-    if settings.embedding_pooling is None:  # a Hub id has no folder: no pooling read
-        pooling = await trio.to_thread.run_sync(configured_pooling, path)
-        settings = attrs.evolve(settings, embedding_pooling=pooling)
+    settings = await _embedding.with_pooling(settings, path)
     loader = partial(load, path, settings)
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
@@ -316,7 +313,7 @@ def _serial_work(
 
 
 @attrs.define(eq=False)
-class Engine:
+class Engine(_embedding.EmbeddingAPI):
     """A loaded model served by one actor; use it through :func:`open_engine`."""
 
     #: A name for the model (its directory name), e.g. for ``/v1/models``.
@@ -534,29 +531,6 @@ class Engine:
             tuple(logprobs) if params.logprobs else None,
             stream.result,
         )
-
-    @property
-    def embedding_pooling(self) -> str | None:
-        """How :meth:`embed` pools (``last``, ``mean``, ``cls``); None: no embeddings."""
-        return _embedding.pooling(self._loaded, self._settings)
-
-    async def embed(
-        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None
-    ) -> Embeddings:
-        """Each input's (text or token ids) pooled final hidden state, unit length.
-
-        One row to the arbiter; its inputs go several per padded pass, at most
-        ``embedding_share`` of the MLX thread's time while chat rows decode.
-        ``dimensions`` truncates (``embedding_matryoshka``). Bad inputs, too many
-        (``max_embedding_inputs``), a model with no pooling: InvalidRequest.
-        """
-        self._refuse_distributed("embeddings", "input")
-        return await _embedding.embed(
-            self._actor, self._loaded, self._settings, self._embed_input, inputs, dimensions
-        )
-
-    async def _embed_input(self, item: str | Sequence[int]) -> list[int]:
-        return list((await self._prompts.tokenize(item, None, None)).tokens)
 
     async def run_exclusive(self, fn: Callable[[Any, Any], T]) -> T:
         """Run ``fn(model, tokenizer)`` alone on the MLX thread and return its result."""
