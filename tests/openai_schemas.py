@@ -185,6 +185,21 @@ MODEL = _object(
 MODEL_LIST = _object(
     ["object", "data"], object=_const("list"), data={"type": "array", "items": MODEL}
 )
+EMBEDDING_LIST = _object(
+    ["object", "data", "model", "usage"],
+    object=_const("list"),
+    data={
+        "type": "array",
+        "items": _object(
+            ["object", "index", "embedding"],
+            object=_const("embedding"),
+            index=_INT,
+            embedding={"type": ["array", "string"], "items": {"type": "number"}},
+        ),
+    },
+    model=_STR,
+    usage=_object(["prompt_tokens", "total_tokens"], prompt_tokens=_INT, total_tokens=_INT),
+)
 ERROR = _object(
     ["error"],
     error=_object(
@@ -203,6 +218,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "text_completion.chunk": TEXT_COMPLETION_CHUNK,
     "model": MODEL,
     "list": MODEL_LIST,
+    "embedding.list": EMBEDDING_LIST,
     "error": ERROR,
 }
 for _schema in SCHEMAS.values():
@@ -220,6 +236,8 @@ def schema_for(path: str, status: int, *, stream: bool) -> str | None:
         return "text_completion.chunk" if stream else "text_completion"
     if path == "/v1/models":
         return "list"
+    if path == "/v1/embeddings":
+        return "embedding.list"
     if path.startswith("/v1/models/"):
         return "model"
     return None
@@ -233,7 +251,7 @@ def problems(name: str, payload: Any) -> list[str]:
     ]
 
 
-_OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+_OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings")
 
 ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 

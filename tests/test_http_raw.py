@@ -283,6 +283,7 @@ async def test_openapi_document_lists_every_route(http: httpx.AsyncClient) -> No
     assert set(document["paths"]) == {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/embeddings",
         "/v1/responses",
         "/v1/responses/{response_id}",
         "/v1/messages",

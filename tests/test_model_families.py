@@ -1,5 +1,5 @@
 """Every model family the project claims, through the engine: both lanes, the
-prompt cache, an adapter and a JSON schema, on a tiny random model of each
+prompt cache, an adapter, a JSON schema and embeddings, on a tiny random model of each
 (``trio_mlx.testing.make_random_model``)."""
 
 from __future__ import annotations
@@ -45,6 +45,20 @@ def _adapter_keys(model_path: Path) -> list[str]:
     ]
     attention = [k for k in linear if k.endswith(("q_proj", "v_proj"))]
     return sorted(attention or linear)[:2]
+
+
+async def test_embeddings_equal_the_models_own_forward_pass(family: Path) -> None:
+    import mlx.core as mx
+    import mlx_lm
+    import numpy as np
+
+    model, _ = mlx_lm.load(str(family))
+    async with trio_mlx.open_engine(family, embedding_pooling="last") as engine:
+        result = await engine.embed(PROMPTS)  # one padded pass, or one a pass
+        ids = [engine.encode(prompt) for prompt in PROMPTS]
+    for tokens, vector in zip(ids, result.vectors, strict=True):
+        hidden = np.array(model.model(mx.array([tokens]))[0, -1].astype(mx.float32))
+        np.testing.assert_allclose(vector, hidden / np.linalg.norm(hidden), atol=2e-5)
 
 
 async def test_batched_rows_equal_each_request_alone(family: Path) -> None:

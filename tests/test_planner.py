@@ -215,3 +215,72 @@ def test_a_stall_bound_at_or_below_one_is_refused() -> None:
     for bad in (1.0, 0.5, 0):
         with pytest.raises(ValueError, match="prefill_stall"):
             StepPlanner(lambda: 16, prefill_stall=bad)
+
+
+def _work(row_id: int, *lengths: int) -> Any:
+    from trio_mlx._core.embedder import EmbedWork
+
+    return EmbedWork(row_id, tuple(tuple(range(n)) for n in lengths))
+
+
+def test_an_embedding_pass_packs_the_oldest_inputs_within_its_padded_tokens() -> None:
+    planner = StepPlanner(lambda: 16, embed_tokens=40)
+    planner.embed(first := _work(1, 10, 10, 10))
+    planner.embed(_work(2, 30, 5))
+    # 3 x 10 fit; a fourth input 30 wide would make 4 x 30 padded tokens.
+    assert [(i.id, i.index) for i in planner.embed_batch(ADMITTING, False)] == [
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
+    assert not first.unplanned
+    # One input wider than the pass still goes, alone.
+    planner.embed(_work(3, 50))
+    assert [(i.id, i.index) for i in planner.embed_batch(ADMITTING, False)] == [(2, 0)]
+    assert [(i.id, i.index) for i in planner.embed_batch(ADMITTING, False)] == [(2, 1)]
+    assert [(i.id, i.index) for i in planner.embed_batch(ADMITTING, False)] == [(3, 0)]
+    assert planner.embed_batch(ADMITTING, False) == []
+
+
+def test_embedding_passes_take_at_most_their_share_of_the_time_while_rows_decode() -> None:
+    planner = _decoding(8, embed_share=0.2, embed_tokens=1000)
+    planner.embed(_work(1, *[4] * 10))
+    # The first pass goes at once; it costs 0.1 s.
+    assert len(planner.embed_batch(ADMITTING, False)) == 10
+    planner.embed(_work(2, 4))
+    planner.stepped(8, 1, seconds=0.02, embed_seconds=0.1)
+    passes, decode_seconds = 0, 0.02
+    for _ in range(100):
+        if planner.embed_batch(ADMITTING, False):
+            passes += 1
+            break
+        planner.stepped(8, 1, seconds=0.02)
+        decode_seconds += 0.02
+    # 0.1 s of pass at a 0.2 share is owed 0.4 s of decoding first.
+    assert passes == 1
+    assert decode_seconds == pytest.approx(0.4, abs=0.021)  # one step of float rounding
+
+
+def test_an_idle_lane_a_drain_or_a_waiting_job_carry_a_pass_every_step() -> None:
+    for state, jobs_waiting, rows in [
+        (ADMITTING, False, 0),
+        (State.DRAINING, False, 8),
+        (ADMITTING, True, 8),
+    ]:
+        planner = _decoding(rows, embed_tokens=4)
+        planner.embed(_work(1, 4, 4, 4))
+        for index in range(3):
+            assert [i.index for i in planner.embed_batch(state, jobs_waiting)] == [index]
+            planner.stepped(rows, 1, seconds=0.001, embed_seconds=1.0)
+
+
+def test_passes_while_the_lane_was_idle_leave_at_most_one_pass_owed() -> None:
+    planner = StepPlanner(lambda: 16, embed_share=0.5, embed_tokens=4)
+    planner.embed(_work(1, *[4] * 50))
+    for _ in range(40):  # an idle lane: a pass every step, each 0.1 s
+        assert planner.embed_batch(ADMITTING, False)
+        planner.stepped(0, 0, seconds=0.0, embed_seconds=0.1)
+    planner.stepped(8, 1, seconds=0.05)  # rows decode now: half the last pass repaid
+    assert planner.embed_batch(ADMITTING, False) == []
+    planner.stepped(8, 1, seconds=0.06)
+    assert planner.embed_batch(ADMITTING, False)  # not 4 s of passes

@@ -24,6 +24,8 @@ Runs, side by side in one run, and writes ``bench/results/latest/<machine>/``
     the disk tier (:mod:`bench.suite.agent`; only when ``--only`` names it).
 11. speculative decoding by prompt lookup, on and off, at several B
     (:mod:`bench.suite.speculative`; only when ``--only spec`` names it).
+12. embeddings beside chat: embeddings/s alone and beside N chat streams, and the
+    chat's tok/s ratio (:mod:`bench.suite.embed`; only when ``--only`` names it).
 
 A part of trio-mlx that is not there yet (the engine API, ``trio-mlx serve``) is
 reported as "not run: ..." and never replaced by made-up numbers. MLX work runs
@@ -69,6 +71,19 @@ _COMMON: dict[str, Any] = {
         "serial_requests": 8,
         "steps": 24,
         "methods": ["grouped", "gather", "sorted", "dense"],
+    },
+    # Embeddings beside chat (bench.suite.embed): phases of `seconds` each.
+    "embed": {
+        "streams": [4, 16],
+        "shares": [0.1, 0.3],
+        "clients": 2,
+        "inputs": 16,
+        "input_tokens": 32,
+        "max_tokens": 64,
+        "prompt_len": 32,
+        "seconds": 5.0,
+        "rounds": 3,
+        "batch_tokens": None,
     },
     # Speculative decoding (bench.suite.speculative): B rows of one trace, on and off.
     "spec": {
@@ -424,6 +439,9 @@ class Suite:
         # Opt-in: as long as the rest of the GPU profile, which must fit one device call.
         if only is not None and "multilora" in only and self.engine:
             self.multilora(models[0])
+            self.write()
+        if only is not None and "embed" in only and self.engine:
+            self.embed(models[0])
             self.write()
         if only is not None and "spec" in only and self.engine:
             self.spec(models[0])
@@ -808,6 +826,23 @@ class Suite:
                 self.log(f"  B={r.get('batch', r.get('rows'))} {label}: {rate or 0:,.0f} tok/s")
         self.results["multilora"] = multilora.collect(records, model.name, m)
 
+    def embed(self, model: Model) -> None:
+        """Part 12: embeddings beside chat (see :mod:`bench.suite.embed`)."""
+        e = {**self.profile["embed"]}
+        if self.args.concurrency:
+            e["streams"] = [int(c) for c in self.args.concurrency.split(",")]
+        self.log(f"12. embeddings beside chat on {model.name}: N = {e['streams']}")
+        records = run_job(_job("embed", model, **e), self.env, self.log, self.results["notes"])
+        for r in records:
+            self.log(
+                f"  N={r['streams']} share {r['share']:g}: embeddings/s "
+                f"{r['embed_alone']['embeddings_s']:,.1f} alone, "
+                f"{r['together']['embeddings_s']:,.1f} beside chat; chat tok/s "
+                f"{r['chat_alone']['chat_tok_s']:,.0f} alone, {r['together']['chat_tok_s']:,.0f} "
+                f"beside embeddings ({r['chat_ratio'] or 0:.2f}x)"
+            )
+        self.results["embed"] = {"model": model.name, "settings": e, "rows": records}
+
     def spec(self, model: Model) -> None:
         """Part 11: speculative decoding (see :mod:`bench.suite.speculative`)."""
         from bench.suite.models import cache_dir
@@ -859,7 +894,7 @@ def main() -> None:
     )
     parser.add_argument("--only", help="comma-separated parts: overhead, server, fairness, "
                         "responsiveness, prompt_cache, memory, structured, "
-                        "multilora, traffic, agent, spec")  # fmt: skip
+                        "multilora, embed, traffic, agent, spec")  # fmt: skip
     parser.add_argument("--out", help="write here instead of bench/results/latest/MACHINE/")
     parser.add_argument("--batches", help="comma-separated B for the overhead part "
                         "(default: the profile's)")  # fmt: skip

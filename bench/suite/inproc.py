@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.suite import multilora, speculative
+from bench.suite import embed, multilora, speculative
 from bench.suite.jobs import emit, prompt_ids, prompt_text
 from bench.suite.timing import rates
 
@@ -428,7 +428,8 @@ def main(argv: Sequence[str]) -> None:
     job = json.loads(argv[0])
     kinds = {"overhead": overhead, "memory": memory, "structured": structured,
              "closed": closed_loop, "engine_closed": engine_closed,
-             "multilora": multilora.job, "spec": speculative.job}  # fmt: skip
+             "multilora": multilora.job, "embed": embed.job,
+             "spec": speculative.job}  # fmt: skip
     kinds[job["kind"]](job)
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.suite import multilora, speculative
+from bench.suite import embed, multilora, speculative
 
 
 def _num(value: Any, digits: int = 0) -> str:
@@ -515,6 +515,7 @@ def markdown(results: dict[str, Any]) -> str:
         _cache_md,
         _structured_md,
         multilora.markdown,
+        embed.markdown,
         speculative.markdown,
         _traffic_md,
         _agent_md,

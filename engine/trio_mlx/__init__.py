@@ -23,7 +23,14 @@ from trio_mlx._errors import (
     TrioMLXError,
 )
 from trio_mlx._lanes.prompt_cache import PromptCacheStatistics
-from trio_mlx._params import Completion, Delta, GenerationResult, SamplingParams, TokenLogprob
+from trio_mlx._params import (
+    Completion,
+    Delta,
+    Embeddings,
+    GenerationResult,
+    SamplingParams,
+    TokenLogprob,
+)
 from trio_mlx._start.blas import BackendInfo, backend_info
 from trio_mlx._start.settings import EngineSettings
 from trio_mlx._version import __version__
@@ -36,6 +43,7 @@ __all__ = [
     "BackendInfo",
     "Completion",
     "Delta",
+    "Embeddings",
     "Engine",
     "EngineClosed",
     "EngineOverloaded",

@@ -18,6 +18,7 @@ from trio_mlx._errors import InvalidGrammar, InvalidRequest
 __all__ = [
     "Completion",
     "Delta",
+    "Embeddings",
     "GenerationResult",
     "SamplingParams",
     "TokenLogprob",
@@ -385,6 +386,20 @@ class GenerationResult:
     #: The max_tokens the request ran with: lower than asked when the prompt
     #: left less room in the model's context (None: not recorded).
     max_tokens: int | None = None
+
+
+@attrs.frozen
+class Embeddings:
+    """What :meth:`Engine.embed` returns: one unit-length vector per input, in input order."""
+
+    vectors: tuple[tuple[float, ...], ...]
+    #: Each input's tokens.
+    token_counts: tuple[int, ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The inputs' tokens in all (OpenAI's ``usage.prompt_tokens``)."""
+        return sum(self.token_counts)
 
 
 @attrs.frozen

@@ -172,6 +172,34 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="most adapters mounted at once; one more is refused with 409 (default: 8)",
     )
     parser.add_argument(
+        "--embedding-pooling",
+        choices=["last", "mean", "cls"],
+        default=None,
+        help="serve /v1/embeddings pooling the final hidden states so (default: what the "
+        "model's sentence-transformers files say; a model without them serves none)",
+    )
+    parser.add_argument(
+        "--embedding-matryoshka",
+        action="store_true",
+        default=None,
+        help="the model's embeddings may be truncated: /v1/embeddings accepts dimensions",
+    )
+    parser.add_argument(
+        "--embedding-share",
+        type=float,
+        default=None,
+        metavar="X",
+        help="the most of the steps embedding passes take while chat decodes, in (0, 1] "
+        "(default: 0.1)",
+    )
+    parser.add_argument(
+        "--max-embedding-inputs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most inputs one /v1/embeddings request may carry (default: 2048)",
+    )
+    parser.add_argument(
         "--prompt-lookup",
         action="store_true",
         default=None,

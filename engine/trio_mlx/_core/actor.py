@@ -62,6 +62,7 @@ from trio_mlx._core.routing import StepRouter
 from trio_mlx._core.snapshot import engine_statistics
 from trio_mlx._core.worker import Worker
 from trio_mlx._lanes.batch import BatchLane
+from trio_mlx._lanes.embed import EmbedLane, embed_then_step
 from trio_mlx._lanes.records import StepResult
 
 __all__ = ["Actor"]
@@ -85,6 +86,8 @@ class Actor:
     ranks: int = 1
     #: A request whose unread output passes this is cancelled (None: no limit).
     max_unread: int | None = None
+    #: Runs the embedding inputs a step carries (None: the engine serves no embeddings).
+    embedder: EmbedLane | None = None
     _arbiter: Arbiter = attrs.field(init=False)
     #: The live requests and the counts of the ended ones.
     _books: Ledger = attrs.field(init=False)
@@ -257,6 +260,8 @@ class Actor:
 
     def _ends_burst(self, request: Request, now: float) -> bool:
         """Whether a submission ends the burst in flight (see StepPlanner.ends_burst)."""
+        if request.lane is LaneName.EMBED:
+            return self.planner.embed_due(self._arbiter.state, self._arbiter.jobs_waiting)
         if request.lane is not LaneName.BATCH:
             return True
         return self.planner.ends_burst(
@@ -273,12 +278,14 @@ class Actor:
         # Cleared right after the decision (on this thread, with no checkpoint
         # in between): any later ring ends the burst at the next step.
         self._news.clear()
-        call = partial(
+        call: Callable[[], StepResult] = partial(
             self.lane.step,
             plan,
             seconds=self.planner.burst_seconds,
             interrupt=self._news.is_set,
         )
+        if self.embedder is not None:  # times every step: the embeddings' share reads it
+            call = partial(embed_then_step, self.embedder, plan, call)
         self.worker.submit(call, self._step_finished)
 
     def _step_finished(self, result: outcome.Outcome[StepResult]) -> None:

@@ -35,6 +35,13 @@ def cancel(
     if request.phase is Phase.INBOX:
         # Never reached the arbiter; the inbox skips it.
         books.end(request, Ending.CANCELLED)
+    elif request.lane is LaneName.EMBED:
+        if request.phase is Phase.RUNNING:
+            arbiter.row_ended(request.id, Outcome.CANCELLED, now)
+        else:
+            arbiter.cancel_row(request.id, now)
+        planner.drop_embed(request.id)
+        books.end(request, Ending.CANCELLED)
     elif request.lane is LaneName.BATCH:
         if request.phase is Phase.RUNNING:
             arbiter.row_ended(request.id, Outcome.CANCELLED, now)

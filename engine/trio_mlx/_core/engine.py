@@ -17,6 +17,7 @@ import trio
 
 from trio_mlx._accel import install as _accel
 from trio_mlx._adapters.registry import AdapterRegistry
+from trio_mlx._core import embedding as _embedding
 from trio_mlx._core.actor import Actor
 from trio_mlx._core.arbiter import ArbiterPolicy
 from trio_mlx._core.compile_gate import CompileGate
@@ -34,6 +35,7 @@ from trio_mlx._errors import (
     InvalidRequest,
     NotFound,
 )
+from trio_mlx._lanes.embed import EmbedLane
 from trio_mlx._lanes.output import RowEvent
 from trio_mlx._lanes.records import RowSpec
 from trio_mlx._lanes.serial import run_serial
@@ -165,6 +167,7 @@ async def open_engine(
         named = re.match(r"'(\w+)'", message)
         raise InvalidRequest(message, param=named.group(1) if named else None) from invalid
     path = resolve_model(model)
+    settings = await _embedding.with_pooling(settings, path)
     loader = partial(load, path, settings)
     # Errors of the start and of the body are re-raised as themselves, not
     # wrapped in the nursery's ExceptionGroup.
@@ -220,8 +223,9 @@ async def _serve(
             adapters=lambda: registry.names,
             decision_hook=settings.decision_hook,
             max_unread=settings.max_unread_tokens,
+            embedder=EmbedLane(loaded.model, settings.embedding_pooling or "last"),
         )
-        engine = Engine(model_id, loaded, registry, actor)
+        engine = Engine(model_id, loaded, registry, actor, settings)
         engine.grammar_timeout = float(settings.grammar_timeout)
         engine.grammar_cache_bytes = settings.grammar_cache_bytes
         engine.max_image_pixels = settings.max_image_pixels
@@ -268,6 +272,8 @@ def _planner(settings: EngineSettings, loaded: Loaded) -> StepPlanner:
         prefill_stall=settings.prefill_stall,
         prefill_floor=settings.prefill_floor,
         timing_lag=settings.timing_lag,
+        embed_share=settings.embedding_share,
+        embed_tokens=settings.embedding_batch_tokens,
     )
 
 
@@ -307,7 +313,7 @@ def _serial_work(
 
 
 @attrs.define(eq=False)
-class Engine:
+class Engine(_embedding.EmbeddingAPI):
     """A loaded model served by one actor; use it through :func:`open_engine`."""
 
     #: A name for the model (its directory name), e.g. for ``/v1/models``.
@@ -315,6 +321,7 @@ class Engine:
     _loaded: Loaded
     _registry: AdapterRegistry
     _actor: Actor
+    _settings: EngineSettings = attrs.field(factory=EngineSettings)
     #: Seconds a request's constraint may take to compile (see :func:`open_engine`).
     grammar_timeout: float = attrs.field(init=False, default=COMPILE_TIMEOUT)
     _grammar: GrammarCompiler | None = attrs.field(init=False, default=None)

@@ -18,6 +18,8 @@ class LaneName(enum.StrEnum):
     SERIAL = "serial"
     #: An exclusive job (mount, unmount): not a generation, never chosen by the gate.
     JOB = "job"
+    #: An embedding request: a row of the batch that only prefills (never chosen by the gate).
+    EMBED = "embed"
 
 
 @attrs.frozen

@@ -98,7 +98,9 @@ class Inbox:
         spec = request.spec
         # A generation's worst case: its prompt and every token it may generate.
         tokens = 0 if spec is None else len(spec.prompt) + spec.params.max_tokens
-        if request.lane is LaneName.BATCH:
+        if request.embed is not None:  # its pass's cache: the longest input, nothing generated
+            tokens = max(len(tokens) for tokens in request.embed.inputs)
+        if request.lane in (LaneName.BATCH, LaneName.EMBED):
             rejection = self.arbiter.submit_row(request.id, now, tokens)
         else:
             rejection = self.arbiter.submit_job(request.id, now, tokens)
@@ -114,7 +116,12 @@ class Inbox:
         if rejection is Rejection.CLOSED:
             return EngineClosed("the engine is closed")
         if rejection is Rejection.TOO_LARGE:
-            assert spec is not None
+            if spec is None:  # an embedding request: its longest input
+                return InvalidRequest(
+                    "an input is too long for the engine's KV memory budget",
+                    param="input",
+                    code="kv_memory_exceeded",
+                )
             assert self.policy.memory is not None
             return too_large(spec, self.policy.memory)
         return EngineOverloaded(

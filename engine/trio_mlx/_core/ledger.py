@@ -88,6 +88,12 @@ class Ledger:
             request.finished_at = now
         request.outbox.put(event)
 
+    def embedded(self, request: Request) -> None:
+        """An embedding request's vectors all came back: its inputs and tokens count."""
+        if request.embed is not None:
+            self._tokens["embedding_inputs"] += len(request.embed.inputs)
+            self._tokens["embedding"] += sum(len(tokens) for tokens in request.embed.inputs)
+
     def stalled(self, request: Request) -> bool:
         """Whether the request's reader stopped taking its output; if so, the request
         gets :class:`~trio_mlx.ReaderStalled` as its last event (the caller cancels it)."""
@@ -129,7 +135,8 @@ class Ledger:
         return MappingProxyType(counts)
 
     def tokens(self, kind: str) -> int:
-        """Tokens counted so far: ``"prompt"``, ``"cached"`` or ``"generated"``."""
+        """Tokens counted so far: ``"prompt"``, ``"cached"``, ``"generated"``, ``"embedding"``
+        (and ``"embedding_inputs"``, the inputs embedded)."""
         return self._tokens[kind]
 
     def adapter_requests(self) -> Mapping[str, int]:

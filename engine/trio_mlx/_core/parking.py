@@ -53,7 +53,9 @@ class Parking:
         for row_id in ids:
             request = self.books[row_id]
             request.phase = Phase.RUNNING
-            if request.inserted:
+            if request.embed is not None:
+                self.planner.embed(request.embed)
+            elif request.inserted:
                 self.planner.resume(row_id)
             else:
                 assert request.spec is not None
@@ -65,7 +67,9 @@ class Parking:
         for row_id in ids:
             request = self.books[row_id]
             request.phase = Phase.PENDING
-            if not self.planner.unqueue(row_id):
+            if request.embed is not None:  # never in the lane: its inputs wait to resume
+                self.planner.drop_embed(row_id)
+            elif not self.planner.unqueue(row_id):
                 in_lane.append(row_id)
         self._pending = in_lane
 

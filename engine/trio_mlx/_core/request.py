@@ -21,6 +21,7 @@ import outcome
 import trio
 
 from trio_mlx._core.arbiter import ArbiterStatistics
+from trio_mlx._core.embedder import EmbedWork
 from trio_mlx._core.gate import LaneName
 from trio_mlx._errors import GenerationFailed, TrioMLXError
 from trio_mlx._lanes.output import RowEvent
@@ -102,6 +103,8 @@ class Request:
     lane: LaneName
     spec: RowSpec | None = None
     work: Callable[[], Any] | None = None
+    #: An embedding request's inputs and the vectors that came back.
+    embed: EmbedWork | None = None
     outbox: Outbox = attrs.field(factory=Outbox)
     cancel_flag: threading.Event = attrs.field(factory=threading.Event)
     phase: Phase = Phase.INBOX
@@ -178,6 +181,9 @@ class EngineStatistics:
     #: and the worst case the running and parked rows hold of it.
     kv_memory_budget: int = 0
     kv_memory_reserved: int = 0
+    #: Embedding inputs served, and their tokens (requests: ``"embed:<ending>"``).
+    embedding_inputs: int = 0
+    embedding_tokens: int = 0
     #: Speculative decoding's draft tokens verified and accepted, by method
     #: (``"prompt_lookup"``); empty while it is off.
     draft_tokens: Mapping[str, int] = attrs.field(factory=dict)

@@ -56,4 +56,6 @@ def engine_statistics(
         adapter_rows=books.adapter_rows(),
         kv_memory_budget=arb.kv_bytes_budget or 0,
         kv_memory_reserved=arb.kv_bytes_reserved,
+        embedding_inputs=books.tokens("embedding_inputs"),
+        embedding_tokens=books.tokens("embedding"),
     )

@@ -10,7 +10,7 @@ import attrs
 from trio_mlx._lanes.output import RowEvent
 from trio_mlx._params import SamplingParams
 
-__all__ = ["DECODE", "RowSpec", "StepPlan", "StepResult"]
+__all__ = ["DECODE", "EmbedInput", "EmbedVector", "RowSpec", "StepPlan", "StepResult"]
 
 
 @attrs.frozen
@@ -28,6 +28,30 @@ class RowSpec:
     #: An image request's :class:`~trio_mlx._start.vision.VisionPrompt` (its image
     #: inputs and their hashes); None: text only.
     images: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class EmbedInput:
+    """One input of an embedding request, carried by a step: prefill only, no decoding."""
+
+    #: The request's id, and the input's place in the request.
+    id: int
+    index: int
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen
+class EmbedVector:
+    """One input's pooled hidden state (a float32 NumPy vector, not normalized), or its error."""
+
+    id: int
+    index: int
+    vector: Any = attrs.field(default=None, eq=False, repr=False)
+    error: BaseException | None = None
+
+
+def _embeds(inputs: Iterable[EmbedInput]) -> tuple[EmbedInput, ...]:
+    return tuple(inputs)
 
 
 def _specs(specs: Iterable[RowSpec]) -> tuple[RowSpec, ...]:
@@ -57,6 +81,8 @@ class StepPlan:
     prefill_chunk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
+    #: Embedding inputs forwarded (one padded pass) before the decode step.
+    embeds: tuple[EmbedInput, ...] = attrs.field(default=(), converter=_embeds)
 
 
 #: A step that only decodes (no row comes or goes): one decode step.
@@ -82,3 +108,9 @@ class StepResult:
     #: and its seconds inside ``BatchGenerator.next()``: what the planner sizes
     #: the prefill chunk from (:attr:`~trio_mlx._core.planner.StepPlanner.prefill_stall`).
     timings: tuple[tuple[int, float], ...] = ()
+    #: The pooled vectors of the plan's embedding inputs.
+    embeddings: tuple[EmbedVector, ...] = ()
+    #: Seconds of the step call without its embedding pass, and of the pass (both
+    #: 0 where the engine serves no embeddings): what the embeddings' share reads.
+    seconds: float = 0.0
+    embed_seconds: float = 0.0

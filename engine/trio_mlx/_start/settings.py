@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from trio_mlx._errors import InvalidRequest, NotFound
+from trio_mlx._lanes.embed import POOLINGS
 from trio_mlx._lanes.structured import COMPILE_TIMEOUT, DEFAULT_GRAMMAR_CACHE_BYTES
 
 __all__ = [
@@ -91,6 +92,20 @@ def _number(low: float, *, above: bool = False, optional: bool = False) -> Any:
 def _flag(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not isinstance(value, bool):
         raise InvalidRequest(f"{_name(attribute)} must be true or false", param=_name(attribute))
+
+
+def _pooling(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value not in POOLINGS:
+        raise InvalidRequest(
+            f"{_name(attribute)} must be one of {', '.join(POOLINGS)}", param=_name(attribute)
+        )
+
+
+def _share(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise InvalidRequest(
+            f"{_name(attribute)} must be a number in (0, 1]", param=_name(attribute)
+        )
 
 
 def _hook(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -168,6 +183,14 @@ class EngineSettings:
       (``trio_mlx._accel.traced_decode``); ``None``: the
       ``TRIO_MLX_TRACED_DECODE`` switch, on by default on CUDA only. Never in
       distributed mode.
+    - ``embedding_pooling`` (``last``, ``mean``, ``cls``; None: what the model's
+      sentence-transformers files say, else the model serves no embeddings),
+      ``embedding_matryoshka`` (``dimensions`` truncation allowed),
+      ``embedding_share`` (the most of the steps embedding passes take while
+      rows decode), ``max_embedding_inputs`` (inputs per request) and
+      ``embedding_batch_tokens`` (padded tokens of one pass; None: a quarter
+      of the prefill budget, which a pass then stalls the streams less than): see
+      ``Engine.embed``.
     - ``prompt_lookup``, ``draft_model``, ``num_draft_tokens``,
       ``speculation_max_batch``: speculative decoding in the batch (``prompt_lookup``:
       drafts from each row's own prompt and output; at most ``num_draft_tokens`` a
@@ -223,6 +246,13 @@ class EngineSettings:
     )
     max_loras: int | None = attrs.field(default=8, validator=_int_at_least(1, optional=True))
     kv_memory_bytes: int | None = attrs.field(
+        default=None, validator=_int_at_least(1, optional=True)
+    )
+    embedding_pooling: str | None = attrs.field(default=None, validator=_pooling)
+    embedding_matryoshka: bool = attrs.field(default=False, validator=_flag)
+    embedding_share: float = attrs.field(default=0.1, validator=_share)
+    max_embedding_inputs: int = attrs.field(default=2048, validator=_int_at_least(1))
+    embedding_batch_tokens: int | None = attrs.field(
         default=None, validator=_int_at_least(1, optional=True)
     )
     burst_steps: int = attrs.field(default=16, validator=_int_at_least(1))

@@ -23,6 +23,7 @@ from trio_mlx_http._anthropic import messages as _anthropic
 from trio_mlx_http._common.images import resolve_prompts
 from trio_mlx_http._errors import Forbidden, Unauthorized, install_error_handlers
 from trio_mlx_http._openai import chat as _generation
+from trio_mlx_http._openai import embeddings as _embeddings
 from trio_mlx_http._openai import schema as _schema
 from trio_mlx_http._openai.shapes import TokenTexts
 from trio_mlx_http._responses import route as _responses
@@ -237,6 +238,11 @@ def _install_generation(app: QuartTrio) -> None:
         state = _state()
         parsed = await _parsed(partial(_schema.parse_completion, settings=state.settings))
         return await _generation.respond(state, parsed, chat=False, access=g.access)
+
+    @app.post("/v1/embeddings")
+    async def embeddings() -> dict[str, Any]:
+        parsed = await _parsed(_embeddings.parse_embeddings)
+        return await _embeddings.respond(_state(), parsed)
 
     @app.post("/v1/responses")
     async def responses() -> Response | dict[str, Any]:

@@ -52,6 +52,8 @@ _COUNTERS = {
     "steps": "Decode steps run.",
     "worker_busy_seconds": "Seconds the MLX thread spent running calls.",
     "admissions": "Step calls that inserted new rows (rows are admitted in groups).",
+    "embedding_inputs": "Inputs embedded (their requests: trio_mlx_engine_requests, lane embed).",
+    "embedding_tokens": "Tokens of the inputs embedded.",
 }
 
 

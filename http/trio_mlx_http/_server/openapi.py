@@ -478,6 +478,38 @@ _SCHEMAS: dict[str, Any] = {
             "max_model_len": {"type": "integer", "nullable": True},
         },
     },
+    "EmbeddingRequest": {
+        "type": "object",
+        "required": ["input"],
+        "properties": {
+            "input": {
+                "oneOf": [
+                    {"type": "string"},
+                    {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {"type": "array", "minItems": 1, "items": _INT},
+                    },
+                ]
+            },
+            "model": {"type": "string"},
+            "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+            "dimensions": {"type": "integer", "minimum": 1},
+            "user": {"type": "string"},
+        },
+    },
+    "Embeddings": {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"type": "string"},
+            "data": {"type": "array", "items": {"type": "object"}},
+            "model": {"type": "string"},
+            "usage": {"type": "object"},
+        },
+    },
     "DetokenizeRequest": {
         "type": "object",
         "required": ["tokens"],
@@ -601,6 +633,14 @@ def openapi(model_id: str) -> dict[str, Any]:
                     _GENERATION_OK,
                     body="CompletionRequest",
                     errors=_GENERATION_ERRORS,
+                )
+            },
+            "/v1/embeddings": {
+                "post": _op(
+                    "Embeddings of texts or token arrays",
+                    _json(_ref("Embeddings"), "The vectors (float lists, or base64 float32)"),
+                    body="EmbeddingRequest",
+                    errors=(400, 401, 404, 413, 503),
                 )
             },
             "/v1/responses": {
