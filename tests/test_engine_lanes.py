@@ -11,7 +11,6 @@ import trio
 import trio_mlx
 from engine_helpers import NO_EOS, PROMPT, wait_until
 from trio_mlx import InvalidRequest, NotFound, SamplingParams
-from trio_mlx._accel import settings as _cuda_settings
 from trio_mlx._core.gate import choose_lane
 
 # --- the gate: one test per reason -----------------------------------------------------
@@ -118,10 +117,6 @@ async def test_serial_greedy_equals_batch_greedy(tiny_model_path: Path) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.skipif(
-    _cuda_settings.on_cuda(),
-    reason="MLX's CUDA backend has no quantized attention for the tiny model's head size 32",
-)
 async def test_kv_bits_request_runs_serially_to_max_tokens(tiny_model_path: Path) -> None:
     async with trio_mlx.open_engine(tiny_model_path) as engine:
         completion = await engine.complete(
@@ -134,20 +129,30 @@ async def test_kv_bits_request_runs_serially_to_max_tokens(tiny_model_path: Path
     assert len(completion.token_ids) == 10
 
 
-@pytest.mark.model
-async def test_kv_bits_is_refused_up_front_where_cuda_has_no_kernel(
-    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("head", "group", "length"), [(32, 32, 1), (32, 32, 40), (64, 64, 540)])
+def test_kv_bits_attention_on_cuda_equals_mlx_lms_quantized_attention(
+    head: int, group: int, length: int
 ) -> None:
-    async with trio_mlx.open_engine(tiny_model_path) as engine:
-        # On CUDA for real on the GPU lane; elsewhere, once loaded, the backend check says CUDA.
-        monkeypatch.setattr(_cuda_settings, "on_cuda", lambda cuda=None: True)
-        with pytest.raises(
-            InvalidRequest, match="no quantized attention kernel for its head size 32"
-        ):
-            await engine.complete(PROMPT, SamplingParams(max_tokens=4, kv_bits=8, kv_group_size=32))
-        plain = await engine.complete(PROMPT, SamplingParams(max_tokens=4))
-        assert engine.statistics().requests.get("serial:failed", 0) == 0
-    assert len(plain.token_ids) == 4
+    """The CUDA path (dequantize, then MLX's fused attention) against mlx-lm's own, on
+    the shapes MLX's CUDA backend has no quantized kernel for."""
+    import mlx.core as mx
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from trio_mlx.testing import dequantized_attention
+
+    mx.random.seed(0)
+    queries = mx.random.normal((1, 8, length, head))
+    keys, values = (mx.random.normal((1, 2, length + 7, head)) for _ in range(2))
+    q_keys = mx.quantize(keys, group_size=group, bits=8)
+    q_values = mx.quantize(values, group_size=group, bits=8)
+    mask = "causal" if length > 1 else None
+    scale = head**-0.5
+    ours = dequantized_attention(queries, q_keys, q_values, scale, mask, group, 8)
+    theirs = quantized_scaled_dot_product_attention(
+        queries, q_keys, q_values, scale=scale, mask=mask, group_size=group, bits=8
+    )
+    assert ours.shape == theirs.shape
+    assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
 
 
 @pytest.mark.model

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trio_mlx._accel.quantized_attention import dequantized_attention
 from trio_mlx._lanes.batch import BatchLane
 from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import RowSpec, StepPlan
@@ -38,6 +39,7 @@ __all__ = [
     "batch_lane",
     "corpus_text",
     "dead_rows",
+    "dequantized_attention",
     "make_random_llama",
     "make_random_model",
     "make_random_vlm",

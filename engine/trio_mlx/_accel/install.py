@@ -25,7 +25,13 @@ from typing import Any, Protocol
 
 import attrs
 
-from trio_mlx._accel import decode_attention, fused_projections, pool, traced_decode
+from trio_mlx._accel import (
+    decode_attention,
+    fused_projections,
+    pool,
+    quantized_attention,
+    traced_decode,
+)
 from trio_mlx._accel import settings as cuda_settings
 
 __all__ = ["DevicePaths", "DeviceSettings", "install", "on_cuda", "prepare"]
@@ -70,6 +76,7 @@ def install(model: Any, settings: DeviceSettings, *, distributed: bool = False) 
     switches = settings.switches
     fused_projections.install(model, switches)  # sibling projections: one matmul per group
     decode_attention.install(model, switches)  # CUDA only: the padded batch's decode attention
+    quantized_attention.install(on_cuda())  # CUDA only: kv_bits attention over dequantized K/V
     traced = settings.traced_decode
     if traced is None:
         traced = traced_decode.wanted(switches, cuda=on_cuda())

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from trio_mlx._accel import install as _accel
 from trio_mlx._adapters.registry import AdapterRegistry
 from trio_mlx._core import embedding as _embedding
 from trio_mlx._core.actor import Actor
@@ -51,11 +50,6 @@ from trio_mlx._start.loading import Loaded, load, load_error, resolve_model
 from trio_mlx._start.settings import DEFAULT_MAX_IMAGE_PIXELS, EngineSettings
 
 __all__ = ["Engine", "open_engine"]
-
-#: The smallest head size MLX's CUDA quantized attention (kv_bits) has a kernel
-#: for: with 32 every ``quantized_matmul`` says "No implementation for problem
-#: shape" (mlx-cuda 0.32.4; 64 runs), so such a request is refused up front.
-CUDA_KV_BITS_MIN_HEAD = 64
 
 T = TypeVar("T")
 
@@ -783,13 +777,6 @@ class Engine(_embedding.EmbeddingAPI):
             raise InvalidRequest(
                 f"kv_group_size {group} does not divide the model's head size {head_dim}",
                 param="kv_group_size",
-            )
-        if head_dim < CUDA_KV_BITS_MIN_HEAD and _accel.on_cuda():
-            raise InvalidRequest(
-                f"kv_bits is not supported for this model on CUDA: MLX has no quantized "
-                f"attention kernel for its head size {head_dim} (it needs "
-                f"{CUDA_KV_BITS_MIN_HEAD} or more)",
-                param="kv_bits",
             )
 
     async def _shutdown(self, grace_period: float) -> None:
