@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
+
+import trio_mlx
 
 #: logit_bias that keeps the tiny model from ending a row early (its EOS ids are 0 and 2).
 NO_EOS = {0: -100.0, 2: -100.0}
@@ -56,3 +58,32 @@ async def wait_until(predicate: Callable[[], bool], *, poll: float = 0.005) -> N
     """
     while not predicate():  # noqa: ASYNC110 - polling a snapshot on purpose
         await trio.sleep(poll)
+
+
+async def generate_across_a_park(
+    engine: trio_mlx.Engine,
+    prompts: Sequence[str],
+    params: trio_mlx.SamplingParams,
+    *,
+    after: int,
+) -> list[tuple[int, ...]]:
+    """Each prompt's tokens, generated together; once one row has streamed ``after``
+    tokens, an exclusive job parks them all and they resume."""
+    parked: list[tuple[int, ...]] = [()] * len(prompts)
+    started = trio.Event()
+
+    async def row(i: int) -> None:
+        async with engine.generate(prompts[i], params) as stream:
+            ids: list[int] = []
+            async for delta in stream:
+                ids.extend(delta.token_ids)
+                if len(ids) >= after:
+                    started.set()
+            parked[i] = tuple(ids)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(row, i)
+        await started.wait()
+        await engine.run_exclusive(lambda model, tokenizer: None)
+    return parked

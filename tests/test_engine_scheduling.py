@@ -11,7 +11,7 @@ import pytest
 import trio
 
 import trio_mlx
-from engine_helpers import NO_EOS, wait_until
+from engine_helpers import NO_EOS, generate_across_a_park, wait_until
 from trio_mlx import EngineOverloaded, SamplingParams
 from trio_mlx._core.parking import Parking
 
@@ -44,23 +44,7 @@ async def test_parked_rows_finish_like_unparked_rows(tiny_model_path: Path) -> N
     async with trio_mlx.open_engine(
         tiny_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_cache_bytes=0
     ) as engine:
-        parked: list[tuple[int, ...]] = [()] * 3
-        started = trio.Event()
-
-        async def row(i: int) -> None:
-            async with engine.generate(PROMPTS[i], params) as stream:
-                ids: list[int] = []
-                async for delta in stream:
-                    ids.extend(delta.token_ids)
-                    if len(ids) >= 10:
-                        started.set()
-                parked[i] = tuple(ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(row, i)
-            await started.wait()
-            await engine.run_exclusive(lambda model, tokenizer: None)
+        parked = await generate_across_a_park(engine, PROMPTS[:3], params, after=10)
         stats = engine.statistics()
     assert stats.preemptions >= 3
     assert [len(p) for p in parked] == [40, 40, 40]

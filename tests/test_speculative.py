@@ -13,6 +13,7 @@ import pytest
 import trio
 
 import trio_mlx
+from engine_helpers import generate_across_a_park
 from trio_mlx.testing import batch_lane, make_random_llama, make_random_model
 
 #: A prompt that repeats itself: its n-grams come back in the output.
@@ -356,24 +357,8 @@ async def test_speculating_rows_parked_and_resumed_continue_token_for_token(
     async with trio_mlx.open_engine(
         loopy_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_lookup=True
     ) as engine:
-        parked: list[tuple[int, ...]] = [()] * 3
-        started = trio.Event()
-
-        async def row(i: int) -> None:
-            async with engine.generate(prompts[i], params) as stream:
-                ids: list[int] = []
-                async for delta in stream:
-                    ids.extend(delta.token_ids)
-                    if len(ids) >= 20:
-                        started.set()
-                parked[i] = tuple(ids)
-
         with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                for i in range(3):
-                    nursery.start_soon(row, i)
-                await started.wait()
-                await engine.run_exclusive(lambda model, tokenizer: None)
+            parked = await generate_across_a_park(engine, prompts, params, after=20)
         stats = engine.statistics()
     assert stats.preemptions >= 1
     assert stats.draft_accepted_tokens["prompt_lookup"] > 0
