@@ -90,7 +90,8 @@ async def open_engine(
     most ``drain_timeout`` seconds for the batch to drain before the running
     rows are parked (``None``: wait for them to finish). ``prompt_cache_bytes``
     caps the prompt cache (0 disables it; ``None``, the default: a fifth of
-    MLX's memory limit less the weights, at least 256 MiB). ``prompt_cache_dir`` adds its disk
+    MLX's memory limit less the weights, at least 256 MiB; 256 MiB in distributed mode, where
+    every rank must evict alike). ``prompt_cache_dir`` adds its disk
     tier: checkpoints of long prompts kept in that folder across restarts, at
     most ``prompt_cache_disk_bytes`` bytes of them (``None``, the default: no
     disk tier; see ``design/engine.md``). ``prefill_step_size`` and

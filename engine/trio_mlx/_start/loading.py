@@ -27,7 +27,12 @@ from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.prompt_disk import DiskTier, model_identity
 from trio_mlx._lanes.records import RowSpec, StepPlan
 from trio_mlx._lanes.speculative import Speculation
-from trio_mlx._memory import KVProfile, default_limit, default_prompt_cache
+from trio_mlx._memory import (
+    MIN_PROMPT_CACHE_BYTES,
+    KVProfile,
+    default_limit,
+    default_prompt_cache,
+)
 from trio_mlx._params import SamplingParams
 from trio_mlx._start import kv_measure
 from trio_mlx._start import model_fixes as _model_fixes
@@ -269,7 +274,11 @@ def load(
     kv_profile = kv_measure.measure(model, warm[0])
     memory, weights = kv_measure.memory_limit(), kv_measure.weight_bytes(model)
     if prompt_cache_bytes is None:
-        prompt_cache_bytes = default_prompt_cache(memory, weights)
+        # Every rank must evict alike, and their memory may differ: one fixed cap there.
+        distributed = channel is not None
+        prompt_cache_bytes = (
+            MIN_PROMPT_CACHE_BYTES if distributed else default_prompt_cache(memory, weights)
+        )
     kv_default = default_limit(memory, weights, prompt_cache_bytes, kv_profile)
     # On a GPU the host-side cost of each admission, removal and fetch dominates and
     # grouping pays; on the CPU the compute does (see ``Loaded.grouping``).
