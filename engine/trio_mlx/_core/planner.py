@@ -72,6 +72,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
 
 import attrs
 
@@ -189,9 +190,7 @@ class StepPlanner:
 
     def _drop_insert(self, row_id: int) -> bool:
         """Take a row out of the queued inserts; False when it is not there."""
-        kept = [spec for spec in self._inserts if spec.id != row_id]
-        dropped = len(kept) < len(self._inserts)
-        self._inserts = kept
+        self._inserts, dropped = _without(self._inserts, row_id)
         return dropped
 
     def _drop_resume(self, row_id: int) -> bool:
@@ -218,9 +217,7 @@ class StepPlanner:
 
     def drop_embed(self, row_id: int) -> bool:
         """Take an embedding request out (parked, cancelled); False when it was not queued."""
-        kept = [work for work in self._embeds if work.id != row_id]
-        dropped = len(kept) < len(self._embeds)
-        self._embeds = kept
+        self._embeds, dropped = _without(self._embeds, row_id)
         return dropped
 
     def embed_due(self, state: State, jobs_waiting: bool) -> bool:
@@ -381,3 +378,17 @@ class StepPlanner:
         self._last_chunk = self.prefill_chunk()
         embeds = self.embed_batch(state, jobs_waiting, joining=bool(inserts or resumes))
         return StepPlan(inserts, resumes, removes, steps, self._last_chunk, embeds)
+
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> int: ...
+
+
+_Item = TypeVar("_Item", bound=_HasId)
+
+
+def _without(items: list[_Item], row_id: int) -> tuple[list[_Item], bool]:
+    """``items`` less those of ``row_id``, and whether there were any."""
+    kept = [item for item in items if item.id != row_id]
+    return kept, len(kept) < len(items)
