@@ -5,8 +5,9 @@ The engine never imports the web stack (quart, hypercorn, trio_mlx_http).
 """
 
 from trio_mlx._core.arbiter import ArbiterPolicy, ArbiterStatistics
-from trio_mlx._core.engine import Engine, open_engine
+from trio_mlx._core.engine import Engine
 from trio_mlx._core.images import ImageInput
+from trio_mlx._core.opening import open_engine
 from trio_mlx._core.prompts import PreparedPrompt
 from trio_mlx._core.request import EngineStatistics
 from trio_mlx._core.stream import GenerationStream
@@ -18,10 +19,12 @@ from trio_mlx._errors import (
     InvalidAdapter,
     InvalidGrammar,
     InvalidRequest,
+    ModelUnavailable,
     NotFound,
     ReaderStalled,
     TrioMLXError,
 )
+from trio_mlx._host.host import ModelHost, ModelInfo, ModelState, open_host
 from trio_mlx._lanes.prompt_cache import PromptCacheStatistics
 from trio_mlx._params import (
     Completion,
@@ -56,6 +59,10 @@ __all__ = [
     "InvalidAdapter",
     "InvalidGrammar",
     "InvalidRequest",
+    "ModelHost",
+    "ModelInfo",
+    "ModelState",
+    "ModelUnavailable",
     "NotFound",
     "PreparedPrompt",
     "PromptCacheStatistics",
@@ -68,4 +75,5 @@ __all__ = [
     "default_adapter_path",
     "default_model_path",
     "open_engine",
+    "open_host",
 ]

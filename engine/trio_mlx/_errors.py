@@ -13,6 +13,7 @@ __all__ = [
     "GenerationFailed",
     "InvalidGrammar",
     "InvalidRequest",
+    "ModelUnavailable",
     "NotFound",
     "ReaderStalled",
     "TrioMLXError",
@@ -104,6 +105,20 @@ class EngineClosed(TrioMLXError):
     status_code = 503
     error_type = "service_unavailable"
     default_code = "engine_closed"
+
+
+class ModelUnavailable(TrioMLXError):
+    """The model asked for is not loaded in time (it is loading, or waits for room); retry
+    later (503, with ``retry_after``)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "model_unavailable"
+
+    def __init__(self, message: str, *, retry_after: float = 5.0, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        #: Seconds a client should wait before retrying (the ``Retry-After`` header).
+        self.retry_after = retry_after
 
 
 class GenerationFailed(TrioMLXError):

@@ -17,7 +17,7 @@ from typing import Any
 from quart import Quart, Response, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
-from trio_mlx import EngineOverloaded, TrioMLXError
+from trio_mlx import EngineOverloaded, ModelUnavailable, TrioMLXError
 
 __all__ = [
     "ANTHROPIC_PATHS",
@@ -118,10 +118,10 @@ def status_of(error: BaseException) -> int:
 
 
 def error_response(error: BaseException, *, anthropic: bool = False) -> Response:
-    """The JSON response for ``error``, with ``Retry-After`` on 429."""
+    """The JSON response for ``error``, with ``Retry-After`` on 429 and a model's 503."""
     body = anthropic_error_body(error) if anthropic else error_body(error)
     response = Response(json.dumps(body), status=status_of(error), mimetype="application/json")
-    if isinstance(error, EngineOverloaded):
+    if isinstance(error, EngineOverloaded | ModelUnavailable):
         response.headers["Retry-After"] = str(max(1, round(error.retry_after)))
     if response.status_code == 413:
         # The unread rest of the body is still on the wire: the connection

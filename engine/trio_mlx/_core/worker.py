@@ -8,7 +8,8 @@ Trio hands it plain callables; each result comes back through
 If a call raises ``BaseException`` that is not an ``Exception`` (SystemExit,
 KeyboardInterrupt...), the call gets it and the thread ends: the worker is
 dead, every later call raises :class:`~trio_mlx.EngineClosed`, and the owner
-hears about it through ``on_death``.
+hears about it through ``on_death`` (and every callback given to ``watch``: the
+engines of a :class:`~trio_mlx.ModelHost` share one worker).
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class Worker:
     _alive: bool = attrs.field(init=False, default=False)
     _ended: trio.Event = attrs.field(init=False, factory=trio.Event)
     _busy: float = attrs.field(init=False, default=0.0)
+    _watchers: list[Callable[[BaseException | None], None]] = attrs.field(init=False, factory=list)
+
+    def watch(self, callback: Callable[[BaseException | None], None]) -> Callable[[], None]:
+        """Call ``callback`` (like ``on_death``) when the thread ends; returns the undo."""
+        self._watchers.append(callback)
+        return lambda: self._watchers.remove(callback) if callback in self._watchers else None
 
     @property
     def alive(self) -> bool:
@@ -170,3 +177,5 @@ class Worker:
         self._ended.set()
         if self.on_death is not None:
             self.on_death(death)
+        for callback in list(self._watchers):
+            callback(death)

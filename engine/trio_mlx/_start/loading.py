@@ -272,7 +272,8 @@ def load(
     caches_merge = all(hasattr(c, "merge") for c in make_prompt_cache(model))
     warm = list(tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
     kv_profile = kv_measure.measure(model, warm[0])
-    memory, weights = kv_measure.memory_limit(), kv_measure.weight_bytes(model)
+    memory = int(kv_measure.memory_limit() * settings.memory_share)
+    weights = kv_measure.weight_bytes(model)
     if prompt_cache_bytes is None:
         # Every rank must evict alike, and their memory may differ: one fixed cap there.
         distributed = channel is not None

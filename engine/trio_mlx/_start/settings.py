@@ -198,6 +198,10 @@ class EngineSettings:
       rows; ``design/engine.md``). ``draft_model`` (a folder; it must share the
       model's tokenizer, checked at load) drafts instead of the lookup, greedily,
       each row over its own KV cache.
+    - ``memory_share``: the part of MLX's memory limit this engine plans its KV
+      budget and prompt cache in (the defaults of ``kv_memory_bytes`` and
+      ``prompt_cache_bytes``); a :class:`~trio_mlx.ModelHost` gives each of its
+      ``max_models`` engines an equal part.
     - ``decision_hook``: called on the Trio thread with each arbiter decision
       and the arbiter's statistics after it (tests record them); not sent to
       the other ranks of a distributed group.
@@ -251,6 +255,7 @@ class EngineSettings:
     embedding_pooling: str | None = attrs.field(default=None, validator=_pooling)
     embedding_matryoshka: bool = attrs.field(default=False, validator=_flag)
     embedding_share: float = attrs.field(default=0.1, validator=_share)
+    memory_share: float = attrs.field(default=1.0, validator=_share)
     max_embedding_inputs: int = attrs.field(default=2048, validator=_int_at_least(1))
     embedding_batch_tokens: int | None = attrs.field(
         default=None, validator=_int_at_least(1, optional=True)
