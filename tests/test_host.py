@@ -113,9 +113,8 @@ async def test_max_models_unloads_the_least_recently_used_idle_model(model_dir: 
 async def test_max_model_memory_counts_the_weights(model_dir: Path) -> None:
     one = sum(f.stat().st_size for f in (model_dir / "alpha").glob("*.safetensors"))
     models = [model_dir / "alpha", model_dir / "beta"]
-    async with trio_mlx.open_host(models, max_model_memory=one * 3 // 2) as host:
-        async with host.use("beta"):
-            assert _states(host) == {"alpha": ModelState.UNLOADED, "beta": ModelState.LOADED}
+    async with trio_mlx.open_host(models, max_model_memory=one * 3 // 2) as host, host.use("beta"):
+        assert _states(host) == {"alpha": ModelState.UNLOADED, "beta": ModelState.LOADED}
     with pytest.raises(trio_mlx.InvalidRequest, match="larger than max_model_memory"):
         async with trio_mlx.open_host(models, max_model_memory=one // 2):
             pass
@@ -144,17 +143,20 @@ async def test_unload_waits_for_the_requests_in_flight(model_dir: Path) -> None:
     order: list[str] = []
     async with trio_mlx.open_host([model_dir / "alpha"]) as host:
         with trio.fail_after(DEADLINE):
-            async with trio.open_nursery() as nursery:
-                async with host.use() as engine, engine.generate(PROMPT, PARAMS) as stream:
+            async with (
+                trio.open_nursery() as nursery,
+                host.use() as engine,
+                engine.generate(PROMPT, PARAMS) as stream,
+            ):
 
-                    async def unload() -> None:
-                        await host.unload("alpha")
-                        order.append("unloaded")
+                async def unload() -> None:
+                    await host.unload("alpha")
+                    order.append("unloaded")
 
-                    nursery.start_soon(unload)
-                    await wait_until(lambda: _states(host)["alpha"] is ModelState.UNLOADING)
-                    tokens = [t async for delta in stream for t in delta.token_ids]
-                    order.append("stream ended")
+                nursery.start_soon(unload)
+                await wait_until(lambda: _states(host)["alpha"] is ModelState.UNLOADING)
+                tokens = [t async for delta in stream for t in delta.token_ids]
+                order.append("stream ended")
         assert tokens == want
         assert order == ["stream ended", "unloaded"]
         # A request after the unload loads the model again.
@@ -179,8 +181,9 @@ async def test_idle_unload_gives_the_memory_back(model_dir: Path) -> None:
                     lambda: all(s is ModelState.UNLOADED for s in _states(host).values())
                 )
             nursery.cancel_scope.cancel()
-        freed = loaded - host.active_memory()
-        assert freed >= weights // 2, (baseline, loaded, freed, weights)
+        # Every model's weights are given back: what stays is less than half of one.
+        left = host.active_memory() - baseline
+        assert left < min(i.weight_bytes for i in host.models()) // 2, (baseline, loaded, left)
 
 
 async def test_idle_unload_spares_a_model_in_use(model_dir: Path) -> None:

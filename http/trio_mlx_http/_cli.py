@@ -57,12 +57,24 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class _ModelAction(argparse.Action):
+    """``--model``, repeatable: ``models`` holds every one given, ``model`` the first."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: Any, value: Any, *_: Any
+    ) -> None:
+        models = [*getattr(namespace, "models", ()), value]
+        namespace.models, namespace.model = models, models[0]
+
+
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(models=[])
     parser.add_argument(
         "--model",
+        action=_ModelAction,
         default=None,
         help="a local model folder or a Hugging Face repo id (mlx-community/...); "
-        "default: the bundled model",
+        "default: the bundled model. serve: repeat it to serve several (loaded on demand)",
     )
     parser.add_argument("--adapter-path", default=None, help="a LoRA adapter folder to load")
     parser.add_argument(
@@ -344,6 +356,38 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "memory limit less the weights)",
     )
     parser.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="serve every model folder in DIR by its name, each loaded when a request names "
+        "it (the first --model, else DIR's first, is the default and loaded at start)",
+    )
+    parser.add_argument(
+        "--max-models", type=int, default=None, metavar="N", help="most models loaded at once"
+    )
+    parser.add_argument(
+        "--max-model-memory",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="most bytes of weights loaded at once, e.g. 40G (least recently used idle "
+        "models are unloaded to make room)",
+    )
+    parser.add_argument(
+        "--idle-unload",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="unload a model no request has used for this long (default: never)",
+    )
+    parser.add_argument(
+        "--load-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="longest a request waits for its model to load, then 503 with Retry-After",
+    )
+    parser.add_argument(
         "--prompt-cache-dir",
         default=None,
         metavar="DIR",
@@ -470,6 +514,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "the API key (--api-key or TRIO_MLX_API_KEY) is set but empty; set a key, or "
             "unset TRIO_MLX_API_KEY and leave --api-key out to serve without authentication"
         )
+    if args.command == "generate" and len(args.models) > 1:
+        parser.error("generate takes one --model")
     blas_hint = _fast_blas(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

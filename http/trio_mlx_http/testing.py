@@ -12,8 +12,9 @@ The project's tests and its soak harness both use this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ class LiveServer:
     stopped: trio.Event
     #: Counts connections, refuses past the cap, times writes out.
     guard: ConnectionGuard
+    #: The model host, for a server of several models (``live_server(hosted=...)``).
+    host: trio_mlx.ModelHost | None = None
 
 
 @asynccontextmanager
@@ -55,6 +58,7 @@ async def live_server(
     graceful_timeout: float = 5.0,
     limits: ConnectionLimits | None = None,
     wrap_asgi: Callable[[Any], Any] | None = None,
+    hosted: Mapping[str, Any] | None = None,
     **engine_options: Any,
 ) -> AsyncIterator[LiveServer]:
     """Serve ``model`` (``None``: the bundled one) on 127.0.0.1 at a free port for the block.
@@ -62,9 +66,17 @@ async def live_server(
     ``engine_options`` go to :func:`trio_mlx.open_engine`; ``wrap_asgi`` wraps the
     app's ASGI callable (e.g. a checker of every response). Leaving the block
     stops the server (``graceful_timeout`` for in-flight requests), then the engine.
+    ``hosted`` serves several models instead: :func:`trio_mlx.open_host`'s keywords
+    (``model`` is then ignored; ``engine`` is the default model's).
     """
-    async with trio_mlx.open_engine(model, **engine_options) as engine:
-        app = create_app(engine, settings or Settings())
+    async with contextlib.AsyncExitStack() as stack:
+        host: trio_mlx.ModelHost | None = None
+        if hosted is None:
+            engine = await stack.enter_async_context(trio_mlx.open_engine(model, **engine_options))
+        else:
+            host = await stack.enter_async_context(trio_mlx.open_host(**hosted, **engine_options))
+            engine = host.loaded(host.default)  # type: ignore[assignment]
+        app = create_app(host or engine, settings or Settings())
         if wrap_asgi is not None:
             app.asgi_app = wrap_asgi(app.asgi_app)  # type: ignore[method-assign]
         config = hypercorn_config("127.0.0.1", 0, graceful_timeout)
@@ -80,7 +92,7 @@ async def live_server(
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve)
             try:
-                yield LiveServer(binds[0], engine, shutdown, stopped, guard)
+                yield LiveServer(binds[0], engine, shutdown, stopped, guard, host)
             finally:
                 shutdown.set()
 

@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from trio_mlx._core.engine import Engine
-from trio_mlx._core.opening import open_on
+from trio_mlx._core.opening import free_memory, open_on
 from trio_mlx._core.worker import Worker
 from trio_mlx._errors import EngineClosed, InvalidRequest, ModelUnavailable, NotFound
 from trio_mlx._host.catalog import ModelEntry, catalog
@@ -121,6 +121,14 @@ class ModelHost:
         """``name``'s engine if it is loaded now (no lease: for reading its settings)."""
         slot = self._slot(name)
         return slot.engine if slot.state is ModelState.LOADED else None
+
+    def engines(self) -> tuple[Engine, ...]:
+        """The loaded models' engines (for shutdown: closing them ends their requests)."""
+        return tuple(
+            s.engine
+            for s in self._slots.values()
+            if s.engine is not None and s.state is not ModelState.UNLOADED
+        )
 
     def active_memory(self) -> int:
         """MLX's active memory in bytes (a plain read of its allocator's gauge)."""
@@ -280,21 +288,11 @@ class ModelHost:
 
     async def _serve(self, slot: _Slot) -> None:
         """A loaded model's task: open its engine on the shared thread, hold it until
-        told to stop, then close it (its memory given back)."""
+        told to stop, then close it and give its memory back."""
         name = slot.entry.name
         logger.info("loading %s from %s", name, slot.entry.path)
-        started = time.perf_counter()
         try:
-            async with open_on(self._worker, slot.entry.path, self._settings) as engine:
-                slot.engine = engine
-                slot.state = ModelState.LOADED
-                slot.loads += 1
-                slot.last_used = trio.current_time()
-                logger.info("loaded %s in %.2f s", name, time.perf_counter() - started)
-                self._notify()
-                await slot.stop.wait()
-                slot.state = ModelState.UNLOADING
-                self._notify()
+            await self._hold(slot)
             slot.unloads += 1
             logger.info("unloaded %s", name)
         except Exception as exc:
@@ -305,7 +303,28 @@ class ModelHost:
                 logger.exception("the model %s failed", name)
         finally:
             slot.engine = None
+            # The engine's arrays sit in reference cycles: collect them now, on the
+            # thread that made them, or the memory stays held until Python's next
+            # collection (never, after the server's gc.freeze()).
+            with trio.CancelScope(shield=True):
+                if self._worker.alive:
+                    await self._worker.run(free_memory)
             slot.state = ModelState.UNLOADED
+            self._notify()
+
+    async def _hold(self, slot: _Slot) -> None:
+        """Open ``slot``'s engine and keep it until its stop (no reference kept after)."""
+        started = time.perf_counter()
+        async with open_on(self._worker, slot.entry.path, self._settings) as engine:
+            slot.engine = engine
+            slot.state = ModelState.LOADED
+            slot.loads += 1
+            slot.last_used = trio.current_time()
+            elapsed = time.perf_counter() - started
+            logger.info("loaded %s in %.2f s", slot.entry.name, elapsed)
+            self._notify()
+            await slot.stop.wait()
+            slot.state = ModelState.UNLOADING
             self._notify()
 
     async def _unload_idle(self) -> None:

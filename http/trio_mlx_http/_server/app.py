@@ -6,19 +6,18 @@ return plain dicts or responses; every error goes through :mod:`._errors`.
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, g, request
 from quart_trio import QuartTrio
 
-from trio_mlx import Engine, EngineClosed, InvalidRequest, NotFound
+from trio_mlx import Engine, EngineClosed, InvalidRequest, ModelHost, NotFound
 from trio_mlx_http._anthropic import messages as _anthropic
 from trio_mlx_http._common.images import resolve_prompts
 from trio_mlx_http._errors import Forbidden, Unauthorized, install_error_handlers
@@ -28,8 +27,9 @@ from trio_mlx_http._openai import schema as _schema
 from trio_mlx_http._openai.shapes import TokenTexts
 from trio_mlx_http._responses import route as _responses
 from trio_mlx_http._server.metrics import Metrics
+from trio_mlx_http._server.models import SCOPE_KEY, ModelRouter, model_card_fields
 from trio_mlx_http._server.openapi import openapi
-from trio_mlx_http._server.state import Access, ServerState
+from trio_mlx_http._server.state import Access, ServerState, key_matches
 from trio_mlx_http._settings import Settings
 
 __all__ = ["create_app", "shutdown_trigger"]
@@ -114,9 +114,15 @@ def _is_pattern(name: str) -> bool:
     return any(c in name for c in "*?[")
 
 
-def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
-    """Build the OpenAI-compatible app around a running engine."""
+def create_app(served: Engine | ModelHost, settings: Settings | None = None) -> QuartTrio:
+    """Build the OpenAI-compatible app around a running engine, or a model host whose
+    default model is loaded (requests then run with the model they name held:
+    :class:`~trio_mlx_http._server.models.ModelRouter`)."""
     settings = settings or Settings()
+    host = served if isinstance(served, ModelHost) else None
+    engine = served if host is None else host.loaded(host.default)
+    if not isinstance(engine, Engine):
+        raise ValueError("create_app needs the host's default model loaded")
     app = QuartTrio("trio_mlx_http")
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
@@ -125,7 +131,6 @@ def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
     metrics = Metrics()
-    metrics.watch_engine(engine.statistics)
     state = ServerState(
         engine=engine,
         settings=settings,
@@ -148,7 +153,14 @@ def create_app(engine: Engine, settings: Settings | None = None) -> QuartTrio:
         ),
         model_patterns=tuple(n for n in settings.served_model_names if _is_pattern(n)),
     )
+    # The default model's engine is read at each scrape: with a host it changes on a reload.
+    metrics.watch_engine(lambda: state.engine.statistics())
     app.extensions["trio_mlx"] = state
+    if host is not None:
+        metrics.watch_host(host)
+        router = ModelRouter(cast(Any, app.asgi_app), host, state)
+        app.extensions["trio_mlx_host"] = router
+        app.asgi_app = cast(Any, router)  # type: ignore[method-assign]
     install_error_handlers(app)
     _install_hooks(app, state)
     _install_generation(app)
@@ -183,20 +195,20 @@ def _has_body(req: Any) -> bool:
 
 def _key_matches(key: str) -> bool:
     """Whether the request carries ``key``: as a bearer token (OpenAI) or ``x-api-key`` (Anthropic)."""
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
-        return True
-    sent = request.headers.get("x-api-key")
-    return sent is not None and hmac.compare_digest(sent.strip().encode(), key.encode())
+    return key_matches(
+        request.headers.get("Authorization", ""), request.headers.get("x-api-key"), key
+    )
 
 
 def _install_hooks(app: QuartTrio, state: ServerState) -> None:
     @app.before_request
     async def start() -> None:
-        g.trio_mlx = state
+        # The model router's choice for a request naming a model; else the default's.
+        here = cast(ServerState, request.scope.get(SCOPE_KEY, state))
+        g.trio_mlx = here
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         g.access = Access(
-            state, rule, request.method, request.path, client=request.remote_addr or None
+            here, rule, request.method, request.path, client=request.remote_addr or None
         )
         if request.method == "OPTIONS" or request.path in _PUBLIC:
             return
@@ -265,7 +277,14 @@ def _install_generation(app: QuartTrio) -> None:
         return await _anthropic.count_tokens(_state(), await _body())
 
 
-def _model_card(state: ServerState, model_id: str, parent: str | None = None) -> dict[str, Any]:
+def _model_card(
+    state: ServerState,
+    model_id: str,
+    parent: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ``/v1/models`` card; ``details``: what is known of the model (None: the state's
+    engine's context length and input modalities)."""
     card: dict[str, Any] = {
         "id": model_id,
         "object": "model",
@@ -273,9 +292,8 @@ def _model_card(state: ServerState, model_id: str, parent: str | None = None) ->
         "owned_by": "trio-mlx",
     }
     if parent is None:
-        card["context_length"] = state.engine.context_length
         # What the model takes in: a vision model also images.
-        card["input_modalities"] = ["text", "image"] if state.engine.takes_images else ["text"]
+        card.update(model_card_fields(state.engine) if details is None else details)
     else:
         card["parent"] = parent
     return card
@@ -284,9 +302,30 @@ def _model_card(state: ServerState, model_id: str, parent: str | None = None) ->
 def _model_cards(state: ServerState) -> list[dict[str, Any]]:
     # Mounted adapters are models of their own: send their name as "model".
     names = [state.model_id, *state.listed_names]
-    return [_model_card(state, name) for name in names] + [
+    cards = [_model_card(state, name) for name in names] + [
         _model_card(state, name, parent=state.model_id) for name in state.engine.adapters
     ]
+    router = _router()
+    if router is None:
+        return cards
+    # With a host: its state first, and every other model it can load.
+    infos = {info.name: info for info in router.host.models()}
+    default = infos[router.host.default]
+    for card in cards:
+        if "parent" not in card:
+            card["state"] = default.state.value
+    for name, info in infos.items():
+        if name != router.host.default:
+            details = model_card_fields(router.host.loaded(name))
+            cards.append({**_model_card(state, name, details=details), "state": info.state.value})
+    return cards
+
+
+def _router() -> ModelRouter | None:
+    from quart import current_app
+
+    router: ModelRouter | None = current_app.extensions.get("trio_mlx_host")
+    return router
 
 
 def _install_models(app: QuartTrio) -> None:
@@ -309,6 +348,31 @@ def _install_models(app: QuartTrio) -> None:
         raise NotFound(
             f"the model {model_id!r} does not exist", param="model", code="model_not_found"
         )
+
+    async def operate(model_id: str, load: bool) -> dict[str, Any]:
+        router = _router()
+        if router is None:
+            raise InvalidRequest(
+                "this server serves one model: start it with several --model, or --model-dir, "
+                "to load and unload models",
+                param="model",
+                code="single_model",
+            )
+        if load:
+            await router.host.load(model_id)
+        else:
+            await router.host.unload(model_id)
+        info = next(i for i in router.host.models() if i.name == model_id)
+        details = model_card_fields(router.host.loaded(model_id))
+        return {**_model_card(_state(), model_id, details=details), "state": info.state.value}
+
+    @app.post("/v1/models/<path:model_id>/load")
+    async def load_model(model_id: str) -> dict[str, Any]:
+        return await operate(model_id, load=True)
+
+    @app.post("/v1/models/<path:model_id>/unload")
+    async def unload_model(model_id: str) -> dict[str, Any]:
+        return await operate(model_id, load=False)
 
 
 def _adapter_path(settings: Settings, path: str) -> Path:
@@ -399,6 +463,10 @@ def _install_service(app: QuartTrio) -> None:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         state = _state()
+        router = _router()
+        if router is not None:  # a host: up while it runs, whichever models are loaded
+            states = {info.name: info.state.value for info in router.host.models()}
+            return {"status": "ok", "model": state.model_id, "models": states}
         if state.engine.closed:
             raise EngineClosed("the engine is closed")
         stats = state.engine.statistics()

@@ -16,7 +16,7 @@ import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from trio_mlx import EngineStatistics, GenerationResult
+from trio_mlx import EngineStatistics, GenerationResult, ModelHost
 from trio_mlx_http._server.serve import ConnectionStatistics
 
 __all__ = ["Metrics"]
@@ -58,6 +58,35 @@ _COUNTERS = {
 
 
 @attrs.define(eq=False)
+class _HostCollector:
+    """A model host's models, read per scrape: state, use, loads and unloads."""
+
+    host: ModelHost
+
+    def collect(self) -> Iterable[Metric]:
+        models = self.host.models()
+        state = GaugeMetricFamily(
+            "trio_mlx_model_state", "1 for each model's state.", labels=["model", "state"]
+        )
+        in_use = GaugeMetricFamily(
+            "trio_mlx_model_requests", "Requests holding each model.", labels=["model"]
+        )
+        loads = CounterMetricFamily("trio_mlx_model_loads", "Model loads.", labels=["model"])
+        unloads = CounterMetricFamily("trio_mlx_model_unloads", "Model unloads.", labels=["model"])
+        for info in models:
+            state.add_metric([info.name, info.state.value], 1)
+            in_use.add_metric([info.name], info.in_use)
+            loads.add_metric([info.name], info.loads)
+            unloads.add_metric([info.name], info.unloads)
+        yield from (state, in_use, loads, unloads)
+        yield GaugeMetricFamily(
+            "trio_mlx_host_active_memory_bytes",
+            "MLX's active memory, every loaded model's included.",
+            value=self.host.active_memory(),
+        )
+
+
+@attrs.frozen
 class _EngineCollector:
     """Reads one statistics() snapshot per scrape."""
 
@@ -273,6 +302,10 @@ class Metrics:
     def watch_engine(self, statistics: Callable[[], EngineStatistics]) -> None:
         """Export the engine's statistics on every scrape."""
         self.registry.register(_EngineCollector(statistics))
+
+    def watch_host(self, host: ModelHost) -> None:
+        """Export a model host's models on every scrape."""
+        self.registry.register(_HostCollector(host))
 
     def watch_connections(self, statistics: Callable[[], ConnectionStatistics]) -> None:
         """Export the connection guard's statistics on every scrape."""

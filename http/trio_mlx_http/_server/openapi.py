@@ -696,6 +696,26 @@ def openapi(model_id: str) -> dict[str, Any]:
                     "parameters": [model_param],
                 }
             },
+            "/v1/models/{model_id}/load": {
+                "post": {
+                    **_op(
+                        "Load a model (a server of several models)",
+                        _json(_ref("Model"), "The model, with its state"),
+                        errors=(400, 401, 404, 503),
+                    ),
+                    "parameters": [model_param],
+                }
+            },
+            "/v1/models/{model_id}/unload": {
+                "post": {
+                    **_op(
+                        "Unload a model once its requests have ended",
+                        _json(_ref("Model"), "The model, with its state"),
+                        errors=(400, 401, 404),
+                    ),
+                    "parameters": [model_param],
+                }
+            },
             "/v1/adapters": {
                 "get": _op("Mounted adapters", _json(_ref("List"), "Adapters"), errors=(401,)),
                 "post": {

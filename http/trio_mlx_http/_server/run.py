@@ -7,6 +7,8 @@ import gc
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +156,8 @@ class _Stopping:
     #: The scope of everything but the signal receiver (start-up included).
     body: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     shutdown: trio.Event = attrs.field(factory=trio.Event)
-    engine: trio_mlx.Engine | None = None
+    #: The engines to close on a second signal (None: not serving yet).
+    engines: Callable[[], Sequence[trio_mlx.Engine]] | None = None
     guard: ConnectionGuard | None = None
     #: Set when a signal came before the server was serving.
     interrupted: bool = False
@@ -170,8 +173,8 @@ async def _on_signals(signals: Any, stopping: _Stopping) -> None:
     async for signum in signals:
         count += 1
         name = signal.Signals(signum).name
-        engine = stopping.engine
-        if engine is None:
+        engines = stopping.engines
+        if engines is None:
             logger.info("%s during start-up: stopping", name)
             stopping.interrupted = True
             stopping.body.cancel()
@@ -183,7 +186,8 @@ async def _on_signals(signals: Any, stopping: _Stopping) -> None:
             stopping.shutdown.set()
             # Every stream ends with an error event and [DONE]; non-streaming
             # requests answer 503. Then whatever still hangs is cut.
-            engine.close()
+            for engine in engines():
+                engine.close()
             await trio.sleep(_SECOND_SIGNAL_FLUSH)
             if stopping.guard is not None:
                 stopping.guard.abort_writes()
@@ -193,22 +197,25 @@ async def _on_signals(signals: Any, stopping: _Stopping) -> None:
 
 
 async def _close_at_deadline(
-    engine: trio_mlx.Engine, shutdown: trio.Event, graceful_timeout: float
+    engines: Callable[[], Sequence[trio_mlx.Engine]], shutdown: trio.Event, graceful_timeout: float
 ) -> None:
     """Just before Hypercorn's graceful deadline, end what still runs with a clean error.
 
     Hypercorn cancels the handlers at its deadline, which drops their
-    connections mid-answer; closing the engine a little earlier lets each one
-    answer 503 or end its stream with an error event first.
+    connections mid-answer; closing the engines a little earlier lets each
+    request answer 503 or end its stream with an error event first.
     """
     await shutdown.wait()
     await trio.sleep(max(0.0, graceful_timeout - min(0.5, graceful_timeout / 4)))
-    pending = engine.statistics()
-    left = pending.running_rows + pending.queued_rows + pending.parked_rows
-    left += pending.waiting_jobs + pending.running_jobs
+    left = 0
+    for engine in engines():
+        pending = engine.statistics()
+        left += pending.running_rows + pending.queued_rows + pending.parked_rows
+        left += pending.waiting_jobs + pending.running_jobs
     if left:
         logger.warning("graceful deadline: ending %d unfinished requests with an error", left)
-    engine.close()
+    for engine in engines():
+        engine.close()
 
 
 def limits_from(args: argparse.Namespace) -> ConnectionLimits:
@@ -278,12 +285,12 @@ async def _serve_until_stopped(
     # The port first: a busy one fails in a moment, not after minutes of model loading.
     async with (
         bound_socket(args.host, args.port) as listener,
-        trio_mlx.open_engine(args.model, _engine_settings(args)) as engine,
+        _open_served(args) as (served, engines),
     ):
         config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns the socket from here
         # After the engine: loading mlx-lm lowers the fd limit (to 2,048 of 4,096).
         guard = ConnectionGuard(limits_from(args).fitted(_serve.raise_fd_limit()))
-        app = create_app(engine, settings)
+        app = create_app(served, settings)
         # What start-up made (the model, mlx-lm, transformers: about a million objects)
         # lives as long as the process: out of the collector's reach, a full collection
         # walks only what requests made. It ran 94-118 ms per collection otherwise,
@@ -291,11 +298,43 @@ async def _serve_until_stopped(
         gc.freeze()
         shutdown = stopping.shutdown
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_close_at_deadline, engine, shutdown, args.graceful_timeout)
+            nursery.start_soon(_close_at_deadline, engines, shutdown, args.graceful_timeout)
             binds = await nursery.start(_http, app, config, guard, shutdown, nursery.cancel_scope)
-            stopping.engine, stopping.guard = engine, guard
+            stopping.engines, stopping.guard = engines, guard
             _tell_backend(blas_hint)
-            logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
+            names = served.names if isinstance(served, trio_mlx.ModelHost) else (served.model_id,)
+            logger.info("serving %s on %s", ", ".join(names), ", ".join(binds))
+
+
+def hosted(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for a model host (several models, or loading on demand)."""
+    flags = ("model_dir", "max_models", "max_model_memory", "idle_unload")
+    return len(getattr(args, "models", ())) > 1 or any(
+        getattr(args, name, None) is not None for name in flags
+    )
+
+
+@asynccontextmanager
+async def _open_served(
+    args: argparse.Namespace,
+) -> AsyncIterator[
+    tuple[trio_mlx.Engine | trio_mlx.ModelHost, Callable[[], Sequence[trio_mlx.Engine]]]
+]:
+    """The engine the flags ask for, or a model host; and how to reach its engines."""
+    if not hosted(args):
+        async with trio_mlx.open_engine(args.model, _engine_settings(args)) as engine:
+            yield engine, lambda: (engine,)
+        return
+    async with trio_mlx.open_host(
+        args.models or None,
+        model_dir=args.model_dir,
+        max_models=args.max_models,
+        max_model_memory=args.max_model_memory,
+        idle_unload=args.idle_unload,
+        load_timeout=args.load_timeout,
+        settings=_engine_settings(args),
+    ) as host:
+        yield host, host.engines
 
 
 def _tell_backend(blas_hint: bool) -> None:

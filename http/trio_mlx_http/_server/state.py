@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import hmac
 import logging
 import time
 
@@ -14,7 +15,7 @@ from trio_mlx_http._responses.store import ResponseStore
 from trio_mlx_http._server.metrics import Metrics
 from trio_mlx_http._settings import Settings
 
-__all__ = ["Access", "ServerState"]
+__all__ = ["Access", "ServerState", "key_matches"]
 
 access_logger = logging.getLogger("trio_mlx_http.access")
 
@@ -22,6 +23,15 @@ access_logger = logging.getLogger("trio_mlx_http.access")
 GENERATION_ENDPOINTS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
 )
+
+
+def key_matches(authorization: str, x_api_key: str | None, key: str) -> bool:
+    """Whether a request carries ``key``: as a bearer token (OpenAI) or ``x-api-key``
+    (Anthropic), compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        return True
+    return x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), key.encode())
 
 
 @attrs.define(eq=False)
