@@ -81,7 +81,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         folders = [make_random_llama(root / n, seed=s, **dims) for s, n in ((1, "a"), (2, "b"))]
     prompt = list(range(3, 3 + args.prompt))
     out: dict[str, Any] = {"models": [str(f) for f in folders], "settings": vars(args).copy()}
-    async with trio_mlx.open_host(folders, preload=False) as host:
+    # Every stream in the batch at once, on one model or on two.
+    batch = max(8, args.streams)
+    async with trio_mlx.open_host(folders, preload=False, max_batch=batch) as host:
         a, b = host.names
         memory = {"nothing loaded": host.active_memory()}
         started = time.perf_counter()

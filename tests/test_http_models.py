@@ -234,3 +234,26 @@ async def test_a_hosted_server_keeps_the_default_models_aliases(
         )
     assert reply.choices[0].message.content is not None
     assert _states(live)["beta"] is ModelState.UNLOADED
+
+
+async def test_an_oversized_body_is_a_413_and_loads_nothing(models: Path) -> None:
+    settings = Settings(max_body_bytes=4096)
+    async with (
+        live_server(None, settings, hosted={"model_dir": models}) as live,
+        httpx.AsyncClient(base_url=live.url) as http,
+    ):
+        body = {"model": "beta", "messages": [{"role": "user", "content": "x" * 8000}]}
+        declared = await http.post("/v1/chat/completions", json=body)
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: read until past the cap
+            yield b'{"model": "beta", "messages": [{"role": "user", "content": "'
+            for _ in range(8):
+                yield b"x" * 1000
+            yield b'"}]}'
+
+        streamed = await http.post(
+            "/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}
+        )
+        assert _states(live)["beta"] is ModelState.UNLOADED
+    assert declared.status_code == 413
+    assert streamed.status_code == 413

@@ -126,6 +126,9 @@ class ModelRouter:
             )
             await _answer(send, error, anthropic=path in ANTHROPIC_PATHS)
             return
+        if _declared_length(scope) > (self.base.settings.max_body_bytes or float("inf")):
+            await self.inner(scope, receive, send)  # the app answers 413 unread
+            return
         chunks, tail = await self._read(receive)
         complete = tail is None
         body = b"".join(chunks)
@@ -173,6 +176,17 @@ class ModelRouter:
                 if limit is not None and size > limit:
                     return chunks, {}
         return chunks, {}
+
+
+def _declared_length(scope: Scope) -> int:
+    """The body's ``Content-Length`` (0: none, or not a number)."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 def _replay(chunks: list[bytes], tail: Message | None, receive: Receive) -> Receive:
