@@ -290,6 +290,8 @@ async def test_openapi_document_lists_every_route(http: httpx.AsyncClient) -> No
         "/v1/messages/count_tokens",
         "/v1/models",
         "/v1/models/{model_id}",
+        "/v1/models/{model_id}/load",
+        "/v1/models/{model_id}/unload",
         "/v1/adapters",
         "/v1/adapters/{name}",
         "/tokenize",
