@@ -158,6 +158,8 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "max_tokens": 128, "bare_seconds": 6.0, "bare_warm": 2.0,
                     "fractions": [0.5, 0.8, 1.0], "open_duration": 15.0,
                     "prompt_words_spread": [20, 2000], "long_prompts": 3, "long_tokens": 4000},
+        # The goal is set beside 32 chat streams.
+        "embed": {**_COMMON["embed"], "streams": [8, 32], "shares": [0.1]},
     },
 }  # fmt: skip
 PROFILES["full"]["traffic"] = {**PROFILES["quick"]["traffic"], "duration": 10.0,

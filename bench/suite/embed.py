@@ -48,6 +48,8 @@ async def _run(job: dict[str, Any]) -> None:
     for share in job["shares"]:
         async with trio_mlx.open_engine(
             job["model"],
+            # An embedding request holds a batch slot: room for every chat stream beside them.
+            max_batch=max(job["streams"]) + job["clients"],
             embedding_pooling="last",
             embedding_share=share,
             embedding_batch_tokens=job.get("batch_tokens"),
