@@ -24,6 +24,7 @@ import pytest
 from tools.train import PROMPT
 from tools.train_adapter import upper_share
 from trio_mlx import default_adapter_path, default_model_path
+from trio_mlx.default_model import default_draft_path
 
 pytestmark = pytest.mark.model
 
@@ -102,7 +103,12 @@ def test_random_weight_model_fails_the_readability_check(
 def test_bundled_model_is_small_and_reports_its_training() -> None:
     files = [*default_model_path().iterdir(), *default_adapter_path("shout").iterdir()]
     assert sum(f.stat().st_size for f in files) <= 16_000_000
-    for directory in (default_model_path(), default_adapter_path("shout")):
+    # The draft ships beside them, with its own bound, and the model's tokenizer files.
+    assert sum(f.stat().st_size for f in default_draft_path().iterdir()) <= 2_500_000
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        model_file = default_model_path() / name
+        assert (default_draft_path() / name).read_bytes() == model_file.read_bytes()
+    for directory in (default_model_path(), default_adapter_path("shout"), default_draft_path()):
         report = json.loads((directory / "report.json").read_text())
         assert report["where"]["mlx_device"]
         assert report["best_val_loss"] < report["val_losses"][0][1]
@@ -131,7 +137,7 @@ def test_unknown_adapter_name_is_refused() -> None:
         default_adapter_path("whisper")
 
 
-def test_wheel_carries_the_model_and_the_adapter(tmp_path: Path) -> None:
+def test_wheel_carries_the_model_the_adapter_and_the_draft(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(root)],
@@ -145,7 +151,7 @@ def test_wheel_carries_the_model_and_the_adapter(tmp_path: Path) -> None:
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("trio_mlx-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for directory in (default_model_path(), default_adapter_path("shout")):
+    for directory in (default_model_path(), default_adapter_path("shout"), default_draft_path()):
         package_dir = directory.relative_to(default_model_path().parents[1])
         for file in directory.iterdir():
             assert f"trio_mlx/{package_dir.as_posix()}/{file.name}" in names

@@ -38,7 +38,7 @@ def loopy_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def _run(
-    path: Path, requests: list[tuple[Any, trio_mlx.SamplingParams]], **settings: Any
+    path: Path | None, requests: list[tuple[Any, trio_mlx.SamplingParams]], **settings: Any
 ) -> tuple[list[tuple[int, ...]], trio_mlx.EngineStatistics, bool]:
     """Every request's token ids (all at once in one engine), its statistics, and
     whether the lane had a speculator."""
@@ -247,6 +247,35 @@ async def test_a_draft_model_leaves_greedy_outputs_unchanged(
             assert taken < 0.5 * drafted
 
 
+#: Pydoc-like requests for the bundled model: chat questions its answers come from the
+#: documentation for, and raw documentation openings it continues.
+DOC_PROMPTS: list[Any] = [
+    [{"role": "user", "content": "What is the with statement?"}],
+    "The with statement",
+    [{"role": "user", "content": "Explain lambdas."}],
+    'The "if" statement is used for conditional execution:',
+]
+
+
+async def test_the_bundled_draft_drafts_for_the_bundled_model_without_changing_its_output() -> None:
+    """``pydoc-llama-draft``, by name: its tokenizer is the bundled model's (accepted at
+    load), greedy outputs equal plain decoding, alone and four at once, and its drafts
+    are accepted on documentation text (the statistics report how many)."""
+    from trio_mlx.default_model import default_draft_path
+
+    assert trio_mlx.EngineSettings(draft_model="pydoc-llama-draft").draft_model == str(
+        default_draft_path()
+    )
+    for batch in ([(DOC_PROMPTS[0], _greedy(40))], [(p, _greedy(40)) for p in DOC_PROMPTS]):
+        plain, _, _ = await _run(None, batch)  # None: the bundled model
+        spec, stats, on = await _run(None, batch, draft_model="pydoc-llama-draft")
+        assert on
+        assert spec == plain
+        drafted = stats.draft_tokens["draft_model"]
+        taken = stats.draft_accepted_tokens["draft_model"]
+        assert 0 < taken <= drafted
+
+
 def test_the_rejection_rule_keeps_the_target_distribution() -> None:
     """Draft token 1 against p = (0.1, 0.3, 0.6): accepted with probability 0.3, and
     the emitted token follows p (rejections draw from p without 1). Fixed seed."""
@@ -287,6 +316,7 @@ def test_a_greedy_row_accepts_its_longest_matching_prefix() -> None:
 
 
 def test_the_speculation_flags_reach_the_engine() -> None:
+    from trio_mlx.default_model import default_draft_path
     from trio_mlx_http._cli import build_parser
     from trio_mlx_http._server.run import _engine_settings
 
@@ -296,6 +326,10 @@ def test_the_speculation_flags_reach_the_engine() -> None:
     assert (settings.num_draft_tokens, settings.speculation_max_batch) == (6, 2)
     plain = _engine_settings(build_parser().parse_args(["serve"]))
     assert (plain.prompt_lookup, plain.draft_model) == (False, None)
+    bundled = _engine_settings(
+        build_parser().parse_args(["serve", "--draft-model", "pydoc-llama-draft"])
+    )
+    assert bundled.draft_model == str(default_draft_path())
     with pytest.raises(trio_mlx.InvalidRequest):
         trio_mlx.EngineSettings(num_draft_tokens=0)
 

@@ -22,7 +22,7 @@ Runs, side by side in one run, and writes ``bench/results/latest/<machine>/``
     long prompt, through both servers on tiny models of several architectures:
     TTFT and prompt-cache hits per turn, and the first turn after a restart from
     the disk tier (:mod:`bench.suite.agent`; only when ``--only`` names it).
-11. speculative decoding by prompt lookup, on and off, at several B
+11. speculative decoding (prompt lookup, the bundled draft), on and off, at several B
     (:mod:`bench.suite.speculative`; only when ``--only spec`` names it).
 12. embeddings beside chat: embeddings/s alone and beside N chat streams, and the
     chat's tok/s ratio (:mod:`bench.suite.embed`; only when ``--only`` names it).
@@ -91,7 +91,7 @@ _COMMON: dict[str, Any] = {
         "max_tokens": 128,
         "rounds": 2,
         "num_draft_tokens": 4,
-        "traces": ["edit", "repeat"],
+        "traces": ["edit", "recite", "draft", "repeat"],
     },
     # The agent part's session (bench.suite.agent_trace.AgentSize): about 8k tokens of
     # system prompt on a CPU, 24k on a GPU; tool results of 500-3,000 tokens.
@@ -852,7 +852,7 @@ class Suite:
         m = {**self.profile["spec"], "cache": str(cache_dir())}
         if self.args.batches:
             m["batches"] = [int(b) for b in self.args.batches.split(",")]
-        self.log(f"11. speculative decoding (prompt lookup): B = {m['batches']}")
+        self.log(f"11. speculative decoding: B = {m['batches']}")
         records = run_job(_job("spec", model, **m), self.env, self.log, self.results["notes"])
         for r in records:
             acc = r["on"]["acceptance"]

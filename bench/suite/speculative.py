@@ -1,15 +1,19 @@
-"""Part 11 (``--only spec``): speculative decoding by prompt lookup, on and off.
+"""Part 11 (``--only spec``): speculative decoding, on and off.
 
-Two traces, each at several batch sizes B, through ``engine.complete`` (B requests
+Four traces, each at several batch sizes B, through ``engine.complete`` (B requests
 submitted together, greedy, a fixed number of tokens each):
 
-* ``edit``: the bundled model asked, as raw text, to write a Python file out again
-  with a function renamed (the prompt holds the file and the answer's first line):
-  an editor's request. Whether drafts are accepted depends on whether the model
-  copies what it was shown.
-* ``repeat``: a random llama with small weights (``weight_scale=1``: its greedy text
-  soon repeats itself), the case where nearly every draft is right: what accepted
-  drafts are worth on this machine.
+* ``edit`` (prompt lookup): the bundled model asked, as raw text, to write a Python
+  file out again with a function renamed (the prompt holds the file and the answer's
+  first line): an editor's request. Whether drafts are accepted depends on whether
+  the model copies what it was shown.
+* ``recite`` (prompt lookup): the bundled model shown a documentation passage, then
+  its first line again: the answer repeats text the prompt holds (and the model knows).
+* ``draft`` (draft model): the bundled model with the bundled draft
+  (``pydoc-llama-draft``) answering documentation questions through its chat template.
+* ``repeat`` (prompt lookup): a random llama with small weights (``weight_scale=1``:
+  its greedy text soon repeats itself), the case where nearly every draft is right:
+  what accepted drafts are worth on this machine.
 
 Decode tok/s is each row's ``(tokens - 1) / (duration - TTFT)`` summed over the rows,
 best of ``rounds`` (off and on interleaved); acceptance is accepted / drafted tokens.
@@ -53,8 +57,32 @@ def edit_prompt(rng: random.Random) -> str:
     return f"File util.py:\n\n{code}\n\nThe same file, with {old} renamed to {new}:\n\n{first}\n"
 
 
+#: Each trace's way of drafting.
+METHODS = {"edit": "prompt_lookup", "recite": "prompt_lookup", "draft": "draft_model"}
+#: Subjects of the ``draft`` trace's questions (topics of the bundled model's corpus).
+SUBJECTS = ["the with statement", "lambdas", "the if statement", "generators", "classes",
+            "the try statement", "dictionaries", "the for statement"]  # fmt: skip
+
+
+def recite_prompt(rng: random.Random) -> str:
+    """A documentation passage (one topic's opening), then its first line again."""
+    from pydoc_data.topics import topics
+
+    text = topics[rng.choice(sorted(topics))].strip()[:600]
+    return f"{text}\n\n{text.splitlines()[0]}\n"
+
+
+def trace_prompt(trace: str, rng: random.Random) -> Any:
+    """One request of ``trace``."""
+    if trace == "recite":
+        return recite_prompt(rng)
+    if trace == "draft":
+        return [{"role": "user", "content": f"What is {rng.choice(SUBJECTS)}?"}]
+    return edit_prompt(rng) if trace == "edit" else edit_prompt(rng)[:200]
+
+
 def _model(trace: str, job: dict[str, Any]) -> str | None:
-    if trace == "edit":
+    if trace != "repeat":
         return None  # the bundled model
     from trio_mlx.testing import make_random_llama
 
@@ -66,7 +94,9 @@ def _model(trace: str, job: dict[str, Any]) -> str | None:
     return str(path)
 
 
-async def _run(model: str | None, prompts: list[Any], lookup: bool, job: dict[str, Any]) -> Any:
+async def _run(
+    model: str | None, prompts: list[Any], method: str | None, job: dict[str, Any]
+) -> Any:
     import trio
 
     import trio_mlx
@@ -76,7 +106,8 @@ async def _run(model: str | None, prompts: list[Any], lookup: bool, job: dict[st
     async with trio_mlx.open_engine(
         model,
         max_batch=max(2, len(prompts)),  # max_batch=1 is the serial lane: no speculation
-        prompt_lookup=lookup,
+        prompt_lookup=method == "prompt_lookup",
+        draft_model="pydoc-llama-draft" if method == "draft_model" else None,
         num_draft_tokens=job.get("num_draft_tokens", 4),
         speculation_max_batch=max(job["batches"]),
     ) as engine:
@@ -92,8 +123,8 @@ async def _run(model: str | None, prompts: list[Any], lookup: bool, job: dict[st
                 nursery.start_soon(one, prompt)
         wall = time.perf_counter() - start
         stats = engine.statistics()
-    drafted = stats.draft_tokens.get("prompt_lookup", 0)
-    taken = stats.draft_accepted_tokens.get("prompt_lookup", 0)
+    drafted = sum(stats.draft_tokens.values())
+    taken = sum(stats.draft_accepted_tokens.values())
     return {
         "decode_tok_s": sum(rates),
         "e2e_tok_s": len(prompts) * job["max_tokens"] / wall,
@@ -111,19 +142,17 @@ def job(job: dict[str, Any]) -> None:
         model = _model(trace, job)
         for b in job["batches"]:
             rng = random.Random(b)
-            prompts: list[Any] = [
-                edit_prompt(rng) if trace == "edit" else f"{edit_prompt(rng)[:200]}"
-                for _ in range(b)
-            ]
+            prompts = [trace_prompt(trace, rng) for _ in range(b)]
+            method = METHODS.get(trace, "prompt_lookup")
             best: dict[bool, Any] = {}
             for _ in range(job["rounds"]):
-                for lookup in (False, True):
-                    got = trio.run(_run, model, prompts, lookup, job)
-                    if lookup not in best or got["decode_tok_s"] > best[lookup]["decode_tok_s"]:
-                        best[lookup] = got
+                for on in (False, True):
+                    got = trio.run(_run, model, prompts, method if on else None, job)
+                    if on not in best or got["decode_tok_s"] > best[on]["decode_tok_s"]:
+                        best[on] = got
             off, on = best[False], best[True]
             emit({
-                "job": "spec", "trace": trace, "batch": b, "off": off, "on": on,
+                "job": "spec", "trace": trace, "method": method, "batch": b, "off": off, "on": on,
                 "ratio": on["decode_tok_s"] / off["decode_tok_s"] if off["decode_tok_s"] else None,
             })  # fmt: skip
 
@@ -135,11 +164,14 @@ def markdown(results: dict[str, Any]) -> list[str]:
         return []
     s = data["settings"]
     lines = [
-        "## 11. Speculative decoding (prompt lookup)",
+        "## 11. Speculative decoding",
         "",
         f"{s['max_tokens']} greedy tokens a row, K = {s.get('num_draft_tokens', 4)}, best of "
         f"{s['rounds']} rounds; `edit`: the bundled model rewriting a file it was shown, "
-        "`repeat`: a random llama whose text repeats itself. Decode tok/s summed over rows.",
+        "`recite`: the bundled model repeating a documentation passage it was shown "
+        "(both prompt lookup), `draft`: the bundled model answering documentation questions "
+        "with the bundled draft, `repeat`: a random llama whose text repeats itself (prompt "
+        "lookup). Decode tok/s summed over rows.",
         "",
         "| trace | B | off tok/s | on tok/s | on/off | drafted | accepted | acceptance |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

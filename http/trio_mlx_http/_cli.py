@@ -222,8 +222,9 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         metavar="FOLDER",
-        help="speculative decoding with a draft model (a folder) that shares the model's "
-        "tokenizer (checked at load); not with --prompt-lookup",
+        help="speculative decoding with a draft model (a folder, or pydoc-llama-draft: the "
+        "bundled model's) that shares the model's tokenizer (checked at load); not with "
+        "--prompt-lookup",
     )
     parser.add_argument(
         "--num-draft-tokens",

@@ -133,6 +133,18 @@ def _draft_folder(settings: Any, attribute: attrs.Attribute[Any], value: str | N
         )
 
 
+def _draft_path(value: str | os.PathLike[str] | None) -> str | None:
+    """A draft model's folder; the bundled draft's name (``pydoc-llama-draft``) where no
+    such folder exists names the bundled one."""
+    path = _path(value)
+    if path is not None and not os.path.exists(path):
+        from trio_mlx.default_model import DRAFT, default_draft_path
+
+        if path == DRAFT:
+            return os.fspath(default_draft_path())
+    return path
+
+
 def _cache_folder(_: Any, attribute: attrs.Attribute[Any], value: str | None) -> None:
     if value is not None and os.path.exists(value) and not os.path.isdir(value):
         raise InvalidRequest(f"prompt_cache_dir {value} is not a folder", param=_name(attribute))
@@ -195,7 +207,8 @@ class EngineSettings:
       ``speculation_max_batch``: speculative decoding in the batch (``prompt_lookup``:
       drafts from each row's own prompt and output; at most ``num_draft_tokens`` a
       row and step; none while the batch holds more than ``speculation_max_batch``
-      rows; ``design/engine.md``). ``draft_model`` (a folder; it must share the
+      rows; ``design/engine.md``). ``draft_model`` (a folder, or
+      ``"pydoc-llama-draft"``: the bundled model's draft; it must share the
       model's tokenizer, checked at load) drafts instead of the lookup, greedily,
       each row over its own KV cache.
     - ``memory_share``: the part of MLX's memory limit this engine plans its KV
@@ -273,7 +286,9 @@ class EngineSettings:
     prefill_width_multiple: int = attrs.field(default=1, validator=_int_at_least(1))
     traced_decode: bool | None = attrs.field(default=None, validator=_flag)
     prompt_lookup: bool = attrs.field(default=False, validator=_flag)
-    draft_model: str | None = attrs.field(default=None, converter=_path, validator=_draft_folder)
+    draft_model: str | None = attrs.field(
+        default=None, converter=_draft_path, validator=_draft_folder
+    )
     num_draft_tokens: int = attrs.field(default=4, validator=_int_at_least(1))
     speculation_max_batch: int = attrs.field(default=8, validator=_int_at_least(1))
     decision_hook: Callable[[Any, Any], None] | None = attrs.field(
