@@ -4,6 +4,7 @@ In process, on a random llava (``trio_mlx.testing.make_random_vlm``) or a model 
 
     python -m bench.vision                       # CPU: hidden 512, 4 layers, 112 px images
     python -m bench.vision --model PATH --streams 8 32 --tokens 256   # a GPU, a real VLM
+    python -m bench.vision --prefill-budget 64   # image prompts (~206 tokens) in chunks
 
 Per stream count C it runs C greedy text streams of ``--tokens`` tokens alone, then the
 same C streams while image requests (a new image each, so none is cached) run one after
@@ -102,7 +103,8 @@ async def run(args: argparse.Namespace) -> None:
     else:
         model = Path(args.model)
     size = args.image
-    async with trio_mlx.open_engine(model, max_batch=max(args.streams) + 1) as engine:
+    budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
+    async with trio_mlx.open_engine(model, max_batch=max(args.streams) + 1, **budget) as engine:
         await _ttft(engine, _image_chat(0, size), 2)  # warm
         alone = [await _ttft(engine, _image_chat(seed, size), 2) for seed in range(1, 6)]
         cached = [await _ttft(engine, _image_chat(1, size), 2) for _ in range(3)]
@@ -128,6 +130,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--image", type=int, default=112, help="image side in pixels")
+    parser.add_argument(
+        "--prefill-budget", type=int, default=None, help="the lane's budget (default: the device's)"
+    )
     trio.run(run, parser.parse_args())
 
 
