@@ -107,7 +107,12 @@ async def test_a_repeated_image_is_served_from_the_prompt_cache(vlm_path: Path) 
     assert other.result.cached_tokens == 0
 
 
-async def test_a_screenshot_history_reuses_the_earlier_turns(vlm_path: Path) -> None:
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole", "chunks-of-8"])
+async def test_a_screenshot_history_reuses_the_earlier_turns(
+    vlm_path: Path, budget: int | None
+) -> None:
+    # With a budget of 8 every image prompt is prefilled over several steps, on top of
+    # the cached earlier turns.
     first = image_chat(trio_mlx.ImageInput(png(7)))
 
     async def turns(engine: trio_mlx.Engine) -> list[trio_mlx.Completion]:
@@ -122,7 +127,7 @@ async def test_a_screenshot_history_reuses_the_earlier_turns(vlm_path: Path) -> 
         third.append({"role": "user", "content": "Which was brighter?"})
         return [one, two, await _answer(engine, third)]
 
-    async with trio_mlx.open_engine(vlm_path) as engine:
+    async with trio_mlx.open_engine(vlm_path, prefill_budget=budget) as engine:
         cached = await turns(engine)
     async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
         fresh = await turns(engine)

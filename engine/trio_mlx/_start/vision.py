@@ -209,7 +209,7 @@ class Vision:
         embeds = self.model.get_input_embeddings(
             ids, pixels if done < len(runs) else None, **arrays
         ).inputs_embeds
-        mx.eval(embeds)
+        mx.async_eval(embeds)  # queued: the next forward pass waits for it
         job.ids, job.embeds = ids, embeds
         return sum(end - max(first, job.start) for first, end in runs if end > job.start)
 
@@ -223,7 +223,7 @@ class Vision:
         assert job.cache is not None
         embeds = job.embeds[:, at:end]
         self.text_model(job.ids[:, at:end], cache=job.cache, input_embeddings=embeds)
-        mx.eval([c.state for c in job.cache])
+        mx.async_eval([c.state for c in job.cache])  # as the lane queues prefill
         job.at = end
         return end - at
 
