@@ -181,7 +181,7 @@ class Vision:
                 cache, rest = store.fetch(best, tokens, min_prefix=min_prefix, share=True)
                 if cache is not None:
                     return cache, rest
-            elif covered >= max(1, min_prefix) and self._between_images(tokens, covered):
+            elif covered >= max(1, min_prefix) and self._resumable(tokens, prompt, covered):
                 # Written into by the prefill: a copy.
                 cache, rest = store.fetch(best, tokens, min_prefix=min_prefix)
                 if cache is not None:
@@ -195,21 +195,16 @@ class Vision:
         from mlx_lm.models.cache import make_prompt_cache
 
         tokens, runs = job.tokens, self._runs(job.tokens)
-        done = sum(1 for first, _ in runs if first < job.start)
-        arrays = {}
-        for name, value in job.prompt.arrays.items():
-            if done and (value.ndim == 0 or value.shape[0] != len(runs)):
-                job.start, job.cache = 0, None  # not per image: all again
-                return self.embed(job)
-            arrays[name] = mx.array(value[done:] if done else value)
+        done = sum(1 for first, _ in runs if first < job.start)  # per image: ``_resumable``
+        arrays = {name: mx.array(v[done:] if done else v) for name, v in job.prompt.arrays.items()}
         if job.cache is None:
-            job.cache, job.start = make_prompt_cache(self.text_model), 0
+            job.cache = make_prompt_cache(self.text_model)
         ids = mx.array([tokens[job.start :]])
         pixels = arrays.pop("pixel_values", None)
         embeds = self.model.get_input_embeddings(
             ids, pixels if done < len(runs) else None, **arrays
         ).inputs_embeds
-        mx.async_eval(embeds)  # queued: the next forward pass waits for it
+        mx.async_eval(embeds)  # type: ignore[no-untyped-call]  # queued, as the lane queues prefill
         job.ids, job.embeds = ids, embeds
         return sum(end - max(first, job.start) for first, end in runs if end > job.start)
 
@@ -223,7 +218,7 @@ class Vision:
         assert job.cache is not None
         embeds = job.embeds[:, at:end]
         self.text_model(job.ids[:, at:end], cache=job.cache, input_embeddings=embeds)
-        mx.async_eval([c.state for c in job.cache])  # as the lane queues prefill
+        mx.async_eval([c.state for c in job.cache])  # type: ignore[no-untyped-call]
         job.at = end
         return end - at
 
@@ -246,8 +241,16 @@ class Vision:
                     runs.append((i, i + 1))
         return runs
 
-    def _between_images(self, tokens: Sequence[int], at: int) -> bool:
-        return not any(first < at < end for first, end in self._runs(tokens))
+    def _resumable(self, tokens: Sequence[int], prompt: VisionPrompt, at: int) -> bool:
+        """Whether a prefill can go on from a cache of ``tokens[:at]``: ``at`` is between
+        images, and the image inputs of those past it can be told apart (the processor's
+        arrays come one row per image) where any image is before it."""
+        runs = self._runs(tokens)
+        if any(first < at < end for first, end in runs):
+            return False
+        if not any(first < at for first, _ in runs):
+            return True
+        return all(v.ndim and v.shape[0] == len(runs) for v in prompt.arrays.values())
 
 
 def load(path: str) -> tuple[Any, Any, dict[str, Any], Vision]:
