@@ -242,16 +242,20 @@ def test_an_image_row_cancelled_or_parked_mid_prefill_leaves_nothing_behind(
     lane, tokenizer = _lane(vlm_path, 8)
     image = _image_row(lane, 9, 11)
     image_alone = _drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
+    image_tokens = image.prompt.count(lane.vision.image_token_id)
     # Cancelled after its encoder pass and one chunk: no event, no row, no more work.
-    events = lane.step(StepPlan([image])).events + lane.step().events
-    events += lane.step(StepPlan(removes=[9])).events
-    assert not any(e.token_ids or e.error for e in events)
+    steps = [lane.step(StepPlan([image])), lane.step()]
+    assert [n for step in steps for n, _ in step.timings] == [image_tokens, 8]
+    steps.append(lane.step(StepPlan(removes=[9])))
+    assert not any(e.token_ids or e.error for step in steps for e in step.events)
     assert lane.rows == 0
     assert (lane.step().steps, lane.step().timings) == (0, ())
-    # Parked mid-prefill: it holds no work while parked and starts again when resumed.
+    # Parked mid-prefill (behind a text row that came first): it holds no work while
+    # parked and starts again when resumed.
     text = _text_row(tokenizer, 1, 30)
-    lane.step(StepPlan([text, image]))
-    lane.step()
+    steps = [lane.step(StepPlan([text, image])), lane.step(), lane.step()]
+    prefilled = sum(n for step in steps for n, _ in step.timings)
+    assert len(text.prompt) - 1 + image_tokens < prefilled < len(text.prompt) + len(image.prompt)
     lane.park([9])
     assert lane.rows == 2
     parked = [lane.step() for _ in range(3)]
