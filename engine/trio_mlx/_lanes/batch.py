@@ -535,8 +535,8 @@ class BatchLane:
         mlx-lm prefills every prompt of its prompt batch in the same forward
         pass, right-padded to the longest chunk: a step costs the rows still
         prefilling times ``min(chunk, longest left)`` tokens. A row joins while
-        that stays within the budget (one always may when none is
-        prefilling), so a long prompt is cut into chunks interleaved with
+        that and the step's image prefill stay within the budget (one always may
+        when none is prefilling), so a long prompt is cut into chunks interleaved with
         decode steps and short prompts are not padded to its length; the rest
         wait for a later step, in order. The step's plan may cut prompts into
         smaller chunks (``StepPlan.prefill_chunk``, the planner's stall bound);
@@ -548,8 +548,8 @@ class BatchLane:
         first (the batch's KV is rebuilt when rows join anyway).
         """
         budget, long = self.prefill_budget, self.long_prompt_chunk
-        left = [n for n in self._prefilling.values() if n > 0] + self._images.left()
-        bound = budget
+        left = [n for n in self._prefilling.values() if n > 0]
+        bound, used = budget, self._images.used  # the image prefill's part of this step
         # Only read when rows wait: ``_feed`` runs every decode step.
         if (
             budget is not None
@@ -571,9 +571,9 @@ class BatchLane:
                 self._waiting.popleft()  # cancelled, failed or parked while it waited
                 continue
             n = len(row.waiting[2]) - 1  # mlx-lm prefills all but the last token
-            if bound is not None and (left or feed):
+            if bound is not None and (left or feed or used):
                 more = [*left, n] if n > 0 else left
-                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) > bound):
+                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) + used > bound):
                     break
             self._waiting.popleft()
             feed.append(row)

@@ -9,10 +9,11 @@ the next chunk of those embeddings into the row's cache
 (:meth:`~trio_mlx._start.vision.Vision.advance`). A chunk is at most the lane's chunk
 (its ``prefill_budget``, ``long_prompt_chunk`` and the plan's ``prefill_chunk``) less
 the text rows' prefill pass of the step. Rows waiting to join when an image row came go
-first (it starts once they have joined); rows that come after count the started image
-row among those prefilling (``BatchLane._feed``), as they count a long text prompt. So
-the decode streams beside back-to-back image requests wait at most one chunk (or the
-encoder's pass) per step, not a whole image prompt. The row's work is dropped with it
+first (it starts once they have joined); text rows join a step while their pass and the
+image's piece of it stay within the budget (``BatchLane._feed``: the image row is not in
+mlx-lm's prompt batch, so it pads none of them). So the decode streams beside
+back-to-back image requests wait at most one chunk (or the encoder's pass) per step, not
+a whole image prompt. The row's work is dropped with it
 (cancel, park, failure); a parked row starts again from the prompt cache when resumed.
 """
 
@@ -42,6 +43,9 @@ class ImagePrefills:
     jobs: dict[int, ImagePrefill] = attrs.field(factory=dict)
     #: Row id -> the rows that waited to join the batch when it came: it starts after them.
     ahead: dict[int, frozenset[int]] = attrs.field(factory=dict)
+    #: Prompt positions the current decode step's piece ran (the encoder's: its image
+    #: tokens): the text rows joining in the step fit in what it leaves of the budget.
+    used: int = 0
 
     def start(self, lane: BatchLane, row: Row) -> int:
         """Queue a new (or restarted) image row: to wait for the batch if the prompt cache
@@ -65,16 +69,11 @@ class ImagePrefills:
             self.jobs.pop(row_id, None)
             self.ahead.pop(row_id, None)
 
-    def left(self) -> list[int]:
-        """Positions the running image prefill (once started) has to go, for the text
-        rows' budget."""
-        job = next(iter(self.jobs.values()), None)
-        return [job.left] if job is not None and job.embeds is not None else []
-
     def run(self, lane: BatchLane) -> tuple[int, float, list[RowEvent]]:
         """One piece of the oldest image row's prefill, within what the step's budget
         leaves: (prompt positions it ran, seconds, a failed row's error event). A
         prefilled row waits to join the batch (``lane._waiting``)."""
+        self.used = 0
         if not self.jobs:
             return 0, 0.0, []
         row_id, job = next(iter(self.jobs.items()))
@@ -103,4 +102,5 @@ class ImagePrefills:
             self.drop([row_id])
             lane._rows.pop(row_id, None)
             return 0, time.perf_counter() - start, [RowEvent(row_id, error=exc)]
+        self.used = tokens
         return tokens, time.perf_counter() - start, []
