@@ -13,8 +13,8 @@ first (it starts once they have joined); text rows join a step while their pass 
 image's piece of it stay within the budget (``BatchLane._feed``: the image row is not in
 mlx-lm's prompt batch, so it pads none of them). So the decode streams beside
 back-to-back image requests wait at most one chunk (or the encoder's pass) per step, not
-a whole image prompt. The row's work is dropped with it
-(cancel, park, failure); a parked row starts again from the prompt cache when resumed.
+a whole image prompt. The row's work is dropped with it (cancel, park, failure); a
+parked row starts again from its prompt (the prompt cache may serve a part) when resumed.
 """
 
 from __future__ import annotations
