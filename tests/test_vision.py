@@ -234,6 +234,24 @@ def test_text_rows_beside_a_chunked_image_prefill_keep_their_greedy_tokens(
     assert max(prefilled[4:]) <= max(8, image.prompt.count(lane.vision.image_token_id))
 
 
+def test_a_text_row_joins_beside_an_image_prefill_within_the_budget(vlm_path: Path) -> None:
+    from trio_mlx.testing import StepPlan
+
+    lane, tokenizer = _lane(vlm_path, 32)
+    image, text = _image_row(lane, 9, 12), _text_row(tokenizer, 1, 12)
+    image_tokens = image.prompt.count(lane.vision.image_token_id)
+    assert image_tokens + len(text.prompt) - 1 <= 32 < len(image.prompt)
+    # The image's encoder pass and the text row's prompt share the first step: the image
+    # row is not in the text pass, so it pads none of it.
+    first = lane.step(StepPlan([image, text]))
+    assert [n for n, _ in first.timings] == [image_tokens + len(text.prompt) - 1]
+    tokens, _ = _drain(lane, {})
+    for event in first.events:
+        tokens[event.id] = [*event.token_ids, *tokens.get(event.id, [])]
+    assert tokens[1] == _drain(_lane(vlm_path, 32)[0], {0: StepPlan([text])})[0][1]
+    assert tokens[9] == _drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
+
+
 def test_an_image_row_cancelled_or_parked_mid_prefill_leaves_nothing_behind(
     vlm_path: Path,
 ) -> None:
