@@ -4,11 +4,13 @@ In process, on a random llava (``trio_mlx.testing.make_random_vlm``) or a model 
 
     python -m bench.vision                       # CPU: hidden 512, 4 layers, 112 px images
     python -m bench.vision --model PATH --streams 8 32 --tokens 256   # a GPU, a real VLM
+    python -m bench.vision --prefill-budget 64   # image prompts (~206 tokens) in chunks
 
 Per stream count C it runs C greedy text streams of ``--tokens`` tokens alone, then the
 same C streams while image requests (a new image each, so none is cached) run one after
 another beside them, and reports the text streams' tokens per second in both (the goal:
-with images at least 0.9x of text-only), the image requests' TTFT alone and among the
+with images at least 0.9x of text-only) and their gap p99 between deltas (where a step
+that prefills a whole image prompt shows), the image requests' TTFT alone and among the
 streams, and a repeated image's TTFT (served from the prompt cache).
 """
 
@@ -59,18 +61,26 @@ async def _ttft(engine: trio_mlx.Engine, prompt: Any, tokens: int) -> float:
 
 async def _text_rate(
     engine: trio_mlx.Engine, streams: int, tokens: int, image_size: int | None
-) -> tuple[float, list[float]]:
-    """The text streams' tokens per second; the image requests' TTFTs beside them."""
+) -> tuple[float, list[float], list[float]]:
+    """The text streams' tokens per second and their gaps between deltas after the first
+    (seconds); the image requests' TTFTs beside them."""
     params = trio_mlx.SamplingParams(max_tokens=tokens, logit_bias=NO_EOS)
     done = trio.Event()
     left = streams
     ttfts: list[float] = []
     ends: list[float] = []
+    gaps: list[float] = []
 
     async def text(i: int) -> None:
         nonlocal left
         chat = [{"role": "user", "content": f"Tell me about topic {i}."}]
-        await engine.complete(chat, params)
+        last = None
+        async with engine.generate(chat, params) as stream:
+            async for _delta in stream:
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
         ends.append(time.perf_counter())
         left -= 1
         if not left:
@@ -88,7 +98,11 @@ async def _text_rate(
             nursery.start_soon(text, i)
         if image_size is not None:
             nursery.start_soon(images, image_size)
-    return streams * tokens / (max(ends) - start), ttfts
+    return streams * tokens / (max(ends) - start), gaps, ttfts
+
+
+def _p99(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, len(values) * 99 // 100)] if values else 0.0
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -102,7 +116,8 @@ async def run(args: argparse.Namespace) -> None:
     else:
         model = Path(args.model)
     size = args.image
-    async with trio_mlx.open_engine(model, max_batch=max(args.streams) + 1) as engine:
+    budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
+    async with trio_mlx.open_engine(model, max_batch=max(args.streams) + 1, **budget) as engine:
         await _ttft(engine, _image_chat(0, size), 2)  # warm
         alone = [await _ttft(engine, _image_chat(seed, size), 2) for seed in range(1, 6)]
         cached = [await _ttft(engine, _image_chat(1, size), 2) for _ in range(3)]
@@ -110,13 +125,14 @@ async def run(args: argparse.Namespace) -> None:
         print(f"image TTFT alone: median {statistics.median(alone) * 1000:.0f} ms (5 images)")
         print(f"repeated image TTFT (cached): median {statistics.median(cached) * 1000:.0f} ms")
         for streams in args.streams:
-            text_only, _ = await _text_rate(engine, streams, args.tokens, None)
-            mixed, ttfts = await _text_rate(engine, streams, args.tokens, size)
+            text_only, gaps_alone, _ = await _text_rate(engine, streams, args.tokens, None)
+            mixed, gaps, ttfts = await _text_rate(engine, streams, args.tokens, size)
             beside = statistics.median(ttfts) * 1000 if ttfts else float("nan")
             print(
                 f"C={streams}: text {text_only:.0f} tok/s alone, {mixed:.0f} with images "
                 f"({mixed / text_only:.2f}x); {len(ttfts)} image requests, TTFT median "
-                f"{beside:.0f} ms among the streams"
+                f"{beside:.0f} ms among the streams; the streams' gap p99 "
+                f"{_p99(gaps_alone) * 1000:.0f} ms alone, {_p99(gaps) * 1000:.0f} ms with images"
             )
 
 
@@ -128,6 +144,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--image", type=int, default=112, help="image side in pixels")
+    parser.add_argument(
+        "--prefill-budget", type=int, default=None, help="the lane's budget (default: the device's)"
+    )
     trio.run(run, parser.parse_args())
 
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -106,7 +107,12 @@ async def test_a_repeated_image_is_served_from_the_prompt_cache(vlm_path: Path) 
     assert other.result.cached_tokens == 0
 
 
-async def test_a_screenshot_history_reuses_the_earlier_turns(vlm_path: Path) -> None:
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole", "chunks-of-8"])
+async def test_a_screenshot_history_reuses_the_earlier_turns(
+    vlm_path: Path, budget: int | None
+) -> None:
+    # With a budget of 8 every image prompt is prefilled over several steps, on top of
+    # the cached earlier turns.
     first = image_chat(trio_mlx.ImageInput(png(7)))
 
     async def turns(engine: trio_mlx.Engine) -> list[trio_mlx.Completion]:
@@ -121,7 +127,7 @@ async def test_a_screenshot_history_reuses_the_earlier_turns(vlm_path: Path) -> 
         third.append({"role": "user", "content": "Which was brighter?"})
         return [one, two, await _answer(engine, third)]
 
-    async with trio_mlx.open_engine(vlm_path) as engine:
+    async with trio_mlx.open_engine(vlm_path, prefill_budget=budget) as engine:
         cached = await turns(engine)
     async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
         fresh = await turns(engine)
@@ -132,6 +138,151 @@ async def test_a_screenshot_history_reuses_the_earlier_turns(vlm_path: Path) -> 
     assert one.cached_tokens == 0
     assert one.prompt_tokens - 1 <= two.cached_tokens < two.prompt_tokens - 16
     assert three.cached_tokens >= two.prompt_tokens - 1
+
+
+def _lane(vlm_path: Path, budget: int | None) -> tuple[Any, Any]:
+    """A batch lane over the tiny llava (``budget``: its prefill budget), and its tokenizer."""
+    from trio_mlx._start.vision import load
+    from trio_mlx.testing import BatchLane
+
+    model, tokenizer, _config, vision = load(str(vlm_path))
+    lane = BatchLane(model, tokenizer, max_batch=8, prefill_budget=budget, vision=vision)
+    return lane, tokenizer
+
+
+def _image_row(lane: Any, row_id: int, seed: int, max_tokens: int = 10) -> Any:
+    """An image request's row as the engine makes it (its image decoded and hashed)."""
+    from trio_mlx._core.images import decode, split_images
+    from trio_mlx.testing import RowSpec
+
+    messages, found = split_images(image_chat(trio_mlx.ImageInput(png(seed))))
+    decoded = [decode(name, image, 1 << 20) for name, image in found]
+    images = [d.image for d in decoded]
+    digests = [d.digest for d in decoded]
+    tokens, prompt, _ = lane.vision.encode(lane.tokenizer, messages, images, digests, None, None)
+    params = trio_mlx.SamplingParams(max_tokens=max_tokens, logit_bias=NO_EOS)
+    return RowSpec(row_id, tuple(tokens), params, images=prompt)
+
+
+def _text_row(tokenizer: Any, row_id: int, max_tokens: int) -> Any:
+    from trio_mlx.testing import RowSpec
+
+    params = trio_mlx.SamplingParams(max_tokens=max_tokens, logit_bias=NO_EOS)
+    return RowSpec(row_id, tuple(tokenizer.encode(f"Tell me about topic {row_id}.")), params)
+
+
+def _drain(
+    lane: Any, plans: dict[int, Any], limit: int = 300
+) -> tuple[dict[int, list[int]], list[int]]:
+    """Step ``lane`` (``plans[k]`` at step k) until no row is left: each row's tokens,
+    and the prompt positions each decode step prefilled (its timings)."""
+    from trio_mlx.testing import StepPlan
+
+    tokens: dict[int, list[int]] = {}
+    prefilled: list[int] = []
+    for k in range(limit):
+        if k > max(plans, default=0) and not lane.rows:
+            return tokens, prefilled
+        result = lane.step(plans.get(k, StepPlan()))
+        prefilled.extend(n for n, _ in result.timings)
+        for event in result.events:
+            assert event.error is None
+            tokens.setdefault(event.id, []).extend(event.token_ids)
+    raise AssertionError(f"rows still in the lane after {limit} steps")
+
+
+def test_an_image_prompt_past_the_budget_is_prefilled_a_chunk_a_step_and_answers_alike(
+    vlm_path: Path,
+) -> None:
+    from trio_mlx.testing import StepPlan
+
+    whole, _ = _lane(vlm_path, None)
+    chunked, _ = _lane(vlm_path, 8)
+    row = _image_row(whole, 1, 9)
+    image_tokens = row.prompt.count(whole.vision.image_token_id)
+    assert len(row.prompt) - 1 > 4 * 8
+    alone, prefilled_whole = _drain(whole, {0: StepPlan([row])})
+    tokens, prefilled = _drain(chunked, {0: StepPlan([row])})
+    assert tokens == alone
+    assert len(tokens[1]) == 10
+    # One step encodes the image; then the language model runs all but the last token,
+    # at most the budget a step (the whole lane in one pass).
+    assert prefilled_whole[:2] == [image_tokens, len(row.prompt) - 1]
+    assert prefilled[0] == image_tokens
+    chunks = [n for n in prefilled[1:] if n]
+    assert sum(chunks) == len(row.prompt) - 1
+    assert max(chunks) <= 8
+    assert len(chunks) >= (len(row.prompt) - 1) / 8
+
+
+def test_text_rows_beside_a_chunked_image_prefill_keep_their_greedy_tokens(
+    vlm_path: Path,
+) -> None:
+    from trio_mlx.testing import StepPlan
+
+    lane, tokenizer = _lane(vlm_path, 8)
+    texts = [_text_row(tokenizer, i, 24) for i in range(3)]
+    image = _image_row(lane, 9, 10)
+    alone = {t.id: _drain(_lane(vlm_path, 8)[0], {0: StepPlan([t])})[0][t.id] for t in texts}
+    image_alone = _drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
+    # The image arrives while the text rows decode, another text row while it prefills.
+    together, prefilled = _drain(
+        lane, {0: StepPlan(texts[:2]), 3: StepPlan([image]), 5: StepPlan(texts[2:])}
+    )
+    assert {t.id: together[t.id] for t in texts} == alone
+    assert together[9] == image_alone
+    assert max(prefilled[4:]) <= max(8, image.prompt.count(lane.vision.image_token_id))
+
+
+def test_a_text_row_joins_beside_an_image_prefill_within_the_budget(vlm_path: Path) -> None:
+    from trio_mlx.testing import StepPlan
+
+    lane, tokenizer = _lane(vlm_path, 32)
+    image, text = _image_row(lane, 9, 12), _text_row(tokenizer, 1, 12)
+    image_tokens = image.prompt.count(lane.vision.image_token_id)
+    assert image_tokens + len(text.prompt) - 1 <= 32 < len(image.prompt)
+    # The image's encoder pass and the text row's prompt share the first step: the image
+    # row is not in the text pass, so it pads none of it.
+    first = lane.step(StepPlan([image, text]))
+    assert [n for n, _ in first.timings] == [image_tokens + len(text.prompt) - 1]
+    tokens, _ = _drain(lane, {})
+    for event in first.events:
+        tokens[event.id] = [*event.token_ids, *tokens.get(event.id, [])]
+    assert tokens[1] == _drain(_lane(vlm_path, 32)[0], {0: StepPlan([text])})[0][1]
+    assert tokens[9] == _drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
+
+
+def test_an_image_row_cancelled_or_parked_mid_prefill_leaves_nothing_behind(
+    vlm_path: Path,
+) -> None:
+    from trio_mlx.testing import StepPlan
+
+    lane, tokenizer = _lane(vlm_path, 8)
+    image = _image_row(lane, 9, 11)
+    image_alone = _drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
+    image_tokens = image.prompt.count(lane.vision.image_token_id)
+    # Cancelled after its encoder pass and one chunk: no event, no row, no more work.
+    steps = [lane.step(StepPlan([image])), lane.step()]
+    assert [n for step in steps for n, _ in step.timings] == [image_tokens, 8]
+    steps.append(lane.step(StepPlan(removes=[9])))
+    assert not any(e.token_ids or e.error for step in steps for e in step.events)
+    assert lane.rows == 0
+    assert (lane.step().steps, lane.step().timings) == (0, ())
+    # Parked mid-prefill (behind a text row that came first): it holds no work while
+    # parked and starts again when resumed.
+    text = _text_row(tokenizer, 1, 30)
+    steps = [lane.step(StepPlan([text, image])), lane.step(), lane.step()]
+    prefilled = sum(n for step in steps for n, _ in step.timings)
+    assert len(text.prompt) - 1 + image_tokens < prefilled < len(text.prompt) + len(image.prompt)
+    lane.park([9])
+    assert lane.rows == 2
+    parked = [lane.step() for _ in range(3)]
+    assert all(n == 0 for result in parked for n, _ in result.timings)
+    assert not any(e.id == 9 for result in parked for e in result.events)
+    tokens, _ = _drain(lane, {0: StepPlan(resumes=[9])})
+    assert tokens[9] == image_alone
+    assert lane.rows == 0
+    assert (lane.step().steps, lane.dead_rows) == (0, 0)
 
 
 async def test_bad_images_are_refused_naming_them(vlm_path: Path) -> None:
@@ -161,7 +312,7 @@ async def test_a_failed_image_prefill_fails_its_request_alone(
         text = [{"role": "user", "content": "Tell me about topic 1."}]
         before = await _answer(engine, text)
         with monkeypatch.context() as patch:
-            patch.setattr(Vision, "_prefill", broken)
+            patch.setattr(Vision, "embed", broken)
             with pytest.raises(trio_mlx.GenerationFailed, match="injected"):
                 await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))
         after = await _answer(engine, text)

@@ -20,9 +20,8 @@ Parking (preemption) takes a row's KV cache out (``return_prompt_caches=True``).
 Decode is pipelined, so that cache holds the last emitted token: it is trimmed by
 one and the row re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``,
 token for token like an uninterrupted run (a row not stepped since it was back
-holds no last token: nothing is trimmed). An image row joins with its prompt
-prefilled through the vision model (``vision``). The subclasses of mlx-lm's batch
-classes, which touch their private fields, are in :mod:`trio_mlx._lanes.mlxlm_batch`.
+holds no last token: nothing is trimmed). Image rows' prefill: :mod:`~trio_mlx._lanes.image_prefill`;
+mlx-lm's batch classes' subclasses (private fields): :mod:`trio_mlx._lanes.mlxlm_batch`.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import attrs
 
 from trio_mlx._adapters.multilora import AdapterStack
 from trio_mlx._errors import NotFound
+from trio_mlx._lanes.image_prefill import ImagePrefills
 from trio_mlx._lanes.mlxlm_batch import generation_class, prompt_class, rounded_width
 from trio_mlx._lanes.output import RowEvent, RowOutput, merge_events
 from trio_mlx._lanes.processors import make_row_sampler, row_processors
@@ -144,6 +144,7 @@ class BatchLane:
     _traced: Any = attrs.field(init=False, default=None)
     #: Generator uids in prefill whose checkpoints are kept -> their prompt cache key.
     _marks: dict[int, Hashable] = attrs.field(init=False, factory=dict)
+    _images: ImagePrefills = attrs.field(init=False, factory=ImagePrefills)  # image prefills
 
     def __attrs_post_init__(self) -> None:
         from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -278,11 +279,8 @@ class BatchLane:
         """Build and check the traced decode step; off for good if it does not match."""
         from trio_mlx._accel import traced_decode as _traced_decode
 
-        traced = _traced_decode.build(self.model)
-        if traced is None:
-            self.traced_decode = False
-            return
-        self._traced = traced
+        self._traced = _traced_decode.build(self.model)
+        self.traced_decode = self._traced is not None
 
     def _result(self, events: list[RowEvent], cached: dict[int, int], steps: int) -> StepResult:
         timings, self._timings = tuple(self._timings), []
@@ -336,7 +334,7 @@ class BatchLane:
                 f"{len(self._by_uid)} rows in the batch",
             )
         decoded = 0
-        if self._by_uid or self._waiting:
+        if self._by_uid or self._waiting or self._images.jobs:
             burst, decoded = self._burst(steps, seconds, interrupt)
             events.extend(burst)
         return self._result(events, cached, decoded)
@@ -362,7 +360,7 @@ class BatchLane:
             if (
                 news
                 or decoded >= steps
-                or not (self._by_uid or self._waiting)
+                or not (self._by_uid or self._waiting or self._images.jobs)
                 or time.perf_counter() - start >= seconds
                 or (interrupt is not None and interrupt())
             ):
@@ -417,6 +415,7 @@ class BatchLane:
 
     def _kill(self, ids: Sequence[int], *, store: bool) -> None:
         """Rows stop at once (no more events); their KV slots go with the next compaction."""
+        self._images.drop(ids)
         for row_id in ids:
             row = self._rows.pop(row_id, None)
             if row is not None and row.uid is not None:
@@ -432,6 +431,7 @@ class BatchLane:
         self._rows.clear()
         self._by_uid.clear()
         self._waiting.clear()
+        self._images.drop(list(self._images.jobs))
         self._generator.close()
         self._restart_generator()
         if self.prompt_cache is not None:
@@ -455,6 +455,7 @@ class BatchLane:
 
         self._compact()
         rows = [self._rows[i] for i in ids if i in self._rows]
+        self._images.drop(ids)  # an image row's prefill too
         for row in rows:
             row.waiting = None  # not prefilled yet: it starts from its prompt again
         if any(row.uid is None for row in rows):
@@ -516,19 +517,17 @@ class BatchLane:
 
     def _start(self, row: Row) -> int:
         """Queue a new (or restarted) row for prefill; returns the tokens the prompt cache serves."""
+        if row.spec.images is not None:  # its images prefilled first, unless cached
+            return self._images.start(self, row)
         prompt = list(row.spec.prompt)
         cache, rest = None, prompt
-        if row.spec.images is not None:  # the images' part prefilled now, unless cached
-            args = (prompt, row.spec.images, self.prompt_cache, self._key(row))
-            cache, rest, served = self.vision.start(*args, self.cache_min_prefix)
-        elif self.prompt_cache is not None:
+        if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch(
                 self._key(row), prompt, min_prefix=self.cache_min_prefix, share=True
             )
-        served = len(prompt) - len(rest) if row.spec.images is None else served
         row.waiting = (prompt, cache, rest)
         self._waiting.append(row.spec.id)
-        return served
+        return len(prompt) - len(rest)
 
     def _feed(self) -> list[RowEvent]:
         """Hand waiting rows to the generator, oldest first, within ``prefill_budget``.
@@ -536,8 +535,8 @@ class BatchLane:
         mlx-lm prefills every prompt of its prompt batch in the same forward
         pass, right-padded to the longest chunk: a step costs the rows still
         prefilling times ``min(chunk, longest left)`` tokens. A row joins while
-        that stays within the budget (one always may when none is
-        prefilling), so a long prompt is cut into chunks interleaved with
+        that and the step's image prefill stay within the budget (one always may
+        when none is prefilling), so a long prompt is cut into chunks interleaved with
         decode steps and short prompts are not padded to its length; the rest
         wait for a later step, in order. The step's plan may cut prompts into
         smaller chunks (``StepPlan.prefill_chunk``, the planner's stall bound);
@@ -550,7 +549,7 @@ class BatchLane:
         """
         budget, long = self.prefill_budget, self.long_prompt_chunk
         left = [n for n in self._prefilling.values() if n > 0]
-        bound = budget
+        bound, used = budget, self._images.used  # the image prefill's part of this step
         # Only read when rows wait: ``_feed`` runs every decode step.
         if (
             budget is not None
@@ -572,9 +571,9 @@ class BatchLane:
                 self._waiting.popleft()  # cancelled, failed or parked while it waited
                 continue
             n = len(row.waiting[2]) - 1  # mlx-lm prefills all but the last token
-            if bound is not None and (left or feed):
+            if bound is not None and (left or feed or used):
                 more = [*left, n] if n > 0 else left
-                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) > bound):
+                if room <= 0 or (more and len(more) * self._pass_width(more, chunk) + used > bound):
                     break
             self._waiting.popleft()
             feed.append(row)
@@ -687,11 +686,12 @@ class BatchLane:
 
         Tokens go to the rows' outputs (``RowOutput.add``), errors to ``order``.
         """
+        image_tokens, image_seconds, failed_images = self._images.run(self)
         news = False
-        for event in self._feed():
+        for event in [*failed_images, *self._feed()]:
             order.setdefault(event.id, []).append(event)
             news = True
-        prefill = self._pass_tokens() if self._prefilling else 0  # steady decoding: none
+        prefill = image_tokens + (self._pass_tokens() if self._prefilling else 0)
         if self.traced_decode and self._traced is None:
             self._trace()
         traced = self._traced
@@ -725,7 +725,7 @@ class BatchLane:
         elapsed = time.perf_counter() - start
         self.decode_steps += 1
         self.generator_seconds += elapsed
-        self._timings.append((prefill, elapsed))
+        self._timings.append((prefill, elapsed + image_seconds))
         if elapsed >= self.slow_step_seconds:
             how = "eager"  # the model's own step, or no decode pass
             if traced is not None and traced.traced_steps > before[1]:

@@ -5,10 +5,12 @@ mlx-vlm imported: it costs about 1.4 s and a thousand modules, design/engine.md)
 loads the model and its processor; the language model's weights are then shared with
 an mlx-lm model of the ``text_config`` (no copy), which the lanes run as any text
 model: text rows, and an image row once its prompt is prefilled, decode plain tokens in
-the continuous batch. An image row's prompt is prefilled on the MLX thread by
-:meth:`Vision.prefill`: the vision encoder and projector give the prompt's input
-embeddings (mlx-vlm's ``get_input_embeddings``), which the mlx-lm model runs through a
-fresh cache, all but the last token; the lane inserts the row with that cache.
+the continuous batch. An image row's prompt is prefilled on the MLX thread within the
+lane's prefill budget (:class:`ImagePrefill`, driven by
+:mod:`trio_mlx._lanes.image_prefill`): the vision encoder and projector give the
+prompt's input embeddings (mlx-vlm's ``get_input_embeddings``) in one step, which the
+mlx-lm model then runs through a fresh cache a chunk per step, all but the last token;
+the lane inserts the row with that cache.
 
 Only families whose image tokens are plain positions to the language model batch this
 way (:data:`FAMILIES`); others (M-RoPE positions, bidirectional image attention) are
@@ -27,7 +29,7 @@ import attrs
 from trio_mlx._errors import InvalidRequest
 from trio_mlx._lanes.prompt_cache import PROMPT, PromptCache
 
-__all__ = ["FAMILIES", "Vision", "VisionPrompt", "is_vision", "load"]
+__all__ = ["FAMILIES", "ImagePrefill", "Vision", "VisionPrompt", "is_vision", "load"]
 
 #: mlx-vlm families that batch after their image prefill: the language model is an
 #: mlx-lm model of ``text_config`` with the same weights, image tokens take plain
@@ -35,9 +37,6 @@ __all__ = ["FAMILIES", "Vision", "VisionPrompt", "is_vision", "load"]
 #: image grid, a per-row offset after the prefill) and gemma3 (bidirectional attention
 #: over an image's tokens) are not among them.
 FAMILIES = frozenset({"llava"})
-
-#: Prompt tokens per pass of the image prefill.
-PREFILL_STEP = 2048
 
 
 def is_vision(path: str) -> bool:
@@ -62,6 +61,33 @@ class VisionPrompt:
     #: Tokens up to and including the last image token: a cached prefix shorter than
     #: this does not cover the images, and the prompt is prefilled through the encoder.
     end: int
+
+
+@attrs.define(eq=False)
+class ImagePrefill:
+    """An image row's prompt on its way into its cache: the encoder pass
+    (:meth:`Vision.embed`) gives the input embeddings of the tokens past the cached
+    prefix, then the language model runs them a chunk at a time (:meth:`Vision.advance`),
+    all but the last token, one chunk per decode step (the lane's ``ImagePrefills``)."""
+
+    tokens: list[int]
+    prompt: VisionPrompt
+    #: The row's prompt cache key (the result is kept under it).
+    key: Hashable
+    #: The cached prefix's KV (a copy, written into), or None: a fresh one at the encoder pass.
+    cache: list[Any] | None
+    #: Tokens the cache holds before the prefill (served by the prompt cache).
+    start: int
+    #: The token ids and input embeddings of ``tokens[start:]`` (set by the encoder pass).
+    ids: Any = None
+    embeds: Any = None
+    #: Positions of them already run into the cache.
+    at: int = 0
+
+    @property
+    def left(self) -> int:
+        """Positions still to run (all but the last token)."""
+        return len(self.tokens) - 1 - self.start - self.at
 
 
 @attrs.define(eq=False)
@@ -130,23 +156,21 @@ class Vision:
         store: PromptCache | None,
         key: Hashable,
         min_prefix: int,
-    ) -> tuple[list[Any], list[int], int]:
-        """The cache an image row joins the batch with, the tokens left to it (its last
-        one, or text past its last image), and the tokens the prompt cache served (MLX
-        thread).
+    ) -> tuple[list[Any], list[int]] | ImagePrefill:
+        """What the prompt cache serves an image row (MLX thread): the cache it joins the
+        batch with and the tokens left to it (text past its last image); or, when its
+        images are not all cached, its :class:`ImagePrefill`.
 
         ``key`` is the row's prompt-cache key, ``(base, "images", digests)``. An entry
         stored under the key of the first k of these images (k = all .. 0, the base key
         holding text prompts) serves what it shares with ``tokens``: any image tokens in
         that prefix are those k images at the same places. The longest such prefix is
         taken; past the last image the lane prefills the rest as text, else the images
-        after the prefix go through the encoder here, on top of it (the whole prompt if
-        the prefix ends inside an image). The result is kept under ``key`` (a checkpoint).
+        after the prefix go through the encoder, on top of it (the whole prompt if the
+        prefix ends inside an image), and the result is kept under ``key`` (a checkpoint).
         """
         tokens = list(tokens)
         base, _, digests = cast("tuple[Hashable, str, tuple[str, ...]]", key)
-        cache: list[Any] | None = None
-        start = 0
         if store is not None:
             probes = [
                 (base, "images", digests[:k]) if k else base for k in range(len(digests), -1, -1)
@@ -156,15 +180,55 @@ class Vision:
             if covered >= prompt.end:
                 cache, rest = store.fetch(best, tokens, min_prefix=min_prefix, share=True)
                 if cache is not None:
-                    return cache, rest, len(tokens) - len(rest)
-            elif covered >= max(1, min_prefix) and self._between_images(tokens, covered):
-                # Written into below: a copy.
+                    return cache, rest
+            elif covered >= max(1, min_prefix) and self._resumable(tokens, prompt, covered):
+                # Written into by the prefill: a copy.
                 cache, rest = store.fetch(best, tokens, min_prefix=min_prefix)
-                start = len(tokens) - len(rest) if cache is not None else 0
-        cache, start = self._prefill(tokens, prompt, cache if start else None, start)
-        if store is not None and len(tokens) > 1:
-            store.checkpoint(key, tokens[:-1], cache, PROMPT)
-        return cache, tokens[-1:], start
+                if cache is not None:
+                    return ImagePrefill(tokens, prompt, key, cache, len(tokens) - len(rest))
+        return ImagePrefill(tokens, prompt, key, None, 0)
+
+    def embed(self, job: ImagePrefill) -> int:
+        """The encoder pass of ``job``: the input embeddings of its tokens past its cached
+        prefix, the images among them seen (MLX thread). Returns the image tokens encoded."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        tokens, runs = job.tokens, self._runs(job.tokens)
+        done = sum(1 for first, _ in runs if first < job.start)  # per image: ``_resumable``
+        arrays = {name: mx.array(v[done:] if done else v) for name, v in job.prompt.arrays.items()}
+        if job.cache is None:
+            job.cache = make_prompt_cache(self.text_model)
+        ids = mx.array([tokens[job.start :]])
+        pixels = arrays.pop("pixel_values", None)
+        embeds = self.model.get_input_embeddings(
+            ids, pixels if done < len(runs) else None, **arrays
+        ).inputs_embeds
+        mx.async_eval(embeds)  # type: ignore[no-untyped-call]  # queued, as the lane queues prefill
+        job.ids, job.embeds = ids, embeds
+        return sum(end - max(first, job.start) for first, end in runs if end > job.start)
+
+    def advance(self, job: ImagePrefill, count: int) -> int:
+        """Run the next ``count`` (at most) of ``job``'s embedded positions through the
+        language model into its cache (MLX thread). Returns the positions run."""
+        import mlx.core as mx
+
+        at = job.at
+        end = min(len(job.tokens) - 1 - job.start, at + count)
+        assert job.cache is not None
+        embeds = job.embeds[:, at:end]
+        self.text_model(job.ids[:, at:end], cache=job.cache, input_embeddings=embeds)
+        mx.async_eval([c.state for c in job.cache])  # type: ignore[no-untyped-call]
+        job.at = end
+        return end - at
+
+    def finish(self, job: ImagePrefill, store: PromptCache | None) -> tuple[list[Any], list[int]]:
+        """A prefilled ``job``'s cache and the token left to it; the cache kept under its key."""
+        assert job.cache is not None
+        job.ids = job.embeds = None
+        if store is not None and len(job.tokens) > 1:
+            store.checkpoint(job.key, job.tokens[:-1], job.cache, PROMPT)
+        return job.cache, job.tokens[-1:]
 
     def _runs(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """Where each image's tokens are: (first, end) per image, in order."""
@@ -177,37 +241,16 @@ class Vision:
                     runs.append((i, i + 1))
         return runs
 
-    def _between_images(self, tokens: Sequence[int], at: int) -> bool:
-        return not any(first < at < end for first, end in self._runs(tokens))
-
-    def _prefill(
-        self, tokens: Sequence[int], prompt: VisionPrompt, cache: list[Any] | None, start: int
-    ) -> tuple[list[Any], int]:
-        """``cache`` (None: a fresh one) extended by ``tokens[start:-1]``, the images
-        among them seen, and the tokens it was given (MLX thread)."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
-        done = sum(1 for first, _ in self._runs(tokens) if first < start)
-        count = len(self._runs(tokens))
-        arrays = {}
-        for name, value in prompt.arrays.items():
-            if done and (value.ndim == 0 or value.shape[0] != count):
-                return self._prefill(tokens, prompt, None, 0)  # not per image: all again
-            arrays[name] = mx.array(value[done:] if done else value)
-        if cache is None or not start:
-            cache, start = make_prompt_cache(self.text_model), 0
-        ids = mx.array([list(tokens[start:])])
-        pixels = arrays.pop("pixel_values", None)
-        embeds = self.model.get_input_embeddings(
-            ids, pixels if done < count else None, **arrays
-        ).inputs_embeds
-        n = len(tokens) - 1 - start
-        for at in range(0, n, PREFILL_STEP):
-            end = min(n, at + PREFILL_STEP)
-            self.text_model(ids[:, at:end], cache=cache, input_embeddings=embeds[:, at:end])
-            mx.eval([c.state for c in cache])
-        return cache, start
+    def _resumable(self, tokens: Sequence[int], prompt: VisionPrompt, at: int) -> bool:
+        """Whether a prefill can go on from a cache of ``tokens[:at]``: ``at`` is between
+        images, and the image inputs of those past it can be told apart (the processor's
+        arrays come one row per image) where any image is before it."""
+        runs = self._runs(tokens)
+        if any(first < at < end for first, end in runs):
+            return False
+        if not any(first < at for first, _ in runs):
+            return True
+        return all(v.ndim and v.shape[0] == len(runs) for v in prompt.arrays.values())
 
 
 def load(path: str) -> tuple[Any, Any, dict[str, Any], Vision]:
