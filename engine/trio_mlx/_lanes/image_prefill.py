@@ -20,19 +20,65 @@ parked row starts again from its prompt (the prompt cache may serve a part) when
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from collections.abc import Hashable, Iterable
+from typing import Any, Protocol
 
 import attrs
 
 from trio_mlx._lanes.output import RowEvent
+from trio_mlx._lanes.prompt_cache import PromptCache
+from trio_mlx._lanes.rows import Row
 
-if TYPE_CHECKING:
-    from trio_mlx._lanes.batch import BatchLane
-    from trio_mlx._lanes.rows import Row
-    from trio_mlx._start.vision import ImagePrefill
+__all__ = ["ImageLane", "ImagePrefill", "ImagePrefills"]
 
-__all__ = ["ImagePrefills"]
+
+@attrs.define(eq=False)
+class ImagePrefill:
+    """An image row's prompt on its way into its cache: the encoder pass
+    (``Vision.embed``) gives the input embeddings of the tokens past the cached
+    prefix, then the language model runs them a chunk at a time (``Vision.advance``),
+    all but the last token, one chunk per decode step (:class:`ImagePrefills`)."""
+
+    tokens: list[int]
+    #: The processor's model inputs (``trio_mlx._start.vision.VisionPrompt``).
+    prompt: Any
+    #: The row's prompt cache key (the result is kept under it).
+    key: Hashable
+    #: The cached prefix's KV (a copy, written into), or None: a fresh one at the encoder pass.
+    cache: list[Any] | None
+    #: Tokens the cache holds before the prefill (served by the prompt cache).
+    start: int
+    #: The token ids and input embeddings of ``tokens[start:]`` (set by the encoder pass).
+    ids: Any = None
+    embeds: Any = None
+    #: Positions of them already run into the cache.
+    at: int = 0
+
+    @property
+    def left(self) -> int:
+        """Positions still to run (all but the last token)."""
+        return len(self.tokens) - 1 - self.start - self.at
+
+
+class ImageLane(Protocol):
+    """What the image prefill reads of the batch lane it serves (``BatchLane``; named
+    by shape, as the lane imports this module)."""
+
+    prompt_cache: PromptCache | None
+    vision: Any
+    cache_min_prefix: int
+    prefill_budget: int | None
+    long_prompt_chunk: int | None
+    prefill_step_size: int
+    _rows: dict[int, Row]
+    _waiting: deque[int]
+    _prefilling: dict[int, int]
+    _chunk: int | None
+
+    def _key(self, row: Row) -> Hashable: ...
+
+    def _pass_tokens(self) -> int: ...
 
 
 @attrs.define(eq=False)
@@ -47,7 +93,7 @@ class ImagePrefills:
     #: tokens): the text rows joining in the step fit in what it leaves of the budget.
     used: int = 0
 
-    def start(self, lane: BatchLane, row: Row) -> int:
+    def start(self, lane: ImageLane, row: Row) -> int:
         """Queue a new (or restarted) image row: to wait for the batch if the prompt cache
         holds its images, else for its prefill here; returns the tokens the cache serves."""
         prompt = list(row.spec.prompt)
@@ -69,7 +115,7 @@ class ImagePrefills:
             self.jobs.pop(row_id, None)
             self.ahead.pop(row_id, None)
 
-    def run(self, lane: BatchLane) -> tuple[int, float, list[RowEvent]]:
+    def run(self, lane: ImageLane) -> tuple[int, float, list[RowEvent]]:
         """One piece of the oldest image row's prefill, within what the step's budget
         leaves: (prompt positions it ran, seconds, a failed row's error event). A
         prefilled row waits to join the batch (``lane._waiting``)."""

@@ -27,6 +27,7 @@ from typing import Any, cast
 import attrs
 
 from trio_mlx._errors import InvalidRequest
+from trio_mlx._lanes.image_prefill import ImagePrefill
 from trio_mlx._lanes.prompt_cache import PROMPT, PromptCache
 
 __all__ = ["FAMILIES", "ImagePrefill", "Vision", "VisionPrompt", "is_vision", "load"]
@@ -61,33 +62,6 @@ class VisionPrompt:
     #: Tokens up to and including the last image token: a cached prefix shorter than
     #: this does not cover the images, and the prompt is prefilled through the encoder.
     end: int
-
-
-@attrs.define(eq=False)
-class ImagePrefill:
-    """An image row's prompt on its way into its cache: the encoder pass
-    (:meth:`Vision.embed`) gives the input embeddings of the tokens past the cached
-    prefix, then the language model runs them a chunk at a time (:meth:`Vision.advance`),
-    all but the last token, one chunk per decode step (the lane's ``ImagePrefills``)."""
-
-    tokens: list[int]
-    prompt: VisionPrompt
-    #: The row's prompt cache key (the result is kept under it).
-    key: Hashable
-    #: The cached prefix's KV (a copy, written into), or None: a fresh one at the encoder pass.
-    cache: list[Any] | None
-    #: Tokens the cache holds before the prefill (served by the prompt cache).
-    start: int
-    #: The token ids and input embeddings of ``tokens[start:]`` (set by the encoder pass).
-    ids: Any = None
-    embeds: Any = None
-    #: Positions of them already run into the cache.
-    at: int = 0
-
-    @property
-    def left(self) -> int:
-        """Positions still to run (all but the last token)."""
-        return len(self.tokens) - 1 - self.start - self.at
 
 
 @attrs.define(eq=False)
