@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -48,6 +49,27 @@ def make_adapter(
     config = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": lora}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
+
+
+def make_embedder(source: Path, folder: Path) -> Path:
+    """A copy of the model at ``source`` whose sentence-transformers files ask for mean
+    pooling (what an embedding model's folder says)."""
+    shutil.copytree(source, folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False})
+    )
+    return folder
 
 
 async def wait_until(predicate: Callable[[], bool], *, poll: float = 0.005) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ import trio
 import trio.lowlevel
 
 import trio_mlx
-from engine_helpers import PROMPT, wait_until
+from engine_helpers import PROMPT, make_embedder, wait_until
 from http_helpers import NO_EOS, LiveServer, live_server
 
 pytestmark = pytest.mark.model
@@ -204,30 +203,7 @@ async def test_a_chat_model_without_pooling_refuses_embeddings(tiny_model_path: 
 async def test_pooling_comes_from_the_sentence_transformers_files(
     tiny_model_path: Path, tiny_model: tuple[Any, Any], tmp_path: Path
 ) -> None:
-    folder = tmp_path / "embedder"
-    shutil.copytree(tiny_model_path, folder)
-    (folder / "modules.json").write_text(
-        json.dumps(
-            [
-                {
-                    "idx": 0,
-                    "name": "0",
-                    "path": "",
-                    "type": "sentence_transformers.models.Transformer",
-                },
-                {
-                    "idx": 1,
-                    "name": "1",
-                    "path": "1_Pooling",
-                    "type": "sentence_transformers.models.Pooling",
-                },
-            ]
-        )
-    )
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False})
-    )
+    folder = make_embedder(tiny_model_path, tmp_path / "embedder")
     async with (
         live_server(folder) as live,
         openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0) as client,

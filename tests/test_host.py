@@ -3,7 +3,6 @@ unloading idle or least recently used models, never one in use; real tiny models
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 import trio
 
 import trio_mlx
-from engine_helpers import wait_until
+from engine_helpers import make_embedder, wait_until
 from trio_mlx import ModelState, SamplingParams
 from trio_mlx.testing import make_random_llama
 
@@ -21,41 +20,13 @@ PROMPT = "The quick brown fox"
 DEADLINE = 120.0
 
 
-def _embedder(source: Path, folder: Path) -> Path:
-    """``source`` with sentence-transformers files that ask for mean pooling."""
-    shutil.copytree(source, folder)
-    (folder / "modules.json").write_text(
-        json.dumps(
-            [
-                {
-                    "idx": 0,
-                    "name": "0",
-                    "path": "",
-                    "type": "sentence_transformers.models.Transformer",
-                },
-                {
-                    "idx": 1,
-                    "name": "1",
-                    "path": "1_Pooling",
-                    "type": "sentence_transformers.models.Pooling",
-                },
-            ]
-        )
-    )
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False})
-    )
-    return folder
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three tiny llamas of different weights, and an embedder."""
     root = tmp_path_factory.mktemp("host") / "models"
     for seed, name in enumerate(("alpha", "beta", "gamma"), start=1):
         make_random_llama(root / name, seed=seed)
-    _embedder(root / "alpha", root / "embedder")
+    make_embedder(root / "alpha", root / "embedder")
     return root
 
 
