@@ -249,3 +249,20 @@ async def test_each_engine_plans_its_memory_in_its_share(model_dir: Path) -> Non
     assert alone > 0
     assert shared > 0
     assert shared < alone * 0.6
+
+
+async def test_unloading_gives_the_memory_back_after_gc_freeze(model_dir: Path) -> None:
+    import gc
+
+    async with trio_mlx.open_host([model_dir / "alpha"], preload=False) as host:
+        baseline = host.active_memory()
+        await host.load("alpha")
+        weights = next(iter(host.models())).weight_bytes
+        assert host.active_memory() - baseline >= weights // 2
+        gc.freeze()  # as the server does once its first model is loaded
+        try:
+            await host.unload("alpha")
+            left = host.active_memory() - baseline
+        finally:
+            gc.unfreeze()
+    assert left < weights // 2

@@ -40,10 +40,21 @@ __all__ = ["free_memory", "open_engine", "open_on"]
 
 
 def free_memory() -> None:
-    """On the MLX thread: collect unreachable arrays and empty MLX's buffer cache."""
+    """On the MLX thread: collect unreachable arrays and empty MLX's buffer cache.
+
+    Objects a program froze (``gc.freeze()``: the server freezes what start-up made,
+    a model loaded by then included) are out of the collector's reach, so they are
+    thawed for this collection and what survives it is frozen again: one full
+    collection per engine closed (about 0.1 s over a served model's million objects).
+    """
     import mlx.core as mx
 
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
     gc.collect()
+    if frozen:
+        gc.freeze()
     mx.clear_cache()
 
 
