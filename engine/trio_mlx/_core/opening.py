@@ -2,7 +2,8 @@
 
 :func:`open_engine` is the public way in; :func:`open_on` opens an engine on a
 worker thread another owner holds (a :class:`~trio_mlx.ModelHost`'s engines share
-one), and gives the model's memory back when the engine closes.
+one), which gives the model's memory back with :func:`free_memory` once the engine
+is closed and unreferenced.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ async def open_on(
 ) -> AsyncIterator[Engine]:
     """:func:`open_engine` on ``worker``, an MLX thread the caller started and
     stops (``None``: a thread of the engine's own). Engines sharing a worker
-    take turns on it, one call at a time; closing one frees its memory."""
+    take turns on it, one call at a time."""
     try:
         policy = ArbiterPolicy(
             max_batch=settings.max_batch,
@@ -242,12 +243,11 @@ async def _serve(
                 await worker.run(loaded.lane.close)
     finally:
         unwatch()
-        with trio.CancelScope(shield=True):
-            if shared is None:
+        # A shared worker's owner gives the memory back (``free_memory``) once it holds
+        # no reference to the engine: here the caller's block still does.
+        if shared is None:
+            with trio.CancelScope(shield=True):
                 await worker.stop()
-            elif worker.alive:  # the model's arrays are garbage now: give their memory back
-                with contextlib.suppress(Exception):
-                    await worker.run(free_memory)
 
 
 def _settings(settings: EngineSettings | None, overrides: Mapping[str, Any]) -> EngineSettings:
