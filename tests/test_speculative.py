@@ -41,8 +41,10 @@ async def _run(
     path: Path | None, requests: list[tuple[Any, trio_mlx.SamplingParams]], **settings: Any
 ) -> tuple[list[tuple[int, ...]], trio_mlx.EngineStatistics, bool]:
     """Every request's token ids (all at once in one engine), its statistics, and
-    whether the lane had a speculator."""
+    whether the lane had a speculator. The governor is off unless asked for: it reads
+    the clock, and these tests count drafts."""
     outs: list[tuple[int, ...]] = [()] * len(requests)
+    settings = {"speculation_governor": False, **settings}
     async with trio_mlx.open_engine(path, max_batch=8, **settings) as engine:
 
         async def one(i: int, prompt: Any, params: trio_mlx.SamplingParams) -> None:
@@ -341,7 +343,7 @@ async def test_metrics_count_draft_and_accepted_tokens(endless_model_path: Path)
     from http_helpers import live_server
 
     async with (
-        live_server(endless_model_path, prompt_lookup=True) as server,
+        live_server(endless_model_path, prompt_lookup=True, speculation_governor=False) as server,
         openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client,
         httpx.AsyncClient(base_url=server.url, timeout=60) as http,
     ):
@@ -389,7 +391,11 @@ async def test_speculating_rows_parked_and_resumed_continue_token_for_token(
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
     plain, _, _ = await _run(loopy_model_path, [(p, params) for p in prompts])
     async with trio_mlx.open_engine(
-        loopy_model_path, drain_timeout=0.0, min_batch_steps=0, prompt_lookup=True
+        loopy_model_path,
+        drain_timeout=0.0,
+        min_batch_steps=0,
+        prompt_lookup=True,
+        speculation_governor=False,
     ) as engine:
         with trio.fail_after(120):
             parked = await generate_across_a_park(engine, prompts, params, after=20)
@@ -408,7 +414,9 @@ async def test_adapter_rows_speculate_in_the_same_forward(
     ]
     outs: dict[bool, list[tuple[int, ...]]] = {}
     for lookup in (False, True):
-        async with trio_mlx.open_engine(loopy_model_path, prompt_lookup=lookup) as engine:
+        async with trio_mlx.open_engine(
+            loopy_model_path, prompt_lookup=lookup, speculation_governor=False
+        ) as engine:
             await engine.mount_adapter("shout", tiny_adapter_path)
             got: list[tuple[int, ...]] = [()] * len(requests)
 
@@ -428,3 +436,37 @@ async def test_adapter_rows_speculate_in_the_same_forward(
                 assert stats.draft_accepted_tokens["prompt_lookup"] > 0
     assert outs[True] == outs[False]
     assert outs[True][1] != outs[True][0]
+
+
+def test_the_governor_keeps_steps_plain_where_speculating_measured_slower() -> None:
+    from trio_mlx._lanes.speculative import PROBE_EVERY, Speculation, Speculator
+
+    speculator = Speculator(Speculation())
+    speculator.join(7, _greedy())
+    uids = [7]
+    assert speculator.wanted(uids)  # nothing measured: speculate first
+    speculator.observe(1, True, 3, 0.010)  # 300 tokens/s speculating
+    assert not speculator.wanted(uids)  # then one plain step, to compare
+    speculator.observe(1, False, 1, 0.002)  # 500 tokens/s plain: speculating loses
+    runs = [speculator.wanted(uids) for _ in range(3 * PROBE_EVERY)]
+    assert 2 <= runs.count(True) <= 4  # only the probes speculate
+    assert speculator.held_back >= 3 * PROBE_EVERY - 4
+    for _ in range(40):  # speculation got faster (say, the text began to repeat)
+        speculator.observe(1, True, 5, 0.004)  # 1,250 tokens/s
+    runs = [speculator.wanted(uids) for _ in range(3 * PROBE_EVERY)]
+    assert 3 * PROBE_EVERY - 4 <= runs.count(True) < 3 * PROBE_EVERY  # plain only to probe
+    # Each batch size has its own rates; intervals of an idle lane are not rates.
+    speculator.observe(2, True, 2, 5.0)
+    assert (2, True) not in speculator.rates
+
+
+async def test_greedy_outputs_with_the_governor_on_equal_plain_decoding(
+    loopy_model_path: Path,
+) -> None:
+    requests = [(p, _greedy(48)) for p in PROMPTS[:4]]
+    plain, _, _ = await _run(loopy_model_path, requests)
+    spec, _, on = await _run(
+        loopy_model_path, requests, prompt_lookup=True, speculation_governor=True
+    )
+    assert on
+    assert spec == plain

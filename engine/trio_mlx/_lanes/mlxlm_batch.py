@@ -304,6 +304,8 @@ def generation_class() -> Any:
         solo_allowed: bool = True
         #: Speculative decoding (:mod:`trio_mlx._lanes.speculative`; None: off).
         speculator: Speculator | None = None
+        #: When the last step ended (the speculation governor's clock; None: none yet).
+        step_end: float | None = None
         #: After a speculative step: each row's accepted drafts, emitted after its token.
         extra: list[list[int]] | None = None
 
@@ -391,9 +393,12 @@ def generation_class() -> Any:
             if not self.solo and len(b.uids) == 1 and not self.fresh and self.solo_allowed:
                 self._enter_solo()
             speculator = self.speculator
-            if speculator is not None and speculator.wanted(b.uids):
+            tried = speculator is not None and speculator.wanted(b.uids)
+            if tried:
+                assert speculator is not None
                 done = self._speculate(speculator)
                 if done is not None:
+                    self._observed(speculator, True, sum(map(len, self.extra or ())))
                     return done
             queued, queued_lps = b._next_tokens, b._next_logprobs
             b._current_tokens, b._current_logprobs = queued, queued_lps
@@ -414,7 +419,17 @@ def generation_class() -> Any:
             self.phases = (queueing - built, waiting - queueing, time.perf_counter() - waiting)
             for history, token in zip(b.tokens, tokens, strict=False):
                 history.append(token)
+            if speculator is not None:
+                self._observed(speculator, tried, 0)
             return tokens, queued_lps
+
+        def _observed(self, speculator: Speculator, tried: bool, drafts: int) -> None:
+            """Tell the speculation governor this step's rows, tokens and duration."""
+            now = time.perf_counter()
+            last, self.step_end = self.step_end, now
+            if last is not None:
+                rows = len(self.uids)
+                speculator.observe(rows, tried, rows + drafts, now - last)
 
         def _speculate(self, speculator: Speculator) -> tuple[list[int], list[Any]] | None:
             """A speculative step (see :mod:`trio_mlx._lanes.speculative`), not pipelined:

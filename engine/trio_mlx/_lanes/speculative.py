@@ -54,6 +54,13 @@ logger = logging.getLogger("trio_mlx")
 MAX_PAUSE = 16
 #: The longest pause (steps) of a row whose lookups keep finding nothing.
 MAX_IDLE_PAUSE = 16
+#: The governor: how fast a step's rate moves the mean (exponential weight of a step).
+RATE_WEIGHT = 0.1
+#: Every this many steps the governor runs the other kind of step once, to keep its
+#: rate current (a plain step while speculating pays, a speculative one while not).
+PROBE_EVERY = 32
+#: Intervals longer than this between step ends (an idle lane, a park) are not rates.
+MAX_INTERVAL = 1.0
 
 
 @attrs.frozen
@@ -67,6 +74,8 @@ class Speculation:
     num_draft_tokens: int = 4
     #: Above this many rows in the batch (dead ones included), no step speculates.
     max_batch: int = 8
+    #: Whether the governor keeps steps plain where speculating measured slower.
+    governed: bool = True
 
 
 @attrs.define(eq=False)
@@ -132,6 +141,13 @@ class Speculator:
     accepted: Counter[str] = attrs.field(factory=Counter)
     #: Speculative steps run.
     steps: int = 0
+    #: The governor's mean tokens per second, by (rows in the batch, whether the
+    #: step tried to speculate): see :meth:`observe`.
+    rates: dict[tuple[int, bool], float] = attrs.field(factory=dict)
+    #: Steps asked about since the governor last ran the other kind of step.
+    _since_probe: int = 0
+    #: Steps the governor kept plain because speculating was slower (``statistics``).
+    held_back: int = 0
 
     def join(self, uid: int, params: SamplingParams) -> None:
         """A row joined the batch under ``uid``; it speculates unless it opted out."""
@@ -147,10 +163,38 @@ class Speculator:
     def part(self, uid: int) -> None:
         self.rows.pop(uid, None)
 
+    def observe(self, rows: int, tried: bool, tokens: int, seconds: float) -> None:
+        """A step of ``rows`` rows emitted ``tokens`` in ``seconds`` (from the previous
+        step's end to its own); ``tried``: it tried to speculate (a look that found no
+        draft cost the step its pipelining, so it counts as speculating)."""
+        if not 0.0 < seconds <= MAX_INTERVAL:
+            return
+        rate, key = tokens / seconds, (rows, tried)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + RATE_WEIGHT * (rate - old)
+
+    def _governed(self, rows: int) -> bool:
+        """The governor: whether speculating measured at least as fast as plain steps
+        at this batch size; each kind is run now and then to keep its rate current."""
+        self._since_probe += 1
+        probe = self._since_probe >= PROBE_EVERY
+        if probe:
+            self._since_probe = 0
+        spec, plain = self.rates.get((rows, True)), self.rates.get((rows, False))
+        if spec is None or plain is None:
+            return spec is None  # measure speculation first, then one plain step
+        if spec >= plain:
+            return not probe
+        self.held_back += 1
+        return probe
+
     def wanted(self, uids: Sequence[int]) -> bool:
-        """Whether this step may speculate (decided before the pending tokens are read);
+        """Whether this step may speculate (decided before the pending tokens are read):
+        not above ``max_batch`` rows, nor where it measured slower than plain steps;
         each paused row's pause counts down one step."""
         if len(uids) > self.settings.max_batch:
+            return False
+        if self.settings.governed and not self._governed(len(uids)):
             return False
         ready = False
         rows = self.rows

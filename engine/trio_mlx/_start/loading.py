@@ -312,6 +312,7 @@ def load(
             draft=draft,
             num_draft_tokens=settings.num_draft_tokens,
             max_batch=settings.speculation_max_batch,
+            governed=settings.speculation_governor,
         )
         if settings.prompt_lookup or draft is not None
         else None,

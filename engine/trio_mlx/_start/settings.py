@@ -210,7 +210,9 @@ class EngineSettings:
       rows; ``design/engine.md``). ``draft_model`` (a folder, or
       ``"pydoc-llama-draft"``: the bundled model's draft; it must share the
       model's tokenizer, checked at load) drafts instead of the lookup, greedily,
-      each row over its own KV cache.
+      each row over its own KV cache. ``speculation_governor`` (on): a batch size
+      where speculative steps measured fewer tokens a second than plain ones runs
+      plain steps (tests that count drafts turn it off: it reads the clock).
     - ``memory_share``: the part of MLX's memory limit this engine plans its KV
       budget and prompt cache in (the defaults of ``kv_memory_bytes`` and
       ``prompt_cache_bytes``); a :class:`~trio_mlx.ModelHost` gives each of its
@@ -291,6 +293,7 @@ class EngineSettings:
     )
     num_draft_tokens: int = attrs.field(default=4, validator=_int_at_least(1))
     speculation_max_batch: int = attrs.field(default=8, validator=_int_at_least(1))
+    speculation_governor: bool = attrs.field(default=True, validator=_flag)
     decision_hook: Callable[[Any, Any], None] | None = attrs.field(
         default=None, validator=_hook, eq=False, repr=False
     )
