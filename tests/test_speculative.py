@@ -439,25 +439,41 @@ async def test_adapter_rows_speculate_in_the_same_forward(
 
 
 def test_the_governor_keeps_steps_plain_where_speculating_measured_slower() -> None:
-    from trio_mlx._lanes.speculative import PROBE_EVERY, Speculation, Speculator
+    from trio_mlx._lanes.speculative import PROBE_EVERY, PROBE_STEPS, Speculation, Speculator
 
     speculator = Speculator(Speculation())
     speculator.join(7, _greedy())
     uids = [7]
-    assert speculator.wanted(uids)  # nothing measured: speculate first
-    speculator.observe(1, True, 3, 0.010)  # 300 tokens/s speculating
-    assert not speculator.wanted(uids)  # then one plain step, to compare
-    speculator.observe(1, False, 1, 0.002)  # 500 tokens/s plain: speculating loses
-    runs = [speculator.wanted(uids) for _ in range(3 * PROBE_EVERY)]
-    assert 2 <= runs.count(True) <= 4  # only the probes speculate
-    assert speculator.held_back >= 3 * PROBE_EVERY - 4
-    for _ in range(40):  # speculation got faster (say, the text began to repeat)
-        speculator.observe(1, True, 5, 0.004)  # 1,250 tokens/s
-    runs = [speculator.wanted(uids) for _ in range(3 * PROBE_EVERY)]
-    assert 3 * PROBE_EVERY - 4 <= runs.count(True) < 3 * PROBE_EVERY  # plain only to probe
-    # Each batch size has its own rates; intervals of an idle lane are not rates.
-    speculator.observe(2, True, 2, 5.0)
-    assert (2, True) not in speculator.rates
+
+    def steps(n: int, spec_rate: float, plain_rate: float) -> list[bool]:
+        """``n`` steps, each observed at the given rate of the kind it ran."""
+        runs = []
+        for _ in range(n):
+            tried = speculator.wanted(uids)
+            speculator.observe(1, tried, 1, 1 / (spec_rate if tried else plain_rate))
+            runs.append(tried)
+        return runs
+
+    # Nothing measured: speculation first, then a plain probe to compare.
+    first = steps(2 + PROBE_STEPS, 300.0, 500.0)
+    assert first == [True, True] + [False] * PROBE_STEPS
+    # Speculating measured slower: plain steps, but for a probe every PROBE_EVERY.
+    runs = steps(3 * PROBE_EVERY, 300.0, 500.0)
+    assert 2 * PROBE_STEPS <= runs.count(True) <= 3 * PROBE_STEPS
+    assert speculator.held_back >= 2 * PROBE_EVERY
+    # Speculation got faster (the text began to repeat): the probes see it, and it
+    # speculates again but for the plain probes.
+    runs = steps(6 * PROBE_EVERY, 1_500.0, 500.0)
+    later = runs[3 * PROBE_EVERY :]
+    assert 3 * PROBE_EVERY - 3 * PROBE_STEPS <= later.count(True) < 3 * PROBE_EVERY
+    # A step after a change of kind, and an idle lane's interval, are not rates; 2 and
+    # 3 rows are one class, its rates per row.
+    before = dict(speculator.rates)
+    speculator.observe(2, True, 2, 0.01)
+    speculator.observe(3, True, 3, 5.0)
+    assert speculator.rates == before
+    speculator.observe(3, True, 6, 0.01)
+    assert speculator.rates[(2, True)] == 200.0
 
 
 async def test_greedy_outputs_with_the_governor_on_equal_plain_decoding(

@@ -23,7 +23,10 @@ step that accepted every draft, the accepted count (at least 1) after one that
 did not, and a row whose draft was wholly rejected pauses for 1, 2, 4, ... 16
 steps (one whose lookups find nothing, 1 ... 16: a speculative step reads the pending
 tokens before it runs, so it is not pipelined). Above ``max_batch`` rows no step
-speculates.
+speculates, nor at a batch size where speculative steps measured fewer tokens a
+second than plain ones (the governor, :meth:`Speculator.observe`): a draft model
+whose one-row steps are as dear as the target's, on a host-bound GPU, loses even
+at high acceptance.
 """
 
 from __future__ import annotations
@@ -56,9 +59,10 @@ MAX_PAUSE = 16
 MAX_IDLE_PAUSE = 16
 #: The governor: how fast a step's rate moves the mean (exponential weight of a step).
 RATE_WEIGHT = 0.1
-#: Every this many steps the governor runs the other kind of step once, to keep its
-#: rate current (a plain step while speculating pays, a speculative one while not).
-PROBE_EVERY = 32
+#: Every this many steps the governor runs the other kind of step for ``PROBE_STEPS``
+#: steps, to keep its rate current (plain steps while speculating pays, and the reverse).
+PROBE_EVERY = 64
+PROBE_STEPS = 4
 #: Intervals longer than this between step ends (an idle lane, a park) are not rates.
 MAX_INTERVAL = 1.0
 
@@ -90,6 +94,12 @@ class RowDraft:
     misses: int = 0
     #: Steps in a row its lookup found no draft (it then pauses 1, 2, 4, ... 16 steps).
     idle: int = 0
+
+
+def _size_class(rows: int) -> int:
+    """The governor's batch size classes: 1, 2-3, 4-7, 8-15, ... rows (rows come and go
+    every few steps; within a class a row's rate changes little)."""
+    return rows.bit_length()
 
 
 def target_filter(params: SamplingParams) -> tuple[float, Callable[[Any], Any]] | None:
@@ -141,13 +151,16 @@ class Speculator:
     accepted: Counter[str] = attrs.field(factory=Counter)
     #: Speculative steps run.
     steps: int = 0
-    #: The governor's mean tokens per second, by (rows in the batch, whether the
-    #: step tried to speculate): see :meth:`observe`.
+    #: The governor's mean tokens per second and row, by (the batch's size class:
+    #: 1, 2-3, 4-7, ... rows, whether the step tried to speculate): see :meth:`observe`.
     rates: dict[tuple[int, bool], float] = attrs.field(factory=dict)
-    #: Steps asked about since the governor last ran the other kind of step.
-    _since_probe: int = 0
-    #: Steps the governor kept plain because speculating was slower (``statistics``).
+    #: Steps the governor kept plain because speculating measured slower.
     held_back: int = 0
+    _last_kind: tuple[int, bool] | None = None
+    _since_probe: int = 0
+    #: Steps left of the current probe, and what it runs (speculating or not).
+    _probing: int = 0
+    _probe_kind: bool = False
 
     def join(self, uid: int, params: SamplingParams) -> None:
         """A row joined the batch under ``uid``; it speculates unless it opted out."""
@@ -166,27 +179,39 @@ class Speculator:
     def observe(self, rows: int, tried: bool, tokens: int, seconds: float) -> None:
         """A step of ``rows`` rows emitted ``tokens`` in ``seconds`` (from the previous
         step's end to its own); ``tried``: it tried to speculate (a look that found no
-        draft cost the step its pipelining, so it counts as speculating)."""
-        if not 0.0 < seconds <= MAX_INTERVAL:
+        draft cost the step its pipelining, so it counts as speculating). Only a step
+        of the same kind as the one before counts: a step after a change of kind pays
+        for, or skips, the other kind's pipelining."""
+        kind, before = (_size_class(rows), tried), self._last_kind
+        self._last_kind = kind
+        if kind != before or not 0.0 < seconds <= MAX_INTERVAL:
             return
-        rate, key = tokens / seconds, (rows, tried)
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else old + RATE_WEIGHT * (rate - old)
+        rate = tokens / seconds / rows
+        old = self.rates.get(kind)
+        self.rates[kind] = rate if old is None else old + RATE_WEIGHT * (rate - old)
 
     def _governed(self, rows: int) -> bool:
-        """The governor: whether speculating measured at least as fast as plain steps
-        at this batch size; each kind is run now and then to keep its rate current."""
+        """The governor: whether this step may speculate. Speculation is measured first,
+        then plain steps; after that a batch size class speculates where it measured at
+        least as fast as plain steps, and every ``PROBE_EVERY`` steps the other kind runs
+        ``PROBE_STEPS`` steps to keep its rate current."""
+        if self._probing > 0:
+            self._probing -= 1
+            return self._probe_kind
+        size = _size_class(rows)
+        spec, plain = self.rates.get((size, True)), self.rates.get((size, False))
+        if spec is None:
+            return True
         self._since_probe += 1
-        probe = self._since_probe >= PROBE_EVERY
-        if probe:
-            self._since_probe = 0
-        spec, plain = self.rates.get((rows, True)), self.rates.get((rows, False))
-        if spec is None or plain is None:
-            return spec is None  # measure speculation first, then one plain step
-        if spec >= plain:
-            return not probe
-        self.held_back += 1
-        return probe
+        speculate = plain is not None and spec >= plain
+        if plain is not None and not speculate:
+            self.held_back += 1
+        if plain is None or self._since_probe >= PROBE_EVERY:
+            # Plain steps not measured yet, or a probe of the kind not running now.
+            self._since_probe, self._probing = 0, PROBE_STEPS - 1
+            self._probe_kind = plain is not None and not speculate
+            return self._probe_kind
+        return speculate
 
     def wanted(self, uids: Sequence[int]) -> bool:
         """Whether this step may speculate (decided before the pending tokens are read):
