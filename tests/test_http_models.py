@@ -159,7 +159,8 @@ async def test_operators_load_and_unload_behind_the_api_key(server: LiveServer) 
 
 async def test_a_model_not_ready_in_time_is_a_503_with_retry_after(models: Path) -> None:
     hosted_options: dict[str, Any] = {"model_dir": models, "max_models": 1, "load_timeout": 0.3}
-    async with live_server(None, hosted=hosted_options) as live:
+    settings = Settings(cors_origin="https://app.example")
+    async with live_server(None, settings, hosted=hosted_options) as live:
         assert live.host is not None
         async with live.host.use("alpha"), httpx.AsyncClient(base_url=live.url) as http:
             # alpha is held: beta cannot take its place before the timeout.
@@ -170,6 +171,7 @@ async def test_a_model_not_ready_in_time_is_a_503_with_retry_after(models: Path)
         assert answer.status_code == 503
         assert answer.json()["error"]["code"] == "model_unavailable"
         assert int(answer.headers["Retry-After"]) >= 1
+        assert answer.headers["Access-Control-Allow-Origin"] == "https://app.example"
         assert _states(live)["alpha"] is ModelState.LOADED
 
 
@@ -242,6 +244,8 @@ async def test_an_oversized_body_is_a_413_and_loads_nothing(models: Path) -> Non
         live_server(None, settings, hosted={"model_dir": models}) as live,
         httpx.AsyncClient(base_url=live.url) as http,
     ):
+        assert live.host is not None
+        await live.host.unload("alpha")  # the default: an oversized body loads it neither
         body = {"model": "beta", "messages": [{"role": "user", "content": "x" * 8000}]}
         declared = await http.post("/v1/chat/completions", json=body)
 
@@ -254,6 +258,6 @@ async def test_an_oversized_body_is_a_413_and_loads_nothing(models: Path) -> Non
         streamed = await http.post(
             "/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}
         )
-        assert _states(live)["beta"] is ModelState.UNLOADED
+        assert _states(live) == {"alpha": ModelState.UNLOADED, "beta": ModelState.UNLOADED}
     assert declared.status_code == 413
     assert streamed.status_code == 413

@@ -124,31 +124,46 @@ class ModelRouter:
                 "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 code="invalid_api_key",
             )
-            await _answer(send, error, anthropic=path in ANTHROPIC_PATHS)
+            await self._answer(send, error, path)
             return
         if _declared_length(scope) > (self.base.settings.max_body_bytes or float("inf")):
             await self.inner(scope, receive, send)  # the app answers 413 unread
             return
         chunks, tail = await self._read(receive)
-        complete = tail is None
-        body = b"".join(chunks)
-        name = None
-        if complete:
-            if len(body) > _LARGE_BODY:
-                name = await trio.to_thread.run_sync(_model_of, body)
-            else:
-                name = _model_of(body)
         replay = _replay(chunks, tail, receive)
+        if tail is not None:  # too large, too slow or gone: the app answers, no model held
+            await self.inner(scope, replay, send)
+            return
+        body = b"".join(chunks)
+        if len(body) > _LARGE_BODY:
+            name = await trio.to_thread.run_sync(_model_of, body)
+        else:
+            name = _model_of(body)
         target = name if name in self.host.names else self.host.default
         async with contextlib.AsyncExitStack() as held:
             try:
                 engine = await held.enter_async_context(self.host.use(target))
             except TrioMLXError as error:  # not loaded in time, or its load failed
-                await _answer(send, error, anthropic=path in ANTHROPIC_PATHS)
+                await self._answer(send, error, path)
                 return
             routed = dict(scope)
             routed[SCOPE_KEY] = self.state_for(target, engine)
             await self.inner(routed, replay, send)
+
+    async def _answer(self, send: Send, error: TrioMLXError, path: str) -> None:
+        """Answer ``error`` in the endpoint's own error shape (the app never saw it)."""
+        body = error_body(error) if path not in ANTHROPIC_PATHS else anthropic_error_body(error)
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        retry = getattr(error, "retry_after", None)
+        if isinstance(retry, int | float):
+            headers.append((b"retry-after", str(max(1, round(retry))).encode()))
+        origin = self.base.settings.cors_origin
+        if origin is not None:  # as the app's own answers carry it
+            headers.append((b"access-control-allow-origin", origin.encode("latin-1")))
+        headers.append((b"connection", b"close"))  # the body may be left unread
+        await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
 
     def _authorized(self, scope: Scope) -> bool:
         key = self.base.settings.api_key
@@ -205,16 +220,3 @@ def _replay(chunks: list[bytes], tail: Message | None, receive: Receive) -> Rece
         return pending.pop(0) if pending else await receive()
 
     return again
-
-
-async def _answer(send: Send, error: TrioMLXError, *, anthropic: bool) -> None:
-    """Answer ``error`` in the endpoint's own error shape (the app never saw it)."""
-    body = json.dumps(anthropic_error_body(error) if anthropic else error_body(error)).encode()
-    status = error.status_code
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    retry = getattr(error, "retry_after", None)
-    if isinstance(retry, int | float):
-        headers.append((b"retry-after", str(max(1, round(retry))).encode()))
-    headers.append((b"connection", b"close"))  # the body may be left unread
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
