@@ -27,6 +27,7 @@ __all__ = [
     "error_body",
     "error_response",
     "install_error_handlers",
+    "retry_after",
 ]
 
 logger = logging.getLogger("trio_mlx_http")
@@ -117,12 +118,20 @@ def status_of(error: BaseException) -> int:
     return 500
 
 
+def retry_after(error: BaseException) -> str | None:
+    """The ``Retry-After`` header ``error`` asks for (a full queue, a model not ready)."""
+    if isinstance(error, EngineOverloaded | ModelUnavailable):
+        return str(max(1, round(error.retry_after)))
+    return None
+
+
 def error_response(error: BaseException, *, anthropic: bool = False) -> Response:
     """The JSON response for ``error``, with ``Retry-After`` on 429 and a model's 503."""
     body = anthropic_error_body(error) if anthropic else error_body(error)
     response = Response(json.dumps(body), status=status_of(error), mimetype="application/json")
-    if isinstance(error, EngineOverloaded | ModelUnavailable):
-        response.headers["Retry-After"] = str(max(1, round(error.retry_after)))
+    retry = retry_after(error)
+    if retry is not None:
+        response.headers["Retry-After"] = retry
     if response.status_code == 413:
         # The unread rest of the body is still on the wire: the connection
         # cannot carry another request, so tell the client not to reuse it.

@@ -256,8 +256,7 @@ class ModelHost:
         bounds = {"max_models": self.max_models, "max_bytes": self.max_model_memory}
         if evictions(resident, slot.weight_bytes, **bounds) != ():
             # Models already unloading will give their room: choose among the others.
-            leaving = {n for n, s in self._slots.items() if s.state is ModelState.UNLOADING}
-            staying = [r for r in resident if r.name not in leaving]
+            staying = [r for r in resident if self._slots[r.name].state is not ModelState.UNLOADING]
             victims = evictions(staying, slot.weight_bytes, **bounds)
             for victim in victims or ():
                 logger.info("unloading %s to make room for %s", victim, slot.entry.name)

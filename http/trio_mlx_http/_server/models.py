@@ -22,7 +22,13 @@ import attrs
 import trio
 
 from trio_mlx import Engine, ModelHost, TrioMLXError
-from trio_mlx_http._errors import ANTHROPIC_PATHS, Unauthorized, anthropic_error_body, error_body
+from trio_mlx_http._errors import (
+    ANTHROPIC_PATHS,
+    Unauthorized,
+    anthropic_error_body,
+    error_body,
+    retry_after,
+)
 from trio_mlx_http._openai.shapes import TokenTexts
 from trio_mlx_http._server.state import ServerState, key_matches
 
@@ -155,9 +161,9 @@ class ModelRouter:
         body = error_body(error) if path not in ANTHROPIC_PATHS else anthropic_error_body(error)
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
-        retry = getattr(error, "retry_after", None)
-        if isinstance(retry, int | float):
-            headers.append((b"retry-after", str(max(1, round(retry))).encode()))
+        retry = retry_after(error)
+        if retry is not None:
+            headers.append((b"retry-after", retry.encode()))
         origin = self.base.settings.cors_origin
         if origin is not None:  # as the app's own answers carry it
             headers.append((b"access-control-allow-origin", origin.encode("latin-1")))
