@@ -19,6 +19,8 @@ class PromptLookup:
     """One row's n-gram index over its tokens (fed incrementally)."""
 
     __slots__ = ("_ends", "longest", "shortest", "tokens")
+    #: Drafts are lists of token ids, looked up from the pending token's value.
+    lazy = False
 
     def __init__(self, longest: int = 3, shortest: int = 2) -> None:
         if not 1 <= shortest <= longest:
@@ -75,9 +77,12 @@ class ModelDraft:
     """One row's drafts from a small draft model sharing the target's tokenizer: its own
     KV cache over the row's tokens, greedy drafts (so a draft is deterministic and the
     target's rejection rule for a one-hot draft applies), cut back to what the target
-    accepted (:meth:`settle`)."""
+    accepted (:meth:`settle`). Its drafts are lazy arrays (:attr:`lazy`): a step drafts
+    from the pending token before it is read."""
 
     __slots__ = ("_base", "_cache", "_fed", "model", "tokens")
+    #: Drafts are lazy arrays of ``limit`` tokens, drafted from a lazy pending token.
+    lazy = True
 
     def __init__(self, model: Any) -> None:
         from mlx_lm.models.cache import make_prompt_cache
@@ -94,24 +99,29 @@ class ModelDraft:
             self.__init__(self.model)  # type: ignore[misc]
         self.tokens = history
 
-    def draft(self, last: int, limit: int) -> list[int]:
+    def draft(self, last: Any, limit: int) -> Any:
+        """``limit`` greedy drafts to follow the row's tokens and ``last`` (its pending
+        token, a lazy one-element array) as one lazy ``(limit,)`` array: nothing is
+        evaluated here, so the drafts, the target's verification and the pending token
+        are read back in the step's one evaluation."""
         import mlx.core as mx
 
-        if limit <= 0:
-            return []
         history = self.tokens
-        new = [*history[self._fed :], last]
-        logits = self.model(mx.array([new]), cache=self._cache)[:, -1, :]
-        out: list[int] = []
+        last = mx.reshape(last, (1,))
+        if limit <= 0:
+            return last[:0]
+        fresh = history[self._fed :]
+        new = mx.concatenate([mx.array(list(fresh), dtype=last.dtype), last]) if fresh else last
+        logits = self.model(new[None], cache=self._cache)[:, -1, :]
+        out: list[Any] = []
         while True:
-            token: Any = mx.argmax(logits, axis=-1).item()
-            out.append(int(token))
+            out.append(mx.argmax(logits, axis=-1).astype(last.dtype))
             if len(out) == limit:
                 break
-            logits = self.model(mx.array([[out[-1]]]), cache=self._cache)[:, -1, :]
+            logits = self.model(out[-1][None], cache=self._cache)[:, -1, :]
         self._base = len(history) + 1
         self._fed = self._base + limit - 1  # the last draft was never fed
-        return out
+        return mx.concatenate(out)
 
     def settle(self, accepted: int) -> None:
         """The target took ``accepted`` of the last draft: forget the rest."""

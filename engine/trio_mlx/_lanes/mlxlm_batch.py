@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from trio_mlx._lanes.processors import LogitBias
@@ -48,6 +48,25 @@ def _shared_bias(processors: list[list[Any]] | None) -> LogitBias | None:
         elif guarded.processor.key != shared.key:
             return None
     return shared
+
+
+def _verified(queued: Any, pending: Any, drafts: Sequence[Any], width: int) -> Any:
+    """A speculative step's input, ``(rows, width)``: each row's pending token, its
+    drafts, zeros after them. ``pending`` is a list of the tokens read back, or (lazy
+    drafts) ``queued`` itself, and then nothing is read back here."""
+    import mlx.core as mx
+
+    if isinstance(pending, list):
+        return mx.array(
+            [[t, *d, *[0] * (width - 1 - len(d))] for t, d in zip(pending, drafts, strict=True)],
+            dtype=queued.dtype,
+        )
+    parts = []
+    for e, d in enumerate(drafts):
+        pad = mx.zeros((width - 1 - len(d),), dtype=queued.dtype)
+        row = [queued[e : e + 1], d.astype(queued.dtype)] if len(d) else [queued[e : e + 1]]
+        parts.append(mx.concatenate([*row, pad]))
+    return mx.stack(parts)
 
 
 def _processed(batch: Any, logits: Any, inputs: Any) -> tuple[Any, list[Any]]:
@@ -437,9 +456,11 @@ def generation_class() -> Any:
             run, when no row has a draft."""
             b: Any = self
             queued, queued_lps = b._next_tokens, b._next_logprobs
+            lazy = speculator.lazy
             waiting = time.perf_counter()
-            mx.eval(queued, queued_lps)
-            pending: list[int] = queued.tolist()
+            if not lazy:  # a lookup reads the pending tokens; a draft model drafts from them
+                mx.eval(queued, queued_lps)
+            pending: Any = queued if lazy else queued.tolist()
             waited = time.perf_counter() - waiting
             fresh, want_lps = self.fresh, b.logprob_uids
             processors = b.logits_processors or [None] * len(b.uids)
@@ -453,25 +474,25 @@ def generation_class() -> Any:
                 return None
             built = time.perf_counter()
             b._current_tokens, b._current_logprobs = queued, queued_lps
-            inputs = mx.array(
-                [
-                    [t, *d, *[0] * (width - 1 - len(d))]
-                    for t, d in zip(pending, drafts, strict=True)
-                ],
-                dtype=queued.dtype,
-            )
+            inputs = _verified(queued, pending, drafts, width)
             # Here, in a method of the batch: RowModel reads the rows' uids off its caller.
             logits = b.model(inputs, cache=b.prompt_cache)
             first, contexts = _processed(b, logits[:, 0, :], queued)
             logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
             sampled = _sampled(b, logprobs)
+            targets = mx.argmax(logits, axis=-1)
             queueing = time.perf_counter()
-            mx.eval(sampled, logprobs, contexts)
+            # The step's one read back (a lookup's pending tokens were read above).
+            mx.eval(sampled, logprobs, contexts, targets, inputs, queued_lps)
+            if lazy:
+                pending = queued.tolist()
+                drafts = [d if isinstance(d, list) else d.tolist() for d in drafts]
             rows = speculator.rows
             taken, nexts = accepted(
                 logits,
                 drafts,
                 [rows[u].sampled if d else None for u, d in zip(b.uids, drafts, strict=True)],
+                targets,
             )
             plain: list[int] = sampled.tolist()
             chosen = [p if n is None else n for p, n in zip(plain, nexts, strict=True)]

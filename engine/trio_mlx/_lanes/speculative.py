@@ -213,6 +213,12 @@ class Speculator:
             return self._probe_kind
         return speculate
 
+    @property
+    def lazy(self) -> bool:
+        """Whether drafts are lazy arrays (a draft model): the pending tokens are not
+        read before drafting, and the step evaluates once."""
+        return self.settings.draft is not None
+
     def wanted(self, uids: Sequence[int]) -> bool:
         """Whether this step may speculate (decided before the pending tokens are read):
         not above ``max_batch`` rows, nor where it measured slower than plain steps;
@@ -237,11 +243,13 @@ class Speculator:
         self,
         uids: Sequence[int],
         histories: Sequence[Sequence[int]],
-        pending: Sequence[int],
+        pending: Any,
         eligible: Sequence[bool],
-    ) -> list[list[int]]:
-        """Each row's drafts for this step (empty: it does not speculate now)."""
-        drafts: list[list[int]] = []
+    ) -> list[Any]:
+        """Each row's drafts for this step (empty: it does not speculate now): lists of
+        token ids from ``pending``, the rows' pending tokens read back, or, where
+        :attr:`lazy`, lazy arrays drafted from ``pending`` as the lazy array of them."""
+        drafts: list[Any] = []
         for uid, history, last, ok in zip(uids, histories, pending, eligible, strict=True):
             row = self.rows.get(uid)
             if row is None or not ok:
@@ -252,7 +260,7 @@ class Speculator:
                 continue
             row.drafter.feed(history)
             draft = row.drafter.draft(last, row.k)
-            if draft:
+            if len(draft):
                 row.idle = 0
             else:
                 # Reading the pending tokens costs the step its pipelining: a row
@@ -293,13 +301,15 @@ def accepted(
     logits: Any,
     drafts: Sequence[list[int]],
     sampled: Sequence[tuple[float, Callable[[Any], Any]] | None],
+    targets: Any = None,
 ) -> tuple[list[int], list[int | None]]:
     """Each row's accepted draft count and, for a sampled row, its next token.
 
     ``logits`` (rows, width, vocabulary) are the target's over each row's pending
     token and drafts. A greedy row (``sampled`` None) accepts drafts while they
     equal the argmax before them; its next token is the argmax after the last
-    accepted one. A sampled row accepts
+    accepted one (``targets``, the argmax over ``logits`` if already evaluated, saves
+    a read back). A sampled row accepts
     draft ``x`` with probability ``p(x)`` and, at the first rejection, draws its
     next token from ``p`` with ``x`` removed (renormalised); with every draft
     accepted, from ``p`` after the last. Rows without drafts: 0, None.
@@ -310,9 +320,11 @@ def accepted(
     nexts: list[int | None] = [None] * len(drafts)
     greedy_rows = [e for e, d in enumerate(drafts) if d and sampled[e] is None]
     if greedy_rows:
-        rows = mx.array(greedy_rows)
-        targets: Any = mx.argmax(logits[rows], axis=-1).tolist()
-        for e, target in zip(greedy_rows, targets, strict=True):
+        if targets is None:
+            targets = mx.argmax(logits, axis=-1)
+        every: list[list[int]] = targets.tolist()
+        for e in greedy_rows:
+            target = every[e]
             n = 0
             for j, token in enumerate(drafts[e]):
                 if token != target[j]:
