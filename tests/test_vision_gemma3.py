@@ -207,3 +207,27 @@ def test_a_gemma3_whose_image_passes_its_sliding_window_is_refused(tmp_path: Pat
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(trio_mlx.InvalidRequest, match="16 tokens is longer than its sliding"):
         load(str(folder))
+
+
+@pytest.mark.parametrize("budget", [None, 8], ids=["whole", "chunks-of-8"])
+async def test_a_screenshot_history_reuses_the_rotating_caches_of_earlier_turns(
+    vlm_path: Path, budget: int | None
+) -> None:
+    params = trio_mlx.SamplingParams(max_tokens=6, logit_bias=NO_EOS)
+    first = _chat(trio_mlx.ImageInput(png(7)))
+
+    async def turns(engine: trio_mlx.Engine) -> list[trio_mlx.Completion]:
+        one = await engine.complete(first, params)
+        second = [*first, {"role": "assistant", "content": one.text}]
+        second += _chat(trio_mlx.ImageInput(png(8)))
+        return [one, await engine.complete(second, params)]
+
+    async with trio_mlx.open_engine(vlm_path, prefill_budget=budget) as engine:
+        cached = await turns(engine)
+    async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
+        fresh = await turns(engine)
+    assert [c.token_ids for c in cached] == [c.token_ids for c in fresh]
+    one, two = (c.result for c in cached)
+    # Turn 2 takes turn 1's prompt (its image included) and prefills its new image.
+    assert one.cached_tokens == 0
+    assert one.prompt_tokens - 1 <= two.cached_tokens < two.prompt_tokens - 16

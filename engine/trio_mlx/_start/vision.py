@@ -13,8 +13,9 @@ mlx-lm model then runs through a fresh cache a chunk per step, all but the last 
 the lane inserts the row with that cache.
 
 Only families whose image tokens are plain positions to the language model batch this
-way (:data:`FAMILIES`); others (M-RoPE positions, bidirectional image attention) are
-refused at load, naming the family.
+way (:data:`FAMILIES`; gemma3's image tokens attend to each other both ways in the
+prefill, :mod:`trio_mlx._start.vision_gemma3`); others (M-RoPE positions) are refused at
+load, naming the family.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ class Vision:
 
     def advance(self, job: ImagePrefill, count: int) -> int:
         """Run the next ``count`` (at most) of ``job``'s embedded positions through the
-        language model into its cache (MLX thread). Returns the positions run."""
+        language model into its cache (MLX thread). Returns the positions run (gemma3:
+        a chunk never ends inside an image, so it may hold more, a whole image)."""
         import mlx.core as mx
 
         at = job.at
