@@ -32,7 +32,8 @@ PARAMS = trio_mlx.SamplingParams(max_tokens=TOKENS, logit_bias=NO_EOS)
 def vlm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trio_mlx.testing import make_random_vlm
 
-    return make_random_vlm(tmp_path_factory.mktemp("models") / "tiny-gemma3", family="gemma3")
+    folder = tmp_path_factory.mktemp("models") / "tiny-gemma3"
+    return make_random_vlm(folder, family="gemma3", seed=1)  # its answers turn on the image
 
 
 def _chat(image: trio_mlx.ImageInput) -> list[dict[str, Any]]:
@@ -122,6 +123,25 @@ def _reference(vision: Any, row: Any, *, bidirectional: bool = True) -> list[int
         out.append(token)
         embeds = mx.concatenate([embeds, text.embed_tokens(mx.array([[token]]))], axis=1)
     return out
+
+
+def test_the_reference_without_the_image_mask_is_mlx_vlms_own_generation(vlm_path: Path) -> None:
+    # mlx-vlm 0.7.10 generates gemma3 with a causal mask only: the reference's causal
+    # variant gives its tokens, so the reference differs from it by the mask alone.
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+
+    lane = _lane(vlm_path, None)
+    row = _image_row(lane, 0, 1)
+    ids = mx.array([list(row.prompt)])
+    pixels = mx.array(row.images.arrays["pixel_values"])
+    steps = generate_step(
+        ids, lane.vision.model, pixels, mx.ones(ids.shape, mx.int32), max_tokens=TOKENS,
+        temperature=0.0, logit_bias=NO_EOS,
+    )  # fmt: skip
+    tokens = [int(token) for token, _ in steps]
+    assert tokens == _reference(lane.vision, row, bidirectional=False)
+    assert tokens != _reference(lane.vision, row)
 
 
 @pytest.mark.parametrize("budget", [None, 8], ids=["whole", "chunks-of-8"])

@@ -76,8 +76,8 @@ def write_gemma3(
         "hidden_size": hidden_size,
         "num_hidden_layers": num_hidden_layers,
         "intermediate_size": 2 * hidden_size,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        # No head counts: mlx-vlm's defaults (8 and 4) apply, as to a folder that
+        # leaves them out (mlx-lm's differ).
         "head_dim": 32,
         "query_pre_attn_scalar": 32,
         "rms_norm_eps": 1e-6,
@@ -86,6 +86,7 @@ def write_gemma3(
         "sliding_window_pattern": 2,
         "rope_global_base_freq": 1_000_000.0,
         "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
         "mm_tokens_per_image": 16,
         "max_position_embeddings": 4096,
     }
