@@ -447,7 +447,7 @@ def make_random_model(
 
 
 #: The vision-language families :func:`make_random_vlm` builds (mlx-vlm's classes).
-VLM_FAMILIES = ("llava",)
+VLM_FAMILIES = ("llava", "gemma3")
 
 #: A ChatML template whose content may be a list of parts: an image part renders as
 #: the model's image token, which its processor expands to the image's tokens.
@@ -466,7 +466,7 @@ def make_random_vlm(
     *,
     family: str = "llava",
     seed: int = 0,
-    weight_scale: float = 4.0,
+    weight_scale: float | None = None,
     hidden_size: int = 128,
     num_hidden_layers: int = 2,
     image_size: int = 32,
@@ -478,8 +478,10 @@ def make_random_vlm(
     ``<image>`` token; the vision tower a two-layer CLIP over 32 x 32 images in 8 x 8
     patches (16 image tokens an image), with a CLIP image processor config (the bench
     asks for a larger ``hidden_size``, ``num_hidden_layers`` and ``image_size``). Needs
-    mlx-vlm (the ``vision`` extra). ``weight_scale`` multiplies the language model's
-    and the projector's matrices, so greedy answers vary with the image.
+    mlx-vlm (the ``vision`` extra). ``weight_scale`` (4; gemma3: 1) multiplies the
+    language model's and the projector's matrices, so greedy answers vary with the image.
+    gemma3's model (``trio_mlx._testing_gemma3``) has 16 tokens an image, sliding-window
+    layers of 24 beside global ones, and answers by the image best with text before it.
     """
     if family not in VLM_FAMILIES:
         raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VLM_FAMILIES)}")
@@ -491,6 +493,20 @@ def make_random_vlm(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = type(_tokenizer(512, None)).from_str(_tokenizer(512, None).to_str())
+    if family == "gemma3":
+        from trio_mlx._testing_gemma3 import write_gemma3
+
+        scale = 1.0 if weight_scale is None else weight_scale
+        return write_gemma3(
+            directory,
+            tokenizer,
+            write_tokenizer,
+            seed=seed,
+            weight_scale=scale,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_hidden_layers,
+            image_size=image_size,
+        )
     write_tokenizer(tokenizer, directory)
     tokenizer.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
     image_id = tokenizer.token_to_id("<image>")
@@ -544,7 +560,7 @@ def make_random_vlm(
     def scaled(path: str, p: Any) -> Any:
         if p.ndim < 2 or path.startswith("vision_tower"):
             return p
-        return p * weight_scale
+        return p * (4.0 if weight_scale is None else weight_scale)
 
     model.update(tree_map_with_path(scaled, model.parameters()))
     weights = dict(tree_flatten(model.parameters()))

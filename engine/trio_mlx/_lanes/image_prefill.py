@@ -8,7 +8,8 @@ embeddings, :meth:`~trio_mlx._start.vision.Vision.embed`), then the language mod
 the next chunk of those embeddings into the row's cache
 (:meth:`~trio_mlx._start.vision.Vision.advance`). A chunk is at most the lane's chunk
 (its ``prefill_budget``, ``long_prompt_chunk`` and the plan's ``prefill_chunk``) less
-the text rows' prefill pass of the step. Rows waiting to join when an image row came go
+the text rows' prefill pass of the step (gemma3: an image is never cut, so its chunk
+may be the whole image). Rows waiting to join when an image row came go
 first (it starts once they have joined); text rows join a step while their pass and the
 image's piece of it stay within the budget (``BatchLane._feed``: the image row is not in
 mlx-lm's prompt batch, so it pads none of them). So the decode streams beside

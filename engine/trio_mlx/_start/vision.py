@@ -13,8 +13,9 @@ mlx-lm model then runs through a fresh cache a chunk per step, all but the last 
 the lane inserts the row with that cache.
 
 Only families whose image tokens are plain positions to the language model batch this
-way (:data:`FAMILIES`); others (M-RoPE positions, bidirectional image attention) are
-refused at load, naming the family.
+way (:data:`FAMILIES`; gemma3's image tokens attend to each other both ways in the
+prefill, :mod:`trio_mlx._start.vision_gemma3`); others (M-RoPE positions) are refused at
+load, naming the family.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ import attrs
 from trio_mlx._errors import InvalidRequest
 from trio_mlx._lanes.image_prefill import ImagePrefill
 from trio_mlx._lanes.prompt_cache import PROMPT, PromptCache
+from trio_mlx._start import vision_gemma3
 
 __all__ = ["FAMILIES", "ImagePrefill", "Vision", "VisionPrompt", "is_vision", "load"]
 
 #: mlx-vlm families that batch after their image prefill: the language model is an
 #: mlx-lm model of ``text_config`` with the same weights, image tokens take plain
-#: positions and causal attention. qwen2_vl / qwen2_5_vl (M-RoPE: positions from the
-#: image grid, a per-row offset after the prefill) and gemma3 (bidirectional attention
-#: over an image's tokens) are not among them.
-FAMILIES = frozenset({"llava"})
+#: positions; causal attention, or for gemma3 bidirectional within an image in the
+#: prefill (:mod:`trio_mlx._start.vision_gemma3`). qwen2_vl / qwen2_5_vl (M-RoPE:
+#: positions from the image grid, a per-row offset after the prefill) are not.
+FAMILIES = frozenset({"llava", "gemma3"})
 
 
 def is_vision(path: str) -> bool:
@@ -176,7 +178,7 @@ class Vision:
         ids = mx.array([tokens[job.start :]])
         pixels = arrays.pop("pixel_values", None)
         embeds = self.model.get_input_embeddings(
-            ids, pixels if done < len(runs) else None, **arrays
+            ids, pixels if done < len(runs) else None, mask=mx.ones(ids.shape, mx.int32), **arrays
         ).inputs_embeds
         mx.async_eval(embeds)  # type: ignore[no-untyped-call]  # queued, as the lane queues prefill
         job.ids, job.embeds = ids, embeds
@@ -184,14 +186,18 @@ class Vision:
 
     def advance(self, job: ImagePrefill, count: int) -> int:
         """Run the next ``count`` (at most) of ``job``'s embedded positions through the
-        language model into its cache (MLX thread). Returns the positions run."""
+        language model into its cache (MLX thread). Returns the positions run (gemma3:
+        a chunk never ends inside an image, so it may hold more, a whole image)."""
         import mlx.core as mx
 
         at = job.at
         end = min(len(job.tokens) - 1 - job.start, at + count)
         assert job.cache is not None
-        embeds = job.embeds[:, at:end]
-        self.text_model(job.ids[:, at:end], cache=job.cache, input_embeddings=embeds)
+        if self.family == "gemma3":
+            end = vision_gemma3.advance(self.text_model, self._runs(job.tokens), job, end)
+        else:
+            embeds = job.embeds[:, at:end]
+            self.text_model(job.ids[:, at:end], cache=job.cache, input_embeddings=embeds)
         mx.async_eval([c.state for c in job.cache])  # type: ignore[no-untyped-call]
         job.at = end
         return end - at
@@ -254,7 +260,10 @@ def load(path: str) -> tuple[Any, Any, dict[str, Any], Vision]:
     from mlx_lm.utils import _get_classes
 
     model, processor = vlm_load(path)
-    text_config = dict(config["text_config"])
+    if family == "gemma3":
+        text_config = vision_gemma3.text_config(model, processor)
+    else:
+        text_config = dict(config["text_config"])
     for key in ("eos_token_id", "vocab_size"):
         if key in config and key not in text_config:
             text_config[key] = config[key]
