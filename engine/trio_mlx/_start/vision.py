@@ -12,8 +12,10 @@ prompt's input embeddings (mlx-vlm's ``get_input_embeddings``) in one step, whic
 mlx-lm model then runs through a fresh cache a chunk per step, all but the last token;
 the lane inserts the row with that cache.
 
-Only families whose image tokens are plain positions to the language model batch this
-way (:data:`FAMILIES`); others (M-RoPE positions, bidirectional image attention) are
+Families whose image tokens are plain positions to the language model batch this way
+(:data:`FAMILIES`); so do M-RoPE families (qwen2_vl), whose prefill runs at positions
+from the image grid, moved so that the tokens past the images sit at their index
+(:mod:`trio_mlx._start.vision_mrope`). Others (bidirectional image attention) are
 refused at load, naming the family.
 """
 
@@ -29,15 +31,15 @@ import attrs
 from trio_mlx._errors import InvalidRequest
 from trio_mlx._lanes.image_prefill import ImagePrefill
 from trio_mlx._lanes.prompt_cache import PROMPT, PromptCache
+from trio_mlx._start import vision_mrope
 
 __all__ = ["FAMILIES", "ImagePrefill", "Vision", "VisionPrompt", "is_vision", "load"]
 
 #: mlx-vlm families that batch after their image prefill: the language model is an
 #: mlx-lm model of ``text_config`` with the same weights, image tokens take plain
-#: positions and causal attention. qwen2_vl / qwen2_5_vl (M-RoPE: positions from the
-#: image grid, a per-row offset after the prefill) and gemma3 (bidirectional attention
-#: over an image's tokens) are not among them.
-FAMILIES = frozenset({"llava"})
+#: positions and causal attention; or M-RoPE ones (``vision_mrope``). gemma3
+#: (bidirectional attention over an image's tokens) is not among them.
+FAMILIES = frozenset({"llava"}) | vision_mrope.FAMILIES
 
 
 def is_vision(path: str) -> bool:
@@ -146,8 +148,11 @@ class Vision:
         tokens = list(tokens)
         base, _, digests = cast("tuple[Hashable, str, tuple[str, ...]]", key)
         if store is not None:
+            mrope = self.family in vision_mrope.FAMILIES
             probes = [
-                (base, "images", digests[:k]) if k else base for k in range(len(digests), -1, -1)
+                (base, "images", digests[:k]) if k else base
+                for k in range(len(digests), -1, -1)
+                if not mrope or vision_mrope.frame_fits(self.model, prompt.arrays, k)
             ]
             best = max(probes, key=lambda probe: store.covered(probe, tokens))
             covered = store.covered(best, tokens)
@@ -180,6 +185,8 @@ class Vision:
         ).inputs_embeds
         mx.async_eval(embeds)  # type: ignore[no-untyped-call]  # queued, as the lane queues prefill
         job.ids, job.embeds = ids, embeds
+        if self.family in vision_mrope.FAMILIES:
+            job.positions = vision_mrope.positions(self.model, tokens, job.prompt.arrays, job.start)
         return sum(end - max(first, job.start) for first, end in runs if end > job.start)
 
     def advance(self, job: ImagePrefill, count: int) -> int:
@@ -191,7 +198,12 @@ class Vision:
         end = min(len(job.tokens) - 1 - job.start, at + count)
         assert job.cache is not None
         embeds = job.embeds[:, at:end]
-        self.text_model(job.ids[:, at:end], cache=job.cache, input_embeddings=embeds)
+        if job.positions is not None:
+            vision_mrope.run(
+                self.model, job.ids[:, at:end], embeds, job.cache, job.positions[..., at:end]
+            )
+        else:
+            self.text_model(job.ids[:, at:end], cache=job.cache, input_embeddings=embeds)
         mx.async_eval([c.state for c in job.cache])  # type: ignore[no-untyped-call]
         job.at = end
         return end - at
@@ -199,7 +211,7 @@ class Vision:
     def finish(self, job: ImagePrefill, store: PromptCache | None) -> tuple[list[Any], list[int]]:
         """A prefilled ``job``'s cache and the token left to it; the cache kept under its key."""
         assert job.cache is not None
-        job.ids = job.embeds = None
+        job.ids = job.embeds = job.positions = None
         if store is not None and len(job.tokens) > 1:
             store.checkpoint(job.key, job.tokens[:-1], job.cache, PROMPT)
         return job.cache, job.tokens[-1:]
@@ -254,7 +266,10 @@ def load(path: str) -> tuple[Any, Any, dict[str, Any], Vision]:
     from mlx_lm.utils import _get_classes
 
     model, processor = vlm_load(path)
-    text_config = dict(config["text_config"])
+    if family in vision_mrope.FAMILIES:
+        text_config = vision_mrope.text_config(config)
+    else:
+        text_config = dict(config["text_config"])
     for key in ("eos_token_id", "vocab_size"):
         if key in config and key not in text_config:
             text_config[key] = config[key]
