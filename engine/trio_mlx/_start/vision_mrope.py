@@ -45,7 +45,8 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _grids(arrays: Mapping[str, Any]) -> list[tuple[int, int, int]]:
     grid = arrays.get("image_grid_thw")
-    return [] if grid is None else [tuple(int(x) for x in row) for row in grid.tolist()]
+    rows = [] if grid is None else grid.tolist()
+    return [(int(t), int(h), int(w)) for t, h, w in rows]
 
 
 def frame_fits(model: Any, arrays: Mapping[str, Any], k: int) -> bool:
