@@ -9,6 +9,7 @@ less than its index (see :mod:`trio_mlx._start.vision_mrope`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ QWEN2_VL_CHAT_TEMPLATE = (
 def make_random_qwen2_vl(
     directory: Path,
     tokenizer: Any,
+    write_tokenizer: Callable[[Any, Path], None],
     *,
     seed: int,
     weight_scale: float,
@@ -41,15 +43,13 @@ def make_random_qwen2_vl(
     patch_size: int = 4,
 ) -> Path:
     """Write the model into ``directory`` around ``tokenizer`` (the tiny llama's, untouched
-    here): a qwen2 language model of ``hidden_size`` with M-RoPE sections over its 4 heads,
+    here; ``write_tokenizer`` writes its files, as ``trio_mlx.testing``'s does): a qwen2 language model of ``hidden_size`` with M-RoPE sections over its 4 heads,
     a two-layer Qwen2-VL vision tower over ``patch_size`` patches merged 2 x 2 (a 32 x 32
     image: 16 tokens on a 4 x 4 grid), and a processor that keeps small images' sizes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_vlm.models import qwen2_vl
     from tokenizers import AddedToken
-
-    from trio_mlx.testing import write_tokenizer
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

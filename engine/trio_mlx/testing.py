@@ -489,6 +489,7 @@ def make_random_vlm(
         return make_random_qwen2_vl(
             directory,
             _tokenizer(512, None),
+            write_tokenizer,
             seed=seed,
             weight_scale=weight_scale,
             hidden_size=hidden_size,
