@@ -217,3 +217,35 @@ async def test_openai_chat_sees_the_image_on_qwen2_vl(qwen_path: Path) -> None:
     assert replies[0].usage is not None
     assert replies[2].usage is not None
     assert replies[2].usage.prompt_tokens == replies[0].usage.prompt_tokens
+
+
+async def test_image_rows_that_speculate_equal_plain_decoding(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from trio_mlx.testing import make_random_vlm
+
+    # Small weights: its greedy text soon repeats, so prompt lookup drafts are taken.
+    loopy = make_random_vlm(
+        tmp_path_factory.mktemp("models") / "loopy-qwen2-vl", family="qwen2_vl", weight_scale=1.0
+    )
+    prompts: list[Any] = [image_chat(_image(1)), image_chat(_image(2)), "Tell me about topic 1."]
+    params = trio_mlx.SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def run(**settings: Any) -> tuple[list[tuple[int, ...]], trio_mlx.EngineStatistics]:
+        outs: list[tuple[int, ...]] = [()] * len(prompts)
+        async with trio_mlx.open_engine(
+            loopy, speculation_governor=False, prompt_cache_bytes=0, **settings
+        ) as engine:
+
+            async def one(i: int) -> None:
+                outs[i] = (await engine.complete(prompts[i], params)).token_ids
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            return outs, engine.statistics()
+
+    plain, _ = await run()
+    spec, stats = await run(prompt_lookup=True)
+    assert spec == plain
+    assert stats.draft_accepted_tokens["prompt_lookup"] > 0
