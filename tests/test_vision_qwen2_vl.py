@@ -1,4 +1,5 @@
-"""An M-RoPE vision family in the batch: a tiny random qwen2_vl (mlx-vlm's own classes).
+"""M-RoPE vision families in the batch: a tiny random qwen2_vl and qwen2_5_vl (mlx-vlm's
+own classes).
 
 Its image tokens take positions from the image grid and the tokens after them fewer
 positions than their index; an image row's greedy tokens must be the model's own, as
@@ -29,11 +30,12 @@ TOKENS = 16
 PARAMS = trio_mlx.SamplingParams(max_tokens=TOKENS, logit_bias=NO_EOS)
 
 
-@pytest.fixture(scope="module")
-def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_path(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     from trio_mlx.testing import make_random_vlm
 
-    return make_random_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl", family="qwen2_vl")
+    family = request.param
+    return make_random_vlm(tmp_path_factory.mktemp("models") / f"tiny-{family}", family=family)
 
 
 def _lane(path: Path, budget: int | None = None) -> Any:

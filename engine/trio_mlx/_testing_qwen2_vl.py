@@ -1,5 +1,6 @@
-"""A tiny random qwen2_vl for tests and benchmarks (``trio_mlx.testing.make_random_vlm``
-with ``family="qwen2_vl"``): mlx-vlm's own classes, a Qwen-VL image processor config.
+"""A tiny random qwen2_vl or qwen2_5_vl for tests and benchmarks
+(``trio_mlx.testing.make_random_vlm`` with that ``family``): mlx-vlm's own classes, a
+Qwen-VL image processor config.
 
 Its language model uses M-RoPE (``rope_scaling`` of type ``mrope``), so an image's
 tokens take positions from the image's grid and every token after them one per token
@@ -41,14 +42,16 @@ def make_random_qwen2_vl(
     hidden_size: int,
     num_hidden_layers: int,
     patch_size: int = 4,
+    family: str = "qwen2_vl",
 ) -> Path:
     """Write the model into ``directory`` around ``tokenizer`` (the tiny llama's, untouched
     here; ``write_tokenizer`` writes its files, as ``trio_mlx.testing``'s does): a qwen2 language model of ``hidden_size`` with M-RoPE sections over its 4 heads,
     a two-layer Qwen2-VL vision tower over ``patch_size`` patches merged 2 x 2 (a 32 x 32
-    image: 16 tokens on a 4 x 4 grid), and a processor that keeps small images' sizes."""
+    image: 16 tokens on a 4 x 4 grid), and a processor that keeps small images' sizes.
+    ``family="qwen2_5_vl"``: the same language model, Qwen2.5-VL's windowed vision tower."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map_with_path
-    from mlx_vlm.models import qwen2_vl
+    from mlx_vlm.models import qwen2_5_vl, qwen2_vl
     from tokenizers import AddedToken
 
     directory = Path(directory)
@@ -86,24 +89,32 @@ def make_random_qwen2_vl(
         "rope_scaling": {"type": "mrope", "mrope_section": sections},
         "tie_word_embeddings": False,
     }
-    vision = {
-        "model_type": "qwen2_vl",
+    vision: dict[str, Any] = {
+        "model_type": family,
         "depth": 2,
-        "embed_dim": 32,
-        "hidden_size": hidden_size,
         "num_heads": 2,
-        "mlp_ratio": 2,
         "patch_size": patch_size,
         "spatial_patch_size": patch_size,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
         "in_channels": 3,
     }
+    if family == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=hidden_size, mlp_ratio=2)
+    else:  # windows of 2 x 2 merged patches, the last block attending the whole image
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size)
+        vision.update(window_size=4 * patch_size, fullatt_block_indexes=[1], tokens_per_second=2)
+    classes = qwen2_vl if family == "qwen2_vl" else qwen2_5_vl
+    processor = "Qwen2VLProcessor" if family == "qwen2_vl" else "Qwen2_5_VLProcessor"
     # Flat, as Qwen2-VL checkpoints are: mlx-vlm reads the text model's fields off the top.
     config = {
         **text,
-        "model_type": "qwen2_vl",
-        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": family,
+        "architectures": [
+            "Qwen2VLForConditionalGeneration"
+            if family == "qwen2_vl"
+            else "Qwen2_5_VLForConditionalGeneration"
+        ],
         "vision_config": vision,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
@@ -113,11 +124,11 @@ def make_random_qwen2_vl(
         "eos_token_id": [0, 2],
         "torch_dtype": "float32",
     }
-    model_config = qwen2_vl.ModelConfig.from_dict(dict(config))
-    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(vision)
+    model_config = classes.ModelConfig.from_dict(dict(config))
+    model_config.text_config = classes.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = classes.VisionConfig.from_dict(vision)
     mx.random.seed(seed)
-    model = qwen2_vl.Model(model_config)
+    model = classes.Model(model_config)
 
     def scaled(path: str, p: Any) -> Any:
         if p.ndim < 2 or path.startswith("vision_tower"):
@@ -130,7 +141,7 @@ def make_random_qwen2_vl(
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     factor = patch_size * 2
     preprocessor = {
-        "image_processor_type": "Qwen2VLImageProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor",  # Qwen2.5-VL's too
         "patch_size": patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
@@ -145,7 +156,5 @@ def make_random_qwen2_vl(
     }
     for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
         (directory / name).write_text(json.dumps(preprocessor, indent=2))
-    (directory / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2)
-    )
+    (directory / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
     return directory

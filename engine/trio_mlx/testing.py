@@ -447,7 +447,7 @@ def make_random_model(
 
 
 #: The vision-language families :func:`make_random_vlm` builds (mlx-vlm's classes).
-VLM_FAMILIES = ("llava", "qwen2_vl")
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
 
 #: A ChatML template whose content may be a list of parts: an image part renders as
 #: the model's image token, which its processor expands to the image's tokens.
@@ -483,7 +483,7 @@ def make_random_vlm(
     """
     if family not in VLM_FAMILIES:
         raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VLM_FAMILIES)}")
-    if family == "qwen2_vl":  # M-RoPE: its own module, with its tokens and processor
+    if family != "llava":  # M-RoPE (qwen2_vl, qwen2_5_vl): its own module
         from trio_mlx._testing_qwen2_vl import make_random_qwen2_vl
 
         return make_random_qwen2_vl(
@@ -494,6 +494,7 @@ def make_random_vlm(
             weight_scale=weight_scale,
             hidden_size=hidden_size,
             num_hidden_layers=num_hidden_layers,
+            family=family,
         )
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map_with_path

@@ -13,7 +13,7 @@ mlx-lm model then runs through a fresh cache a chunk per step, all but the last 
 the lane inserts the row with that cache.
 
 Families whose image tokens are plain positions to the language model batch this way
-(:data:`FAMILIES`); so do M-RoPE families (qwen2_vl), whose prefill runs at positions
+(:data:`FAMILIES`); so do M-RoPE ones (qwen2_vl, qwen2_5_vl), whose prefill runs at positions
 from the image grid, moved so that the tokens past the images sit at their index
 (:mod:`trio_mlx._start.vision_mrope`). Others (bidirectional image attention) are
 refused at load, naming the family.

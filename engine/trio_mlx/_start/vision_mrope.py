@@ -1,4 +1,4 @@
-"""M-RoPE vision families (qwen2_vl): their image prefill's positions (MLX thread).
+"""M-RoPE vision families (qwen2_vl, qwen2_5_vl): their image prefill's positions (MLX thread).
 
 The language model rotates each query and key by three positions (time, height,
 width), each on its own section of the rotary frequencies. A text token has the three
@@ -30,8 +30,9 @@ from typing import Any
 
 __all__ = ["FAMILIES", "frame_fits", "positions", "run", "text_config"]
 
-#: mlx-vlm families whose language model is mlx-lm's ``qwen2`` with M-RoPE.
-FAMILIES = frozenset({"qwen2_vl"})
+#: mlx-vlm families whose language model is mlx-lm's ``qwen2`` with M-RoPE (the same
+#: ``get_rope_index`` in both).
+FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
 def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
