@@ -479,11 +479,12 @@ def make_random_vlm(
     patches (16 image tokens an image), with a CLIP image processor config (the bench
     asks for a larger ``hidden_size``, ``num_hidden_layers`` and ``image_size``). Needs
     mlx-vlm (the ``vision`` extra). ``weight_scale`` multiplies the language model's
-    and the projector's matrices, so greedy answers vary with the image.
+    and the projector's matrices, so greedy answers vary with the image. qwen2_vl and
+    qwen2_5_vl: ``trio_mlx._testing_qwen2_vl`` (Qwen-VL tokens, processor and M-RoPE).
     """
     if family not in VLM_FAMILIES:
         raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VLM_FAMILIES)}")
-    if family != "llava":  # M-RoPE (qwen2_vl, qwen2_5_vl): its own module
+    if family in ("qwen2_vl", "qwen2_5_vl"):  # M-RoPE: its own module
         from trio_mlx._testing_qwen2_vl import make_random_qwen2_vl
 
         return make_random_qwen2_vl(
