@@ -328,11 +328,11 @@ async def test_a_vision_family_that_cannot_batch_is_refused_at_load(
 
     from trio_mlx.testing import with_context
 
-    folder = with_context(vlm_path, tmp_path / "qwen2-vl-shaped", 2048)
+    folder = with_context(vlm_path, tmp_path / "idefics3-shaped", 2048)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").unlink()
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
-    with pytest.raises(trio_mlx.InvalidRequest, match="'qwen2_vl' is not supported") as refused:
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "idefics3"}))
+    with pytest.raises(trio_mlx.InvalidRequest, match="'idefics3' is not supported") as refused:
         async with trio_mlx.open_engine(folder):
             pass
     assert refused.value.code == "vision_family_unsupported"

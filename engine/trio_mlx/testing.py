@@ -447,7 +447,7 @@ def make_random_model(
 
 
 #: The vision-language families :func:`make_random_vlm` builds (mlx-vlm's classes).
-VLM_FAMILIES = ("llava", "gemma3")
+VLM_FAMILIES = ("llava", "gemma3", "qwen2_vl", "qwen2_5_vl")
 
 #: A ChatML template whose content may be a list of parts: an image part renders as
 #: the model's image token, which its processor expands to the image's tokens.
@@ -482,9 +482,24 @@ def make_random_vlm(
     language model's and the projector's matrices, so greedy answers vary with the image.
     gemma3's model (``trio_mlx._testing_gemma3``) has 16 tokens an image, sliding-window
     layers of 24 beside global ones, and answers by the image best with text before it.
+    qwen2_vl and qwen2_5_vl: ``trio_mlx._testing_qwen2_vl`` (Qwen-VL tokens, processor and
+    M-RoPE).
     """
     if family not in VLM_FAMILIES:
         raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VLM_FAMILIES)}")
+    if family in ("qwen2_vl", "qwen2_5_vl"):  # M-RoPE: its own module
+        from trio_mlx._testing_qwen2_vl import make_random_qwen2_vl
+
+        return make_random_qwen2_vl(
+            directory,
+            _tokenizer(512, None),
+            write_tokenizer,
+            seed=seed,
+            weight_scale=4.0 if weight_scale is None else weight_scale,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_hidden_layers,
+            family=family,
+        )
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_vlm.models import llava

@@ -53,6 +53,8 @@ class ImagePrefill:
     #: The token ids and input embeddings of ``tokens[start:]`` (set by the encoder pass).
     ids: Any = None
     embeds: Any = None
+    #: M-RoPE families: their positions, ``(3, 1, n)`` (``trio_mlx._start.vision_mrope``).
+    positions: Any = None
     #: Positions of them already run into the cache.
     at: int = 0
 

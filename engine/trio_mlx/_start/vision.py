@@ -12,9 +12,11 @@ prompt's input embeddings (mlx-vlm's ``get_input_embeddings``) in one step, whic
 mlx-lm model then runs through a fresh cache a chunk per step, all but the last token;
 the lane inserts the row with that cache.
 
-Only families whose image tokens are plain positions to the language model batch this
-way (:data:`FAMILIES`; gemma3's image tokens attend to each other both ways in the
-prefill, :mod:`trio_mlx._start.vision_gemma3`); others (M-RoPE positions) are refused at
+Families whose image tokens are plain positions to the language model batch this way
+(:data:`FAMILIES`); so do gemma3, whose image tokens attend to each other both ways in the
+prefill (:mod:`trio_mlx._start.vision_gemma3`), and M-RoPE ones (qwen2_vl, qwen2_5_vl),
+whose prefill runs at positions from the image grid, moved so that the tokens past the
+images sit at their index (:mod:`trio_mlx._start.vision_mrope`). Others are refused at
 load, naming the family.
 """
 
@@ -30,16 +32,15 @@ import attrs
 from trio_mlx._errors import InvalidRequest
 from trio_mlx._lanes.image_prefill import ImagePrefill
 from trio_mlx._lanes.prompt_cache import PROMPT, PromptCache
-from trio_mlx._start import vision_gemma3
+from trio_mlx._start import vision_gemma3, vision_mrope
 
 __all__ = ["FAMILIES", "ImagePrefill", "Vision", "VisionPrompt", "is_vision", "load"]
 
 #: mlx-vlm families that batch after their image prefill: the language model is an
 #: mlx-lm model of ``text_config`` with the same weights, image tokens take plain
 #: positions; causal attention, or for gemma3 bidirectional within an image in the
-#: prefill (:mod:`trio_mlx._start.vision_gemma3`). qwen2_vl / qwen2_5_vl (M-RoPE:
-#: positions from the image grid, a per-row offset after the prefill) are not.
-FAMILIES = frozenset({"llava", "gemma3"})
+#: prefill (:mod:`trio_mlx._start.vision_gemma3`); or M-RoPE ones (``vision_mrope``).
+FAMILIES = frozenset({"llava", "gemma3"}) | vision_mrope.FAMILIES
 
 
 def is_vision(path: str) -> bool:
@@ -148,8 +149,11 @@ class Vision:
         tokens = list(tokens)
         base, _, digests = cast("tuple[Hashable, str, tuple[str, ...]]", key)
         if store is not None:
+            mrope = self.family in vision_mrope.FAMILIES
             probes = [
-                (base, "images", digests[:k]) if k else base for k in range(len(digests), -1, -1)
+                (base, "images", digests[:k]) if k else base
+                for k in range(len(digests), -1, -1)
+                if not mrope or vision_mrope.frame_fits(self.model, prompt.arrays, k)
             ]
             best = max(probes, key=lambda probe: store.covered(probe, tokens))
             covered = store.covered(best, tokens)
@@ -182,6 +186,8 @@ class Vision:
         ).inputs_embeds
         mx.async_eval(embeds)  # type: ignore[no-untyped-call]  # queued, as the lane queues prefill
         job.ids, job.embeds = ids, embeds
+        if self.family in vision_mrope.FAMILIES:
+            job.positions = vision_mrope.positions(self.model, tokens, job.prompt.arrays, job.start)
         return sum(end - max(first, job.start) for first, end in runs if end > job.start)
 
     def advance(self, job: ImagePrefill, count: int) -> int:
@@ -193,10 +199,14 @@ class Vision:
         at = job.at
         end = min(len(job.tokens) - 1 - job.start, at + count)
         assert job.cache is not None
+        embeds = job.embeds[:, at:end]
         if self.family == "gemma3":
             end = vision_gemma3.advance(self.text_model, self._runs(job.tokens), job, end)
+        elif job.positions is not None:
+            vision_mrope.run(
+                self.model, job.ids[:, at:end], embeds, job.cache, job.positions[..., at:end]
+            )
         else:
-            embeds = job.embeds[:, at:end]
             self.text_model(job.ids[:, at:end], cache=job.cache, input_embeddings=embeds)
         mx.async_eval([c.state for c in job.cache])  # type: ignore[no-untyped-call]
         job.at = end
@@ -205,7 +215,7 @@ class Vision:
     def finish(self, job: ImagePrefill, store: PromptCache | None) -> tuple[list[Any], list[int]]:
         """A prefilled ``job``'s cache and the token left to it; the cache kept under its key."""
         assert job.cache is not None
-        job.ids = job.embeds = None
+        job.ids = job.embeds = job.positions = None
         if store is not None and len(job.tokens) > 1:
             store.checkpoint(job.key, job.tokens[:-1], job.cache, PROMPT)
         return job.cache, job.tokens[-1:]
@@ -262,6 +272,8 @@ def load(path: str) -> tuple[Any, Any, dict[str, Any], Vision]:
     model, processor = vlm_load(path)
     if family == "gemma3":
         text_config = vision_gemma3.text_config(model, processor)
+    elif family in vision_mrope.FAMILIES:
+        text_config = vision_mrope.text_config(config)
     else:
         text_config = dict(config["text_config"])
     for key in ("eos_token_id", "vocab_size"):
