@@ -30,6 +30,7 @@ if [ $# -eq 0 ]; then
     tests/test_traced_decode.py tests/test_decode_attention.py tests/test_fused_projections.py \
     tests/test_model_families.py tests/test_structured.py tests/test_structured_mask.py \
     tests/test_foundation.py tests/test_blas.py tests/test_speculative.py tests/test_vision.py \
+    tests/test_vision_gemma3.py tests/test_vision_qwen2_vl.py \
     tests/test_prompt_cache_kinds.py tests/test_prompt_cache_disk.py tests/test_batch_lane.py \
     tests/test_embeddings.py tests/test_host.py tests/test_host_residency.py
 fi
