@@ -24,9 +24,9 @@ did not, and a row whose draft was wholly rejected pauses for 1, 2, 4, ... 16
 steps (one whose lookups find nothing, 1 ... 16: a speculative step reads the pending
 tokens before it runs, so it is not pipelined). Above ``max_batch`` rows no step
 speculates, nor at a batch size where speculative steps measured fewer tokens a
-second than plain ones (the governor, :meth:`Speculator.observe`): a draft model
-whose one-row steps are as dear as the target's, on a host-bound GPU, loses even
-at high acceptance.
+second than plain ones (the governor, :meth:`Speculator.observe`): a verification
+as dear as several plain steps loses even at high acceptance. A draft model drafts
+for every row in the same forwards (:mod:`trio_mlx._lanes.draft_batch`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import Any
 
 import attrs
 
-from trio_mlx._lanes.drafter import ModelDraft, PromptLookup
+from trio_mlx._lanes.draft_batch import DraftBatch
+from trio_mlx._lanes.drafter import PromptLookup
 from trio_mlx._params import SamplingParams
 
 __all__ = [
@@ -84,9 +85,10 @@ class Speculation:
 
 @attrs.define(eq=False)
 class RowDraft:
-    """A speculating row's state: its drafter, its ``K`` and its pause."""
+    """A speculating row's state: its drafter (None: the lane's draft model drafts
+    for it, :class:`~trio_mlx._lanes.draft_batch.DraftBatch`), its ``K`` and its pause."""
 
-    drafter: PromptLookup | ModelDraft
+    drafter: PromptLookup | None
     #: None: greedy; else the row's sampler as (temperature, filter of the log-probabilities).
     sampled: tuple[float, Callable[[Any], Any]] | None
     k: int
@@ -161,20 +163,27 @@ class Speculator:
     #: Steps left of the current probe, and what it runs (speculating or not).
     _probing: int = 0
     _probe_kind: bool = False
+    #: The draft model's drafts for every row at once (the ``draft_model`` method).
+    batch: DraftBatch | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.settings.draft is not None:
+            self.batch = DraftBatch(self.settings.draft)
 
     def join(self, uid: int, params: SamplingParams) -> None:
         """A row joined the batch under ``uid``; it speculates unless it opted out."""
         if not params.speculate or params.xtc_probability > 0:
             return
-        draft = self.settings.draft
         self.rows[uid] = RowDraft(
-            PromptLookup() if draft is None else ModelDraft(draft),
+            PromptLookup() if self.batch is None else None,
             target_filter(params),
             self.settings.num_draft_tokens,
         )
 
     def part(self, uid: int) -> None:
         self.rows.pop(uid, None)
+        if self.batch is not None:
+            self.batch.part(uid)
 
     def observe(self, rows: int, tried: bool, tokens: int, seconds: float) -> None:
         """A step of ``rows`` rows emitted ``tokens`` in ``seconds`` (from the previous
@@ -248,7 +257,16 @@ class Speculator:
     ) -> list[Any]:
         """Each row's drafts for this step (empty: it does not speculate now): lists of
         token ids from ``pending``, the rows' pending tokens read back, or, where
-        :attr:`lazy`, lazy arrays drafted from ``pending`` as the lazy array of them."""
+        :attr:`lazy`, lazy arrays drafted from ``pending`` as the lazy array of them
+        (every draft-model row drafts in the same forwards; a paused or ineligible one
+        is fed its tokens there, so it never falls far behind)."""
+        if self.batch is not None:
+            members = []
+            for e, (uid, history, ok) in enumerate(zip(uids, histories, eligible, strict=True)):
+                row = self.rows.get(uid)
+                if row is not None:
+                    members.append((e, uid, history, row.k if ok and row.pause == 0 else 0))
+            return self.batch.draft(len(uids), members, pending)
         drafts: list[Any] = []
         for uid, history, last, ok in zip(uids, histories, pending, eligible, strict=True):
             row = self.rows.get(uid)
@@ -258,6 +276,7 @@ class Speculator:
             if row.pause > 0:
                 drafts.append([])
                 continue
+            assert row.drafter is not None
             row.drafter.feed(history)
             draft = row.drafter.draft(last, row.k)
             if len(draft):
@@ -277,6 +296,8 @@ class Speculator:
         self.steps += 1
         method = self.settings.method
         limit = self.settings.num_draft_tokens
+        if self.batch is not None:
+            self.batch.settle(dict(zip(uids, taken, strict=True)))
         for uid, draft, n in zip(uids, drafts, taken, strict=True):
             if not draft:
                 continue
@@ -285,7 +306,8 @@ class Speculator:
             row = self.rows.get(uid)
             if row is None:
                 continue
-            row.drafter.settle(n)
+            if row.drafter is not None:
+                row.drafter.settle(n)
             if n == len(draft):
                 row.k, row.misses = min(limit, row.k + 1), 0
             else:
