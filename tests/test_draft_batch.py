@@ -44,6 +44,8 @@ def test_batched_drafts_equal_each_rows_drafts_alone(
 
     # A small growth step: the buffer grows and is squeezed within a few steps.
     monkeypatch.setattr(draft_batch, "STEP", 8)
+    # Short catch-up chunks: rows far behind together feed in several forwards.
+    monkeypatch.setattr(draft_batch, "CHUNK", 16)
     # Counted: a far-behind row taken out to catch up alone, the buffer squeezed.
     calls: list[str] = []
     for name in ("_squeeze", "_row"):
@@ -63,25 +65,33 @@ def test_batched_drafts_equal_each_rows_drafts_alone(
         for uid in range(first_rows)
     }
     next_uid = first_rows
-    drafted = checked_events = 0
-    for step in range(24):
-        event = rng.random()
-        if event < 0.1 and len(rows) > 1:  # a row leaves
+    drafted = 0
+    # Every kind of event, in a shuffled order each cycle of eight steps.
+    kinds = ["leave", "join", "restart", "squeeze", "one behind", "all behind", "", ""]
+    schedule = []
+    for _ in range(4):
+        rng.shuffle(kinds)
+        schedule.extend(kinds)
+    for step, kind in enumerate(schedule):
+        if kind == "leave" and len(rows) > 1:
             uid = rng.choice(sorted(rows))
             del rows[uid]
             batch.part(uid)
-            checked_events += 1
-        elif event < 0.2:  # a row joins
+        elif kind == "join":
             rows[next_uid] = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 70))]
             next_uid += 1
-        elif event < 0.25:  # a row starts over (a shorter history under the same uid)
+        elif kind == "restart":  # a shorter history under the same uid
             uid = rng.choice(sorted(rows))
             rows[uid] = rows[uid][: max(1, len(rows[uid]) // 2)]
-        elif event < 0.35 or step % 8 == 7:  # the holes squeezed out, as the batch
-            batch._squeeze()  # does when they outgrow the tokens
-        elif event < 0.4:  # plain steps: one row falls far behind, the others a little
+        elif kind == "squeeze":  # as the batch does when the holes outgrow the tokens
+            batch._squeeze()
+        elif kind == "one behind":  # plain steps: one row far behind, the others a little
             for uid, history in rows.items():
-                grow = CATCH_UP + 5 if uid == min(rows) else rng.randrange(0, 4)
+                grow = CATCH_UP + 10 if uid == min(rows) else rng.randrange(0, 4)
+                history.extend(rng.randrange(3, vocab) for _ in range(grow))
+        elif kind == "all behind":  # many plain steps: every row far behind, together
+            for history in rows.values():
+                grow = CATCH_UP + rng.randrange(5, 30)
                 history.extend(rng.randrange(3, vocab) for _ in range(grow))
         uids = sorted(rows)
         rng.shuffle(uids)  # the target's order is not the buffer's
@@ -111,7 +121,6 @@ def test_batched_drafts_equal_each_rows_drafts_alone(
             history.extend(got[:n])
         batch.settle(taken)
         assert sorted(batch.uids) == sorted(rows)
-    assert drafted > 16
-    assert checked_events > 0
+    assert drafted > 24
     assert "_squeeze" in calls
     assert "_row" in calls

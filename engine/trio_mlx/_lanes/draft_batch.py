@@ -26,8 +26,8 @@ from typing import Any
 
 __all__ = ["CATCH_UP", "DraftBatch"]
 
-#: A row more than this many tokens behind its drafts catches up alone (a plain cache,
-#: prefill chunks) rather than widening every row's forward.
+#: A row this many tokens further behind than the least behind row catches up alone (a
+#: plain cache, prefill chunks) rather than widening every row's forward.
 CATCH_UP = 32
 #: Columns the buffer grows by.
 STEP = 256
@@ -113,6 +113,14 @@ class DraftBatch:
             i = where[uid]
             order[i] = e
             known[i] = history[self.fed[i] :]
+        while max(map(len, known)) > CHUNK:  # rows far behind together: chunks first
+            longest = max(map(len, known))
+            takes = [max(0, len(k) - (longest - CHUNK)) for k in known]
+            pads = [CHUNK - t for t in takes]
+            chunk = [[0] * p + list(k[:t]) for p, k, t in zip(pads, known, takes, strict=True)]
+            self._forward(mx.array(chunk, dtype=pending.dtype), pads)
+            self.fed = [f + t for f, t in zip(self.fed, takes, strict=True)]
+            known = [k[t:] for k, t in zip(known, takes, strict=True)]
         width = 1 + max(map(len, known))
         pads = [width - 1 - len(k) for k in known]
         head = mx.array(
@@ -225,18 +233,28 @@ class DraftBatch:
         self.capacity += more
 
     def _admit(self, members: Sequence[tuple[int, int, Sequence[int], int]]) -> None:
-        """The buffer holds exactly ``members``' rows, each at most :data:`CATCH_UP`
-        tokens behind: others leave, new, restarted and far-behind rows come in."""
+        """The buffer holds exactly ``members``' rows: others leave; new and restarted
+        rows come in, and so do rows more than :data:`CATCH_UP` tokens further behind
+        than the least behind (rows behind together catch up together)."""
         wanted = {uid: history for _, uid, history, _ in members}
         self._keep([i for i, uid in enumerate(self.uids) if uid in wanted])
-        for uid, history in wanted.items():
-            at = self.uids.index(uid) if uid in self.uids else -1
-            fed = self.fed[at] if at >= 0 else 0
-            if at >= 0 and fed <= len(history) <= fed + CATCH_UP:
-                continue
-            caches = self._row(at) if at >= 0 and fed <= len(history) else None
-            if at >= 0:
-                self._keep([i for i in range(len(self.uids)) if i != at])
+        behind = {
+            uid: len(wanted[uid]) - fed
+            for uid, fed in zip(self.uids, self.fed, strict=True)
+            if fed <= len(wanted[uid])
+        }
+        floor = min(behind.values(), default=0)
+        alone: dict[int, list[Any] | None] = {}
+        for at, uid in enumerate(self.uids):
+            if uid not in behind:  # started over
+                alone[uid] = None
+            elif behind[uid] > floor + CATCH_UP:
+                alone[uid] = self._row(at)
+        alone.update((uid, None) for uid in wanted if uid not in self.uids)
+        if alone:
+            self._keep([i for i, uid in enumerate(self.uids) if uid not in alone])
+        for uid, caches in alone.items():
+            history = wanted[uid]
             self._insert(uid, self._prefill(history, caches), len(history))
 
     def _row(self, at: int) -> list[Any]:
