@@ -11,13 +11,16 @@ same C streams while image requests (a new image each, so none is cached) run on
 another beside them, and reports the text streams' tokens per second in both (the goal:
 with images at least 0.9x of text-only) and their gap p99 between deltas (where a step
 that prefills a whole image prompt shows), the image requests' TTFT alone and among the
-streams, and a repeated image's TTFT (served from the prompt cache).
+streams, and a repeated image's TTFT (served from the prompt cache). ``--twins`` runs
+the streams a third time beside text requests with as many prompt tokens as an image
+request (random tokens, never cached): what the same prefill costs without an image.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import random
 import statistics
 import tempfile
 import time
@@ -60,10 +63,11 @@ async def _ttft(engine: trio_mlx.Engine, prompt: Any, tokens: int) -> float:
 
 
 async def _text_rate(
-    engine: trio_mlx.Engine, streams: int, tokens: int, image_size: int | None
+    engine: trio_mlx.Engine, streams: int, tokens: int, image_size: int | None, twin: int = 0
 ) -> tuple[float, list[float], list[float]]:
     """The text streams' tokens per second and their gaps between deltas after the first
-    (seconds); the image requests' TTFTs beside them."""
+    (seconds); the image requests' TTFTs beside them (or, ``twin`` tokens, text requests'
+    of that many random prompt tokens)."""
     params = trio_mlx.SamplingParams(max_tokens=tokens, logit_bias=NO_EOS)
     done = trio.Event()
     left = streams
@@ -89,7 +93,12 @@ async def _text_rate(
     async def images(size: int) -> None:
         seed = 1000
         while not done.is_set():
-            ttfts.append(await _ttft(engine, _image_chat(seed, size), 16))
+            if twin:
+                rng = random.Random(seed)
+                prompt: Any = [rng.randrange(3, 500) for _ in range(twin)]
+            else:
+                prompt = _image_chat(seed, size)
+            ttfts.append(await _ttft(engine, prompt, 16))
             seed += 1
 
     start = time.perf_counter()
@@ -117,6 +126,7 @@ async def run(args: argparse.Namespace) -> None:
         model = Path(args.model)
     size = args.image
     budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
+    one = trio_mlx.SamplingParams(max_tokens=1)
     async with trio_mlx.open_engine(model, max_batch=max(args.streams) + 1, **budget) as engine:
         await _ttft(engine, _image_chat(0, size), 2)  # warm
         alone = [await _ttft(engine, _image_chat(seed, size), 2) for seed in range(1, 6)]
@@ -134,6 +144,14 @@ async def run(args: argparse.Namespace) -> None:
                 f"{beside:.0f} ms among the streams; the streams' gap p99 "
                 f"{_p99(gaps_alone) * 1000:.0f} ms alone, {_p99(gaps) * 1000:.0f} ms with images"
             )
+            if args.twins:
+                n = (await engine.complete(_image_chat(0, size), one)).result.prompt_tokens
+                twins, _, twin_ttfts = await _text_rate(engine, streams, args.tokens, size, n)
+                print(
+                    f"C={streams}: beside text requests of {n} prompt tokens instead: "
+                    f"{twins:.0f} tok/s ({twins / text_only:.2f}x); {len(twin_ttfts)} requests, "
+                    f"TTFT median {statistics.median(twin_ttfts) * 1000:.0f} ms"
+                )
 
 
 def main() -> None:
@@ -144,6 +162,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--image", type=int, default=112, help="image side in pixels")
+    parser.add_argument("--twins", action="store_true", help="also beside text twins")
     parser.add_argument(
         "--prefill-budget", type=int, default=None, help="the lane's budget (default: the device's)"
     )

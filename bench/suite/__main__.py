@@ -89,7 +89,7 @@ _COMMON: dict[str, Any] = {
     "spec": {
         "batches": [1, 4, 16, 64],
         "max_tokens": 128,
-        "rounds": 2,
+        "rounds": 3,  # the governor learns in the first; it counts only if it is best
         "num_draft_tokens": 4,
         "traces": ["edit", "recite", "draft", "repeat"],
     },
