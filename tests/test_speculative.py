@@ -126,16 +126,16 @@ async def test_drafts_wrong_from_a_position_roll_back_exactly(
         prompts = [engine.encode(p) for p in PROMPTS]
     known = list(zip(prompts, plain, strict=True))
 
-    def oracle(self: PromptLookup, last: int, limit: int) -> list[int]:
-        seq = [*self.tokens, last]
+    def oracle(self: PromptLookup, history: list[int], limit: int) -> list[int]:
+        # The tokens after the pending one (``history`` is what comes before it).
         for row, (prompt, out) in enumerate(known):
-            if seq[: len(prompt)] == prompt and len(seq) > len(prompt):
-                truth = list(out[len(seq) - len(prompt) :][:limit])
+            if history[: len(prompt)] == prompt and len(history) >= len(prompt):
+                truth = list(out[len(history) - len(prompt) + 1 :][:limit])
                 at = (row + 1) % 4 if wrong_at == "mixed" else int(wrong_at)
                 return [t if i < at else (t + 1) % 512 for i, t in enumerate(truth)]
         raise AssertionError("a row the test does not know")
 
-    monkeypatch.setattr(PromptLookup, "draft", oracle)
+    monkeypatch.setattr(PromptLookup, "following", oracle)
     for batch in (requests[:1], requests):
         spec, stats, _ = await _run(tiny_model_path, batch, prompt_lookup=True)
         assert spec == plain[: len(batch)]
@@ -382,6 +382,13 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     lookup.feed([1, 2, 3])
     lookup.feed([1, 2, 3, 1, 2])  # fed incrementally
     assert lookup.draft(3, 2) == [1, 2]
+    # Before the pending token is read: what followed its guess (3, after 1 2 before).
+    history = [1, 2, 3, 4, 5, 1, 2]
+    assert PromptLookup().following(history, 2) == [4, 5]
+    assert PromptLookup().following([1, 2, 3], 2) == []
+    growing = PromptLookup()  # a loop: guess 9, then 7 8 9
+    assert growing.following([7, 8, 9, 7, 8], 3) == [7, 8, 9]
+    assert growing.following([7, 8, 9, 7, 8, 9], 3) == [8, 9, 7]  # the index follows the row
 
 
 async def test_speculating_rows_parked_and_resumed_continue_token_for_token(

@@ -4,7 +4,8 @@
 prompt and its output) last ended. A draft is what followed the latest earlier
 occurrence of the row's last ``n`` tokens, longest ``n`` first: a model that
 rewrites code or tool output it was shown repeats long runs of its prompt, and
-those runs are drafted for free.
+those runs are drafted for free. A step drafts before it reads the token it is about
+to take (:meth:`PromptLookup.following`), so looking costs no read back.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ class PromptLookup:
         #: latest occurrence.
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(shortest, longest + 1)]
 
-    def feed(self, history: Sequence[int]) -> None:
-        """Catch up with ``history``, the row's tokens so far (it only grows)."""
+    def feed(self, history: Sequence[int], end: int | None = None) -> None:
+        """Catch up with ``history[:end]``, the row's tokens so far (they only grow)."""
         tokens = self.tokens
         start = len(tokens)
-        if len(history) < start:  # a row started over: index it again
+        stop = len(history) if end is None else end
+        if stop < start:  # a row started over: index it again
             self.__init__(self.longest, self.shortest)  # type: ignore[misc]
             tokens, start = self.tokens, 0
-        tokens.extend(history[start:])
+        tokens.extend(history[start:stop])
         for end in range(start, len(tokens)):
             for i, n in enumerate(range(self.shortest, self.longest + 1)):
                 if end + 1 >= n:
@@ -65,6 +67,16 @@ class PromptLookup:
                 found.append(last if at == len(tokens) else found[at - whole])
             return found
         return []
+
+    def following(self, history: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens to follow ``history`` and then the token the row is
+        about to take, which is not read: what followed the latest earlier occurrence of
+        ``history``'s last tokens, less its first token (the guess of that one). A guess
+        that was wrong only costs the drafts' acceptance: the target verifies them."""
+        if not history:
+            return []
+        self.feed(history, len(history) - 1)
+        return self.draft(history[-1], limit + 1)[1:]
 
     def settle(self, accepted: int) -> None:
         """Nothing to undo: the index follows the row's tokens."""

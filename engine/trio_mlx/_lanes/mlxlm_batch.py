@@ -50,17 +50,15 @@ def _shared_bias(processors: list[list[Any]] | None) -> LogitBias | None:
     return shared
 
 
-def _verified(queued: Any, pending: Any, drafts: Sequence[Any], width: int) -> Any:
-    """A speculative step's input, ``(rows, width)``: each row's pending token, its
-    drafts, zeros after them. ``pending`` is a list of the tokens read back, or (lazy
-    drafts) ``queued`` itself, and then nothing is read back here."""
+def _verified(queued: Any, drafts: Sequence[Any], width: int) -> Any:
+    """A speculative step's input, ``(rows, width)``: each row's pending token (of the
+    lazy ``queued``), its drafts (lists, or a draft model's lazy arrays), zeros after
+    them. Nothing is read back here."""
     import mlx.core as mx
 
-    if isinstance(pending, list):
-        return mx.array(
-            [[t, *d, *[0] * (width - 1 - len(d))] for t, d in zip(pending, drafts, strict=True)],
-            dtype=queued.dtype,
-        )
+    if all(isinstance(d, list) for d in drafts):
+        tail = [[*d, *[0] * (width - 1 - len(d))] for d in drafts]
+        return mx.concatenate([queued[:, None], mx.array(tail, dtype=queued.dtype)], axis=1)
     parts = []
     for e, d in enumerate(drafts):
         pad = mx.zeros((width - 1 - len(d),), dtype=queued.dtype)
@@ -419,6 +417,7 @@ def generation_class() -> Any:
                 if done is not None:
                     self._observed(speculator, True, sum(map(len, self.extra or ())))
                     return done
+                tried = False  # no row had a draft: a plain step, nothing was read
             queued, queued_lps = b._next_tokens, b._next_logprobs
             b._current_tokens, b._current_logprobs = queued, queued_lps
             built = time.perf_counter()
@@ -451,30 +450,25 @@ def generation_class() -> Any:
                 speculator.observe(rows, tried, rows + drafts, now - last)
 
         def _speculate(self, speculator: Speculator) -> tuple[list[int], list[Any]] | None:
-            """A speculative step (see :mod:`trio_mlx._lanes.speculative`), not pipelined:
-            the pending tokens are read first (drafts follow them). None, and nothing
-            run, when no row has a draft."""
+            """A speculative step (see :mod:`trio_mlx._lanes.speculative`): drafts are
+            made before the pending tokens are read, and the step reads back once (it is
+            not pipelined: the next step's input is what this one accepts). None, and
+            nothing run or read, when no row has a draft."""
             b: Any = self
             queued, queued_lps = b._next_tokens, b._next_logprobs
-            lazy = speculator.lazy
-            waiting = time.perf_counter()
-            if not lazy:  # a lookup reads the pending tokens; a draft model drafts from them
-                mx.eval(queued, queued_lps)
-            pending: Any = queued if lazy else queued.tolist()
-            waited = time.perf_counter() - waiting
             fresh, want_lps = self.fresh, b.logprob_uids
             processors = b.logits_processors or [None] * len(b.uids)
             eligible = [
                 not processors[e] and uid not in fresh and uid not in want_lps
                 for e, uid in enumerate(b.uids)
             ]
-            drafts = speculator.plan(b.uids, b.tokens, pending, eligible)
+            drafts = speculator.plan(b.uids, b.tokens, queued, eligible)
             width = 1 + max(len(d) for d in drafts)
             if width == 1:
                 return None
             built = time.perf_counter()
             b._current_tokens, b._current_logprobs = queued, queued_lps
-            inputs = _verified(queued, pending, drafts, width)
+            inputs = _verified(queued, drafts, width)
             # Here, in a method of the batch: RowModel reads the rows' uids off its caller.
             logits = b.model(inputs, cache=b.prompt_cache)
             first, contexts = _processed(b, logits[:, 0, :], queued)
@@ -482,11 +476,9 @@ def generation_class() -> Any:
             sampled = _sampled(b, logprobs)
             targets = mx.argmax(logits, axis=-1)
             queueing = time.perf_counter()
-            # The step's one read back (a lookup's pending tokens were read above).
-            mx.eval(sampled, logprobs, contexts, targets, inputs, queued_lps)
-            if lazy:
-                pending = queued.tolist()
-                drafts = [d if isinstance(d, list) else d.tolist() for d in drafts]
+            mx.eval(sampled, logprobs, contexts, targets, inputs, queued_lps)  # the one read back
+            pending: list[int] = queued.tolist()
+            drafts = [d if isinstance(d, list) else d.tolist() for d in drafts]
             rows = speculator.rows
             taken, nexts = accepted(
                 logits,
@@ -505,7 +497,7 @@ def generation_class() -> Any:
             for history, token, more in zip(b.tokens, pending, self.extra, strict=False):
                 history.append(token)
                 history.extend(more)
-            self.phases = (queueing - built, time.perf_counter() - queueing, waited)
+            self.phases = (queueing - built, 0.0, time.perf_counter() - queueing)
             return pending, queued_lps
 
         def _logits(self, queued: Any) -> Any:

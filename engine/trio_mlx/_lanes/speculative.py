@@ -1,8 +1,8 @@
 """Speculative decoding inside the batch: the per-step plan, verification and rollback.
 
-A speculative step (``generation_class``'s ``_speculate``) reads the batch's
-pending tokens, asks :class:`Speculator` which rows draft and how far
-(:meth:`Speculator.plan`), runs ONE forward pass over every row's pending token
+A speculative step (``generation_class``'s ``_speculate``) asks
+:class:`Speculator` which rows draft and how far (:meth:`Speculator.plan`), runs
+ONE forward pass over every row's pending token
 and drafts (shorter rows padded; their padding is never accepted), and each row
 accepts its longest valid prefix (:func:`accepted`): a greedy row where its
 drafts equal the target's argmax, a sampled row by the rejection rule for a
@@ -21,8 +21,10 @@ rows that asked for logprobs, XTC rows, rows just out of prefill, and
 ``SamplingParams(speculate=False)``. ``K`` adapts per row: one more after a
 step that accepted every draft, the accepted count (at least 1) after one that
 did not, and a row whose draft was wholly rejected pauses for 1, 2, 4, ... 16
-steps (one whose lookups find nothing, 1 ... 16: a speculative step reads the pending
-tokens before it runs, so it is not pipelined). Above ``max_batch`` rows no step
+steps (one whose lookups find nothing, 1 ... 16: looking costs host time). Drafts
+are made before the pending tokens are read (a lookup guesses the pending token from the
+tokens before it), so a step that finds none runs as a plain, pipelined one, and a
+speculative step reads back once. Above ``max_batch`` rows no step
 speculates, nor at a batch size where speculative steps measured fewer tokens a
 second than plain ones (the governor, :meth:`Speculator.observe`): a verification
 as dear as several plain steps loses even at high acceptance. A draft model drafts
@@ -222,12 +224,6 @@ class Speculator:
             return self._probe_kind
         return speculate
 
-    @property
-    def lazy(self) -> bool:
-        """Whether drafts are lazy arrays (a draft model): the pending tokens are not
-        read before drafting, and the step evaluates once."""
-        return self.settings.draft is not None
-
     def wanted(self, uids: Sequence[int]) -> bool:
         """Whether this step may speculate (decided before the pending tokens are read):
         not above ``max_batch`` rows, nor where it measured slower than plain steps;
@@ -255,11 +251,11 @@ class Speculator:
         pending: Any,
         eligible: Sequence[bool],
     ) -> list[Any]:
-        """Each row's drafts for this step (empty: it does not speculate now): lists of
-        token ids from ``pending``, the rows' pending tokens read back, or, where
-        :attr:`lazy`, lazy arrays drafted from ``pending`` as the lazy array of them
-        (every draft-model row drafts in the same forwards; a paused or ineligible one
-        is fed its tokens there, so it never falls far behind)."""
+        """Each row's drafts for this step (empty: it does not speculate now), made
+        without reading ``pending``, the rows' pending tokens (a lazy array): lists of
+        token ids looked up from the tokens before them, or a draft model's lazy arrays
+        drafted from ``pending`` (every draft-model row drafts in the same forwards; a
+        paused or ineligible one is fed its tokens there, so it never falls far behind)."""
         if self.batch is not None:
             members = []
             for e, (uid, history, ok) in enumerate(zip(uids, histories, eligible, strict=True)):
@@ -268,7 +264,7 @@ class Speculator:
                     members.append((e, uid, history, row.k if ok and row.pause == 0 else 0))
             return self.batch.draft(len(uids), members, pending)
         drafts: list[Any] = []
-        for uid, history, last, ok in zip(uids, histories, pending, eligible, strict=True):
+        for uid, history, ok in zip(uids, histories, eligible, strict=True):
             row = self.rows.get(uid)
             if row is None or not ok:
                 drafts.append([])
@@ -277,13 +273,12 @@ class Speculator:
                 drafts.append([])
                 continue
             assert row.drafter is not None
-            row.drafter.feed(history)
-            draft = row.drafter.draft(last, row.k)
-            if len(draft):
+            draft = row.drafter.following(history, row.k)
+            if draft:
                 row.idle = 0
             else:
-                # Reading the pending tokens costs the step its pipelining: a row
-                # whose text is not repeating anything looks less often.
+                # Looking costs host time each step: a row whose text is not
+                # repeating anything looks less often.
                 row.pause = min(MAX_IDLE_PAUSE, 1 << row.idle)
                 row.idle += 1
             drafts.append(draft)
