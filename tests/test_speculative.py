@@ -391,24 +391,29 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     assert growing.following([7, 8, 9, 7, 8, 9], 3) == [8, 9, 7]  # the index follows the row
 
 
+@pytest.mark.parametrize("method", ["prompt_lookup", "draft_model"])
 async def test_speculating_rows_parked_and_resumed_continue_token_for_token(
-    loopy_model_path: Path,
+    loopy_model_path: Path, method: str
 ) -> None:
+    """Parked rows leave the draft cache and come back to it (the model as its own draft)."""
     params = _greedy(60)
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
     plain, _, _ = await _run(loopy_model_path, [(p, params) for p in prompts])
+    drafting: dict[str, Any] = (
+        {"prompt_lookup": True} if method == "prompt_lookup" else {"draft_model": loopy_model_path}
+    )
     async with trio_mlx.open_engine(
         loopy_model_path,
         drain_timeout=0.0,
         min_batch_steps=0,
-        prompt_lookup=True,
         speculation_governor=False,
+        **drafting,
     ) as engine:
         with trio.fail_after(120):
             parked = await generate_across_a_park(engine, prompts, params, after=20)
         stats = engine.statistics()
     assert stats.preemptions >= 1
-    assert stats.draft_accepted_tokens["prompt_lookup"] > 0
+    assert stats.draft_accepted_tokens[method] > 0
     assert parked == plain
 
 
