@@ -293,11 +293,40 @@ async def test_bad_images_are_refused_naming_them(vlm_path: Path) -> None:
         with pytest.raises(trio_mlx.InvalidRequest, match="33 x 32 pixels") as big:
             await _answer(engine, image_chat(trio_mlx.ImageInput(png(1, (33, 32)))))
         assert big.value.code == "image_too_large"
-        chat = image_chat(trio_mlx.ImageInput(png(1)))
-        with pytest.raises(trio_mlx.InvalidRequest, match="seed"):
-            await engine.complete(chat, trio_mlx.SamplingParams(max_tokens=2, seed=1))
         # The engine serves on.
         assert len((await _answer(engine, image_chat(trio_mlx.ImageInput(png(1))))).token_ids)
+
+
+@pytest.mark.parametrize("alone", ["seed", "kv_bits", "max_batch=1"])
+async def test_an_image_request_that_runs_alone_answers_as_in_the_batch(
+    vlm_path: Path, alone: str
+) -> None:
+    """The serial lane (a seed, a quantized cache, ``max_batch=1``) prefills images as
+    the batch does; a repeated image comes from the prompt cache where the cache is
+    the plain one (not for a quantized cache)."""
+    chat = image_chat(trio_mlx.ImageInput(png(3)))
+    async with trio_mlx.open_engine(vlm_path) as engine:
+        batched = await _answer(engine, chat)
+        assert batched.result.lane == "batch"
+    extra: dict[str, Any] = {"seed": 1} if alone == "seed" else {}
+    if alone == "kv_bits":
+        extra = {"kv_bits": 8, "kv_group_size": 32}
+    params = trio_mlx.SamplingParams(max_tokens=10, logit_bias=NO_EOS, **extra)
+    settings: dict[str, Any] = {"max_batch": 1} if alone == "max_batch=1" else {}
+    async with trio_mlx.open_engine(vlm_path, **settings) as engine:
+        first = await engine.complete(chat, params)
+        again = await engine.complete(chat, params)
+        other = await engine.complete(image_chat(trio_mlx.ImageInput(png(4))), params)
+    assert first.result.lane == again.result.lane == "serial"
+    if alone == "kv_bits":  # 8-bit keys and values: the same model, not the same sums
+        assert len(first.token_ids) == PARAMS.max_tokens
+        assert again.result.cached_tokens == 0
+    else:
+        assert first.token_ids == batched.token_ids
+        assert again.result.cached_tokens == first.result.prompt_tokens - 1
+    assert first.result.cached_tokens == 0
+    assert again.token_ids == first.token_ids
+    assert other.token_ids != first.token_ids
 
 
 async def test_a_failed_image_prefill_fails_its_request_alone(

@@ -212,6 +212,14 @@ async def test_the_engine_serves_gemma3_images_and_caches_them(vlm_path: Path) -
     assert other.token_ids != first.token_ids
     assert [together[0].token_ids, together[1].token_ids] == [first.token_ids, other.token_ids]
     assert first.result.lane == "batch"
+    # Alone (a seed: the serial lane), the image attended both ways answers alike.
+    seeded = trio_mlx.SamplingParams(
+        max_tokens=PARAMS.max_tokens, logit_bias=PARAMS.logit_bias, seed=1
+    )
+    async with trio_mlx.open_engine(vlm_path, prompt_cache_bytes=0) as engine:
+        alone = await engine.complete(_chat(trio_mlx.ImageInput(png(6))), seeded)
+    assert alone.result.lane == "serial"
+    assert alone.token_ids == other.token_ids
 
 
 def test_a_gemma3_whose_image_passes_its_sliding_window_is_refused(tmp_path: Path) -> None:

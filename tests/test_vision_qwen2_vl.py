@@ -251,3 +251,19 @@ async def test_image_rows_that_speculate_equal_plain_decoding(
     spec, stats = await run(prompt_lookup=True)
     assert spec == plain
     assert stats.draft_accepted_tokens["prompt_lookup"] > 0
+
+
+async def test_an_image_request_with_a_seed_runs_alone_and_answers_as_in_the_batch(
+    qwen_path: Path,
+) -> None:
+    """The serial lane prefills at the M-RoPE positions too (a seed runs a request alone)."""
+    chat = image_chat(_image(1))
+    seeded = trio_mlx.SamplingParams(max_tokens=TOKENS, logit_bias=NO_EOS, seed=3)
+    async with trio_mlx.open_engine(qwen_path) as engine:
+        batched = await engine.complete(chat, PARAMS)
+        alone = await engine.complete(chat, seeded)
+        other = await engine.complete(image_chat(_image(2)), seeded)
+    assert (batched.result.lane, alone.result.lane) == ("batch", "serial")
+    assert alone.token_ids == batched.token_ids
+    assert alone.result.cached_tokens > 0  # the batch's entry, in its frame
+    assert other.token_ids != alone.token_ids

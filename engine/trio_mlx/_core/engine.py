@@ -384,8 +384,6 @@ class Engine(_embedding.EmbeddingAPI):
             caches_merge=self._loaded.caches_merge,
             adapter_reason=adapter_reason,
         )
-        if images is not None and not lane.batch:
-            refuse_images(prompt, f"run in the batch, which {lane.reason} does not allow")
         request_id = self._actor.new_id()
         request = Request(
             request_id,

@@ -300,6 +300,7 @@ def _serial_work(
         cancelled=request.cancel_flag,
         emit=emit,
         on_cached=on_cached,
+        vision=loaded.vision,
     )
 
     def work() -> Any:

@@ -1,8 +1,10 @@
 """The serial lane: one request alone on mlx-lm's ``generate_step`` (MLX thread only).
 
 It serves what cannot batch: a fixed seed, a quantized KV cache, a LoRA
-adapter, a model whose caches cannot merge. It checks its cancellation flag
-between tokens, so a cancelled request stops within one token.
+adapter, a model whose caches cannot merge, ``max_batch=1``; with images too (a
+vision model's prompt goes through its encoder and into the cache first, as the
+batch lane prefills it). It checks its cancellation flag between tokens (and
+prefill chunks), so a cancelled request stops within one token.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def run_serial(
     cache_key: Hashable = "base",
     on_cached: Callable[[int], None] | None = None,
     agree: Callable[[bool], bool] | None = None,
+    vision: Any = None,
 ) -> tuple[bool, int]:
     """Generate ``spec`` to its end, emitting its events in small batches.
 
@@ -44,6 +47,9 @@ def run_serial(
     ``agree`` is asked after every token whether the generation goes on and
     its answer is followed (distributed ranks follow rank 0's: only rank 0
     sees cancellations).
+
+    ``vision`` (a vision model's :class:`~trio_mlx._start.vision.Vision`) prefills a
+    prompt with images (``spec.images``).
 
     Returns (whether it was cancelled, prompt tokens served from the cache).
     """
@@ -59,17 +65,30 @@ def run_serial(
     if params.kv_bits is not None:
         key = (cache_key, "kv", params.kv_bits, params.kv_group_size)
     cache, rest = None, prompt
-    if prompt_cache is not None:
+    if spec.images is not None:
+        # A quantized cache or an adapter's is not what the images' entries hold.
+        plain = params.kv_bits is None and params.adapter is None
+        store = prompt_cache if plain else None
+        key = (cache_key, "images", spec.images.digests)
+        prefilled = _prefill_images(vision, spec, store, key, cancelled)
+        if prefilled is None:
+            return True, 0
+        cache, rest, cached = prefilled
+        prompt_cache = store
+    elif prompt_cache is not None:
         cache, rest = prompt_cache.fetch(key, prompt)
     if cache is None:
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)
-    cached = len(prompt) - len(rest)
+    if spec.images is None:
+        cached = len(prompt) - len(rest)
     if on_cached is not None:
         on_cached(cached)
     progress = None
-    if prompt_cache is not None and (prompt_cache.disk is not None or _checkpoints(cache)):
+    if spec.images is None and (
+        prompt_cache is not None and (prompt_cache.disk is not None or _checkpoints(cache))
+    ):
         rest = _prefill_prefix(model, spec, rest, cache, prompt_cache, key)
         progress = _prompt_checkpoint(prompt, len(rest), cache, prompt_cache, key)
     output = RowOutput(spec.id, params, frozenset(tokenizer.eos_token_ids), tokenizer.detokenizer)
@@ -112,6 +131,29 @@ def run_serial(
         if 0 < held <= len(tokens):
             prompt_cache.store(key, tokens[:held], cache)
     return False, cached
+
+
+def _prefill_images(
+    vision: Any, spec: RowSpec, store: PromptCache | None, key: Hashable, cancel: threading.Event
+) -> tuple[list[Any], list[int], int] | None:
+    """A prompt with images in a cache, as the batch lane's image prefill makes it: what
+    the prompt cache serves, the rest through the encoder and the language model a
+    chunk at a time. Returns the cache, the tokens left to feed and the prompt tokens
+    the prompt cache served; None: cancelled."""
+    if vision is None:  # the engine refuses images for a text model before this
+        raise RuntimeError("a prompt with images for a model without a vision side")
+    prompt = list(spec.prompt)
+    found = vision.start(prompt, spec.images, store, key, 1)
+    if isinstance(found, tuple):
+        cache, rest = found
+        return cache, rest, len(prompt) - len(rest)
+    vision.embed(found)
+    while found.left:
+        if cancel.is_set():
+            return None
+        vision.advance(found, 2048)
+    cache, rest = vision.finish(found, store)
+    return cache, rest, found.start
 
 
 def _checkpoints(cache: list[Any]) -> bool:
