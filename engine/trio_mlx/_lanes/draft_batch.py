@@ -86,6 +86,8 @@ class DraftBatch:
         #: The running forward's per-row rotary offsets and attention mask.
         self.positions: Any = None
         self.mask: Any = None
+        #: The last draft's tokens in the target's row order, ``(rows, length)``.
+        self.block: Any = None
         #: The last draft: its length, and the rows that drafted.
         self._length = 0
         self._drafted: set[int] = set()
@@ -103,6 +105,7 @@ class DraftBatch:
         out: list[Any] = [[] for _ in range(rows)]
         self._drafted = set()
         self._length = 0
+        self.block = None
         if length <= 0:
             return out
         self._admit(members)
@@ -142,6 +145,13 @@ class DraftBatch:
         for e, uid, _, limit in members:
             if limit > 0:
                 out[e] = drafts[where[uid], :limit]
+        # Every target row's drafts in one array (zeros for rows without), so the
+        # verification's input is one concatenation, not one per row.
+        rows_of = [len(self.uids)] * rows
+        for e, uid, _, _ in members:
+            rows_of[e] = where[uid]
+        padded = mx.concatenate([drafts, mx.zeros((1, length), drafts.dtype)])
+        self.block = mx.take(padded, mx.array(rows_of), axis=0)
         return out
 
     def settle(self, taken: Mapping[int, int]) -> None:

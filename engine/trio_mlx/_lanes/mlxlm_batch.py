@@ -50,12 +50,16 @@ def _shared_bias(processors: list[list[Any]] | None) -> LogitBias | None:
     return shared
 
 
-def _verified(queued: Any, drafts: Sequence[Any], width: int) -> Any:
+def _verified(queued: Any, drafts: Sequence[Any], width: int, block: Any = None) -> Any:
     """A speculative step's input, ``(rows, width)``: each row's pending token (of the
     lazy ``queued``), its drafts (lists, or a draft model's lazy arrays), zeros after
-    them. Nothing is read back here."""
+    them; or, given a draft model's ``block`` (every row's drafts, ``(rows, K)``), its
+    first ``width - 1`` columns after the pending tokens (a row's tokens past its own
+    drafts are never accepted). Nothing is read back here."""
     import mlx.core as mx
 
+    if block is not None:
+        return mx.concatenate([queued[:, None], block[:, : width - 1].astype(queued.dtype)], axis=1)
     if all(isinstance(d, list) for d in drafts):
         tail = [[*d, *[0] * (width - 1 - len(d))] for d in drafts]
         return mx.concatenate([queued[:, None], mx.array(tail, dtype=queued.dtype)], axis=1)
@@ -468,7 +472,8 @@ def generation_class() -> Any:
                 return None
             built = time.perf_counter()
             b._current_tokens, b._current_logprobs = queued, queued_lps
-            inputs = _verified(queued, drafts, width)
+            batch = speculator.batch
+            inputs = _verified(queued, drafts, width, None if batch is None else batch.block)
             # Here, in a method of the batch: RowModel reads the rows' uids off its caller.
             logits = b.model(inputs, cache=b.prompt_cache)
             first, contexts = _processed(b, logits[:, 0, :], queued)
