@@ -22,7 +22,7 @@ pytest.importorskip(
 )
 
 from engine_helpers import NO_EOS
-from vision_helpers import image_chat, png
+from vision_helpers import drain, image_chat, png
 
 PARAMS = trio_mlx.SamplingParams(max_tokens=10, logit_bias=NO_EOS)
 
@@ -171,26 +171,6 @@ def _text_row(tokenizer: Any, row_id: int, max_tokens: int) -> Any:
     return RowSpec(row_id, tuple(tokenizer.encode(f"Tell me about topic {row_id}.")), params)
 
 
-def _drain(
-    lane: Any, plans: dict[int, Any], limit: int = 300
-) -> tuple[dict[int, list[int]], list[int]]:
-    """Step ``lane`` (``plans[k]`` at step k) until no row is left: each row's tokens,
-    and the prompt positions each decode step prefilled (its timings)."""
-    from trio_mlx.testing import StepPlan
-
-    tokens: dict[int, list[int]] = {}
-    prefilled: list[int] = []
-    for k in range(limit):
-        if k > max(plans, default=0) and not lane.rows:
-            return tokens, prefilled
-        result = lane.step(plans.get(k, StepPlan()))
-        prefilled.extend(n for n, _ in result.timings)
-        for event in result.events:
-            assert event.error is None
-            tokens.setdefault(event.id, []).extend(event.token_ids)
-    raise AssertionError(f"rows still in the lane after {limit} steps")
-
-
 def test_an_image_prompt_past_the_budget_is_prefilled_a_chunk_a_step_and_answers_alike(
     vlm_path: Path,
 ) -> None:
@@ -201,8 +181,8 @@ def test_an_image_prompt_past_the_budget_is_prefilled_a_chunk_a_step_and_answers
     row = _image_row(whole, 1, 9)
     image_tokens = row.prompt.count(whole.vision.image_token_id)
     assert len(row.prompt) - 1 > 4 * 8
-    alone, prefilled_whole = _drain(whole, {0: StepPlan([row])})
-    tokens, prefilled = _drain(chunked, {0: StepPlan([row])})
+    alone, prefilled_whole = drain(whole, {0: StepPlan([row])})
+    tokens, prefilled = drain(chunked, {0: StepPlan([row])})
     assert tokens == alone
     assert len(tokens[1]) == 10
     # One step encodes the image; then the language model runs all but the last token,
@@ -223,10 +203,10 @@ def test_text_rows_beside_a_chunked_image_prefill_keep_their_greedy_tokens(
     lane, tokenizer = _lane(vlm_path, 8)
     texts = [_text_row(tokenizer, i, 24) for i in range(3)]
     image = _image_row(lane, 9, 10)
-    alone = {t.id: _drain(_lane(vlm_path, 8)[0], {0: StepPlan([t])})[0][t.id] for t in texts}
-    image_alone = _drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
+    alone = {t.id: drain(_lane(vlm_path, 8)[0], {0: StepPlan([t])})[0][t.id] for t in texts}
+    image_alone = drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
     # The image arrives while the text rows decode, another text row while it prefills.
-    together, prefilled = _drain(
+    together, prefilled = drain(
         lane, {0: StepPlan(texts[:2]), 3: StepPlan([image]), 5: StepPlan(texts[2:])}
     )
     assert {t.id: together[t.id] for t in texts} == alone
@@ -245,11 +225,11 @@ def test_a_text_row_joins_beside_an_image_prefill_within_the_budget(vlm_path: Pa
     # row is not in the text pass, so it pads none of it.
     first = lane.step(StepPlan([image, text]))
     assert [n for n, _ in first.timings] == [image_tokens + len(text.prompt) - 1]
-    tokens, _ = _drain(lane, {})
+    tokens, _ = drain(lane, {})
     for event in first.events:
         tokens[event.id] = [*event.token_ids, *tokens.get(event.id, [])]
-    assert tokens[1] == _drain(_lane(vlm_path, 32)[0], {0: StepPlan([text])})[0][1]
-    assert tokens[9] == _drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
+    assert tokens[1] == drain(_lane(vlm_path, 32)[0], {0: StepPlan([text])})[0][1]
+    assert tokens[9] == drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
 
 
 def test_an_image_row_cancelled_or_parked_mid_prefill_leaves_nothing_behind(
@@ -259,7 +239,7 @@ def test_an_image_row_cancelled_or_parked_mid_prefill_leaves_nothing_behind(
 
     lane, tokenizer = _lane(vlm_path, 8)
     image = _image_row(lane, 9, 11)
-    image_alone = _drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
+    image_alone = drain(_lane(vlm_path, None)[0], {0: StepPlan([image])})[0][9]
     image_tokens = image.prompt.count(lane.vision.image_token_id)
     # Cancelled after its encoder pass and one chunk: no event, no row, no more work.
     steps = [lane.step(StepPlan([image])), lane.step()]
@@ -279,7 +259,7 @@ def test_an_image_row_cancelled_or_parked_mid_prefill_leaves_nothing_behind(
     parked = [lane.step() for _ in range(3)]
     assert all(n == 0 for result in parked for n, _ in result.timings)
     assert not any(e.id == 9 for result in parked for e in result.events)
-    tokens, _ = _drain(lane, {0: StepPlan(resumes=[9])})
+    tokens, _ = drain(lane, {0: StepPlan(resumes=[9])})
     assert tokens[9] == image_alone
     assert lane.rows == 0
     assert (lane.step().steps, lane.dead_rows) == (0, 0)

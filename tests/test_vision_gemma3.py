@@ -22,7 +22,7 @@ pytest.importorskip(
 )
 
 from engine_helpers import NO_EOS
-from vision_helpers import QUESTION, png
+from vision_helpers import QUESTION, drain, png
 
 TOKENS = 16
 PARAMS = trio_mlx.SamplingParams(max_tokens=TOKENS, logit_bias=NO_EOS)
@@ -67,25 +67,6 @@ def _text_row(lane: Any, row_id: int) -> Any:
 
     prompt = tuple(lane.tokenizer.encode(f"Tell me about topic {row_id}."))
     return RowSpec(row_id, prompt, PARAMS)
-
-
-def _drain(
-    lane: Any, plans: dict[int, Any], limit: int = 300
-) -> tuple[dict[int, list[int]], list[int]]:
-    """Step ``lane`` until no row is left: each row's tokens, each step's prefilled positions."""
-    from trio_mlx.testing import StepPlan
-
-    tokens: dict[int, list[int]] = {}
-    prefilled: list[int] = []
-    for k in range(limit):
-        if k > max(plans, default=0) and not lane.rows:
-            return tokens, prefilled
-        result = lane.step(plans.get(k, StepPlan()))
-        prefilled.extend(n for n, _ in result.timings)
-        for event in result.events:
-            assert event.error is None
-            tokens.setdefault(event.id, []).extend(event.token_ids)
-    raise AssertionError(f"rows still in the lane after {limit} steps")
 
 
 def _reference(vision: Any, row: Any, *, bidirectional: bool = True) -> list[int]:
@@ -157,7 +138,7 @@ def test_an_image_row_greedy_equals_mlx_vlm_with_the_image_attended_both_ways(
     assert len(rows[0].prompt) > 2 * window
     answers = []
     for row in rows:
-        tokens, prefilled = _drain(lane, {0: StepPlan([row])})
+        tokens, prefilled = drain(lane, {0: StepPlan([row])})
         answers.append(tokens[row.id])
         if budget:
             # Chunks of at most 8, but the image's 16 tokens in one chunk of their own.
@@ -182,8 +163,8 @@ def test_an_image_row_among_text_rows_leaves_their_tokens_alone(vlm_path: Path) 
     lane = _lane(vlm_path, 8)
     texts = [_text_row(lane, i) for i in range(3)]
     image = _image_row(lane, 9, 4)
-    alone = {t.id: _drain(_lane(vlm_path, 8), {0: StepPlan([t])})[0][t.id] for t in texts}
-    together, _ = _drain(
+    alone = {t.id: drain(_lane(vlm_path, 8), {0: StepPlan([t])})[0][t.id] for t in texts}
+    together, _ = drain(
         lane, {0: StepPlan(texts[:2]), 2: StepPlan([image]), 4: StepPlan(texts[2:])}
     )
     assert {t.id: together[t.id] for t in texts} == alone

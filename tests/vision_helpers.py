@@ -40,3 +40,23 @@ def image_chat(image: Any, text: str = QUESTION) -> list[dict[str, Any]]:
             "content": [{"type": "image", "image": image}, {"type": "text", "text": text}],
         }
     ]
+
+
+def drain(
+    lane: Any, plans: dict[int, Any], limit: int = 300
+) -> tuple[dict[int, list[int]], list[int]]:
+    """Step ``lane`` (``plans[k]`` at step k) until no row is left: each row's tokens,
+    and the prompt positions each decode step prefilled (its timings)."""
+    from trio_mlx.testing import StepPlan
+
+    tokens: dict[int, list[int]] = {}
+    prefilled: list[int] = []
+    for k in range(limit):
+        if k > max(plans, default=0) and not lane.rows:
+            return tokens, prefilled
+        result = lane.step(plans.get(k, StepPlan()))
+        prefilled.extend(n for n, _ in result.timings)
+        for event in result.events:
+            assert event.error is None
+            tokens.setdefault(event.id, []).extend(event.token_ids)
+    raise AssertionError(f"rows still in the lane after {limit} steps")

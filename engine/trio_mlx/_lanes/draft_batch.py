@@ -222,24 +222,26 @@ class DraftBatch:
 
     def _reserve(self, width: int) -> None:
         """Room for ``width`` more columns."""
-        import mlx.core as mx
-
         if self.idx + width <= self.capacity:
             return
-        more = max(STEP, self.idx + width - self.capacity)
+        self._pad(max(STEP, self.idx + width - self.capacity), left=False)
+
+    def _pad(self, more: int, *, left: bool) -> None:
+        """``more`` empty columns on the buffer's left (every row moves right) or right."""
+        import mlx.core as mx
+
         for layer in self.layers:
             for name in ("keys", "values"):
                 buffer = getattr(layer, name)
                 b, h, _, d = buffer.shape
+                room = mx.zeros((b, h, more, d), buffer.dtype)
                 setattr(
-                    layer,
-                    name,
-                    mx.concatenate([buffer, mx.zeros((b, h, more, d), buffer.dtype)], axis=2),
+                    layer, name, mx.concatenate([room, buffer] if left else [buffer, room], axis=2)
                 )
-        if self.valid is not None:
-            self.valid = mx.concatenate(
-                [self.valid, mx.zeros((len(self.uids), more), mx.bool_)], axis=1
-            )
+        if left or self.valid is not None:
+            valid = self._dense()
+            empty = mx.zeros((len(self.uids), more), mx.bool_)
+            self.valid = mx.concatenate([empty, valid] if left else [valid, empty], axis=1)
         self.capacity += more
 
     def _admit(self, members: Sequence[tuple[int, int, Sequence[int], int]]) -> None:
@@ -318,20 +320,8 @@ class DraftBatch:
             return
         if count > self.idx:  # every row moves right to make room on the left
             more = count - self.idx
-            for layer in self.layers:
-                for name in ("keys", "values"):
-                    buffer = getattr(layer, name)
-                    b, h, _, d = buffer.shape
-                    setattr(
-                        layer,
-                        name,
-                        mx.concatenate([mx.zeros((b, h, more, d), buffer.dtype), buffer], axis=2),
-                    )
-            self.valid = mx.concatenate(
-                [mx.zeros((len(self.uids), more), mx.bool_), self._dense()], axis=1
-            )
+            self._pad(more, left=True)
             self.idx += more
-            self.capacity += more
         start = self.idx - count
         for layer, cache in zip(self.layers, caches, strict=True):
             for name in ("keys", "values"):
