@@ -51,9 +51,11 @@ def write_gemma3(
     pixels in 8 x 8 patches, pooled to 16 soft tokens an image, and the processor's
     configuration (``Gemma3Processor``, ``Gemma3ImageProcessor``)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx.utils import tree_flatten
     from mlx_vlm.models import gemma3
     from tokenizers import AddedToken
+
+    from trio_mlx._testing_vlm import random_vlm
 
     write_tokenizer(tokenizer, directory)
     tokenizer.add_special_tokens(
@@ -115,18 +117,7 @@ def write_gemma3(
         "eos_token_id": [0, 2],
         "torch_dtype": "float32",
     }
-    model_config = gemma3.ModelConfig.from_dict(config)
-    model_config.text_config = gemma3.TextConfig.from_dict(text)
-    model_config.vision_config = gemma3.VisionConfig.from_dict(vision)
-    mx.random.seed(seed)
-    model = gemma3.Model(model_config)
-
-    def scaled(path: str, p: Any) -> Any:
-        if p.ndim < 2 or path.startswith("vision_tower"):
-            return p
-        return p * weight_scale
-
-    model.update(tree_map_with_path(scaled, model.parameters()))
+    model = random_vlm(gemma3, config, text, vision, seed, weight_scale)
     # mlx-vlm starts the projector at ones: every image token would be one direction.
     projector = model.multi_modal_projector
     shape = projector.mm_input_projection_weight.shape

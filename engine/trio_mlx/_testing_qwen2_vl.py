@@ -50,9 +50,11 @@ def make_random_qwen2_vl(
     image: 16 tokens on a 4 x 4 grid), and a processor that keeps small images' sizes.
     ``family="qwen2_5_vl"``: the same language model, Qwen2.5-VL's windowed vision tower."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx.utils import tree_flatten
     from mlx_vlm.models import qwen2_5_vl, qwen2_vl
     from tokenizers import AddedToken
+
+    from trio_mlx._testing_vlm import random_vlm
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -124,18 +126,7 @@ def make_random_qwen2_vl(
         "eos_token_id": [0, 2],
         "torch_dtype": "float32",
     }
-    model_config = classes.ModelConfig.from_dict(dict(config))
-    model_config.text_config = classes.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = classes.VisionConfig.from_dict(vision)
-    mx.random.seed(seed)
-    model = classes.Model(model_config)
-
-    def scaled(path: str, p: Any) -> Any:
-        if p.ndim < 2 or path.startswith("vision_tower"):
-            return p
-        return p * weight_scale
-
-    model.update(tree_map_with_path(scaled, model.parameters()))
+    model = random_vlm(classes, dict(config), None, vision, seed, weight_scale)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))

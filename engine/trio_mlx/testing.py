@@ -501,9 +501,11 @@ def make_random_vlm(
             family=family,
         )
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx.utils import tree_flatten
     from mlx_vlm.models import llava
     from tokenizers import AddedToken
+
+    from trio_mlx._testing_vlm import random_vlm
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -566,18 +568,8 @@ def make_random_vlm(
         "eos_token_id": [0, 2],
         "torch_dtype": "float32",
     }
-    model_config = llava.ModelConfig.from_dict(config)
-    model_config.text_config = llava.TextConfig.from_dict(text)
-    model_config.vision_config = llava.VisionConfig.from_dict(vision)
-    mx.random.seed(seed)
-    model = llava.Model(model_config)
-
-    def scaled(path: str, p: Any) -> Any:
-        if p.ndim < 2 or path.startswith("vision_tower"):
-            return p
-        return p * (4.0 if weight_scale is None else weight_scale)
-
-    model.update(tree_map_with_path(scaled, model.parameters()))
+    scale = 4.0 if weight_scale is None else weight_scale
+    model = random_vlm(llava, config, text, vision, seed, scale)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
