@@ -4,6 +4,7 @@ sampled row's distribution, and models that cannot speculate say so and stay unc
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from pathlib import Path
@@ -486,6 +487,35 @@ def test_the_governor_keeps_steps_plain_where_speculating_measured_slower() -> N
     assert speculator.rates == before
     speculator.observe(3, True, 6, 0.01)
     assert speculator.rates[(2, True)] == 200.0
+
+
+def test_the_governor_probes_less_often_while_its_probes_change_nothing() -> None:
+    from trio_mlx._lanes.speculative import PROBE_EVERY, PROBE_MAX, Speculation, Speculator
+
+    speculator = Speculator(Speculation())
+    speculator.join(7, _greedy())
+
+    def starts(n: int, spec_rate: float, plain_rate: float, kind: bool) -> list[int]:
+        """Run ``n`` steps; the steps where a run of ``kind`` began after the other kind."""
+        began, last = [], None
+        for i in range(n):
+            tried = speculator.wanted([7])
+            speculator.observe(1, tried, 1, 1 / (spec_rate if tried else plain_rate))
+            if tried == kind and last == (not kind):
+                began.append(i)
+            last = tried
+        return began
+
+    # Speculating stays slower: the speculative probes drift apart, to PROBE_MAX.
+    probes = starts(8 * PROBE_MAX, 300.0, 500.0, True)
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps == sorted(gaps)
+    assert gaps[0] < 2 * PROBE_EVERY
+    assert PROBE_MAX <= gaps[-1] < PROBE_MAX + 2 * PROBE_EVERY
+    # Speculation became faster: a probe sees it and the plain probes start over close.
+    probes = starts(4 * PROBE_MAX, 3_000.0, 500.0, False)
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[0] < 2 * PROBE_EVERY
 
 
 async def test_greedy_outputs_with_the_governor_on_equal_plain_decoding(

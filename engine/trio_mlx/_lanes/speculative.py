@@ -63,8 +63,11 @@ MAX_IDLE_PAUSE = 16
 #: The governor: how fast a step's rate moves the mean (exponential weight of a step).
 RATE_WEIGHT = 0.1
 #: Every this many steps the governor runs the other kind of step for ``PROBE_STEPS``
-#: steps, to keep its rate current (plain steps while speculating pays, and the reverse).
+#: steps, to keep its rate current (plain steps while speculating pays, and the reverse);
+#: each probe that leaves a size class's verdict as it was doubles that class's interval,
+#: up to ``PROBE_MAX`` (a probe costs: a draft model first catches up with every row).
 PROBE_EVERY = 64
+PROBE_MAX = 512
 PROBE_STEPS = 4
 #: Intervals longer than this between step ends (an idle lane, a park) are not rates.
 MAX_INTERVAL = 1.0
@@ -162,6 +165,9 @@ class Speculator:
     held_back: int = 0
     _last_kind: tuple[int, bool] | None = None
     _since_probe: int = 0
+    #: By size class: steps between probes, and the verdict when the last probe began.
+    _interval: dict[int, int] = attrs.field(factory=dict)
+    _verdict: dict[int, bool] = attrs.field(factory=dict)
     #: Steps left of the current probe, and what it runs (speculating or not).
     _probing: int = 0
     _probe_kind: bool = False
@@ -204,8 +210,9 @@ class Speculator:
     def _governed(self, rows: int) -> bool:
         """The governor: whether this step may speculate. Speculation is measured first,
         then plain steps; after that a batch size class speculates where it measured at
-        least as fast as plain steps, and every ``PROBE_EVERY`` steps the other kind runs
-        ``PROBE_STEPS`` steps to keep its rate current."""
+        least as fast as plain steps, and every ``PROBE_EVERY`` steps (more, up to
+        ``PROBE_MAX``, while probes change nothing) the other kind runs ``PROBE_STEPS``
+        steps to keep its rate current."""
         if self._probing > 0:
             self._probing -= 1
             return self._probe_kind
@@ -217,8 +224,13 @@ class Speculator:
         speculate = plain is not None and spec >= plain
         if plain is not None and not speculate:
             self.held_back += 1
-        if plain is None or self._since_probe >= PROBE_EVERY:
+        interval = self._interval.get(size, PROBE_EVERY)
+        if plain is None or self._since_probe >= interval:
             # Plain steps not measured yet, or a probe of the kind not running now.
+            if plain is not None:
+                same = self._verdict.get(size) == speculate
+                self._interval[size] = min(PROBE_MAX, 2 * interval) if same else PROBE_EVERY
+                self._verdict[size] = speculate
             self._since_probe, self._probing = 0, PROBE_STEPS - 1
             self._probe_kind = plain is not None and not speculate
             return self._probe_kind
