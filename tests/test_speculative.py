@@ -468,10 +468,10 @@ def test_the_governor_keeps_steps_plain_where_speculating_measured_slower() -> N
         return runs
 
     # Nothing measured: speculation first, then a plain probe to compare.
-    first = steps(2 + PROBE_STEPS, 300.0, 500.0)
+    first = steps(2 + PROBE_STEPS, 490.0, 500.0)
     assert first == [True, True] + [False] * PROBE_STEPS
     # Speculating measured slower: plain steps, but for a probe every PROBE_EVERY.
-    runs = steps(3 * PROBE_EVERY, 300.0, 500.0)
+    runs = steps(3 * PROBE_EVERY, 490.0, 500.0)
     assert 2 * PROBE_STEPS <= runs.count(True) <= 3 * PROBE_STEPS
     assert speculator.held_back >= 2 * PROBE_EVERY
     # Speculation got faster (the text began to repeat): the probes see it, and it
@@ -489,33 +489,56 @@ def test_the_governor_keeps_steps_plain_where_speculating_measured_slower() -> N
     assert speculator.rates[(2, True)] == 200.0
 
 
+def _probe_starts(runs: list[bool]) -> list[int]:
+    """The steps at which a speculative run began after plain steps."""
+    return [i for i in range(1, len(runs)) if runs[i] and not runs[i - 1]]
+
+
 def test_the_governor_probes_less_often_while_its_probes_change_nothing() -> None:
     from trio_mlx._lanes.speculative import PROBE_EVERY, PROBE_MAX, Speculation, Speculator
 
     speculator = Speculator(Speculation())
     speculator.join(7, _greedy())
 
-    def starts(n: int, spec_rate: float, plain_rate: float, kind: bool) -> list[int]:
-        """Run ``n`` steps; the steps where a run of ``kind`` began after the other kind."""
-        began, last = [], None
-        for i in range(n):
+    def steps(n: int, spec_rate: float, plain_rate: float) -> list[bool]:
+        """``n`` steps of one row, a token each, at the rate of the kind each ran."""
+        runs = []
+        for _ in range(n):
             tried = speculator.wanted([7])
             speculator.observe(1, tried, 1, 1 / (spec_rate if tried else plain_rate))
-            if tried == kind and last == (not kind):
-                began.append(i)
-            last = tried
-        return began
+            runs.append(tried)
+        return runs
 
-    # Speculating stays slower: the speculative probes drift apart, to PROBE_MAX.
-    probes = starts(8 * PROBE_MAX, 300.0, 500.0, True)
-    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    # Speculating stays a little slower: the speculative probes drift apart, to PROBE_MAX.
+    gaps = [b - a for a, b in itertools.pairwise(_probe_starts(steps(8 * PROBE_MAX, 490, 500)))]
     assert gaps == sorted(gaps)
     assert gaps[0] < 2 * PROBE_EVERY
     assert PROBE_MAX <= gaps[-1] < PROBE_MAX + 2 * PROBE_EVERY
-    # Speculation became faster: a probe sees it and the plain probes start over close.
-    probes = starts(4 * PROBE_MAX, 3_000.0, 500.0, False)
-    gaps = [b - a for a, b in itertools.pairwise(probes)]
-    assert gaps[0] < 2 * PROBE_EVERY
+    # Speculation became faster: a probe within PROBE_MAX steps sees it, and from then
+    # on the steps speculate but for a plain probe now and then.
+    runs = steps(4 * PROBE_MAX, 3_000.0, 500.0)
+    assert runs[PROBE_MAX + PROBE_EVERY :].count(False) < PROBE_EVERY
+
+
+def test_the_governor_probes_seldom_where_a_probe_is_dear() -> None:
+    from trio_mlx._lanes.speculative import PROBE_SHARE, PROBE_STEPS, Speculation, Speculator
+
+    speculator = Speculator(Speculation(max_batch=64))
+    for uid in range(64):
+        speculator.join(uid, _greedy())
+    uids = list(range(64))
+    # 64 rows: a speculative step takes 6 plain steps' time for 4 tokens a row (40 a
+    # second and row against 60), so a probe of 4 such steps loses 8 plain steps.
+    runs = []
+    for _ in range(3_000):
+        tried = speculator.wanted(uids)
+        speculator.observe(64, tried, 64 * (4 if tried else 1), 0.1 if tried else 1 / 60)
+        runs.append(tried)
+    began = _probe_starts(runs)
+    dear = PROBE_STEPS * 6 * (1 - 40 / 60) / PROBE_SHARE
+    assert began
+    assert all(b - a >= dear for a, b in itertools.pairwise(began))
+    assert len(began) <= 3_000 / dear + 1
 
 
 async def test_greedy_outputs_with_the_governor_on_equal_plain_decoding(
@@ -528,3 +551,43 @@ async def test_greedy_outputs_with_the_governor_on_equal_plain_decoding(
     )
     assert on
     assert spec == plain
+
+
+def test_a_size_class_the_batch_passes_through_is_probed_by_its_own_steps() -> None:
+    from trio_mlx._lanes.speculative import PROBE_EVERY, PROBE_STEPS, Speculation, Speculator
+
+    speculator = Speculator(Speculation(max_batch=64))
+    for uid in range(16):
+        speculator.join(uid, _greedy())
+
+    def steps(rows: int, n: int) -> list[bool]:
+        runs = []
+        for _ in range(n):
+            tried = speculator.wanted(list(range(rows)))
+            speculator.observe(rows, tried, rows, 1 / (490 if tried else 500))
+            runs.append(tried)
+        return runs
+
+    # Both kinds measured at 8 rows, then at 16, where the batch then stays a while.
+    assert steps(8, 2 + PROBE_STEPS) == [True, True] + [False] * PROBE_STEPS
+    assert steps(16, 2 + PROBE_STEPS) == [True, True] + [False] * PROBE_STEPS
+    assert not any(steps(16, PROBE_EVERY - PROBE_STEPS))
+    # Back at 8 rows for a few steps: 8 rows' own steps since its probe are few.
+    assert not any(steps(8, 2 * PROBE_STEPS))
+
+
+@pytest.mark.parametrize(("spec_rate", "speculates"), [(515.0, False), (600.0, True)])
+def test_the_governor_speculates_where_it_measured_clearly_faster(
+    spec_rate: float, speculates: bool
+) -> None:
+    from trio_mlx._lanes.speculative import MARGIN, PROBE_EVERY, Speculation, Speculator
+
+    assert 515.0 < MARGIN * 500.0 < 600.0
+    speculator = Speculator(Speculation())
+    speculator.join(7, _greedy())
+    runs = []
+    for _ in range(4 * PROBE_EVERY):
+        tried = speculator.wanted([7])
+        speculator.observe(1, tried, 1, 1 / (spec_rate if tried else 500.0))
+        runs.append(tried)
+    assert (runs[PROBE_EVERY:].count(True) > 2 * PROBE_EVERY) == speculates

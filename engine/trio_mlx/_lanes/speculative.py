@@ -69,6 +69,16 @@ RATE_WEIGHT = 0.1
 PROBE_EVERY = 64
 PROBE_MAX = 512
 PROBE_STEPS = 4
+#: A probe of the slower kind may cost at most this share of the steps between probes
+#: (what its steps lose against the faster kind's, counted in the faster kind's steps):
+#: at 64 rows on the CPU a speculative step took 7 plain steps' time, and probes every
+#: 512 steps still cost 8%. The interval this asks for is kept under ``PROBE_LIMIT``.
+PROBE_SHARE = 0.02
+PROBE_LIMIT = 4096
+#: Speculation runs where it measured at least this much faster than plain steps: a
+#: switch's steps are not counted (they shift a forward's wait between kinds), and a
+#: draft model's catch-up is in them, so a tie costs more than it shows.
+MARGIN = 1.05
 #: Intervals longer than this between step ends (an idle lane, a park) are not rates.
 MAX_INTERVAL = 1.0
 
@@ -161,11 +171,15 @@ class Speculator:
     #: The governor's mean tokens per second and row, by (the batch's size class:
     #: 1, 2-3, 4-7, ... rows, whether the step tried to speculate): see :meth:`observe`.
     rates: dict[tuple[int, bool], float] = attrs.field(factory=dict)
+    #: The mean seconds a step took, by the same keys.
+    durations: dict[tuple[int, bool], float] = attrs.field(factory=dict)
     #: Steps the governor kept plain because speculating measured slower.
     held_back: int = 0
     _last_kind: tuple[int, bool] | None = None
-    _since_probe: int = 0
-    #: By size class: steps between probes, and the verdict when the last probe began.
+    #: By size class: its steps since its last probe (a class the batch passes through
+    #: as rows join is probed by its own steps, not the others'), the steps between
+    #: probes, and the verdict when the last probe began.
+    _since_probe: Counter[int] = attrs.field(factory=Counter)
     _interval: dict[int, int] = attrs.field(factory=dict)
     _verdict: dict[int, bool] = attrs.field(factory=dict)
     #: Steps left of the current probe, and what it runs (speculating or not).
@@ -203,16 +217,27 @@ class Speculator:
         self._last_kind = kind
         if kind != before or not 0.0 < seconds <= MAX_INTERVAL:
             return
-        rate = tokens / seconds / rows
-        old = self.rates.get(kind)
-        self.rates[kind] = rate if old is None else old + RATE_WEIGHT * (rate - old)
+        for means, value in ((self.rates, tokens / seconds / rows), (self.durations, seconds)):
+            old = means.get(kind)
+            means[kind] = value if old is None else old + RATE_WEIGHT * (value - old)
+
+    def _probe_cost(self, size: int, speculate: bool) -> float:
+        """What a probe of the kind not running costs a size class, in steps of the kind
+        running: its steps' time, in those steps, times the share of it lost."""
+        now, probe = (size, speculate), (size, not speculate)
+        rate, duration = self.rates.get(now), self.durations.get(now)
+        if not rate or not duration or probe not in self.rates or probe not in self.durations:
+            return 0.0
+        lost = max(0.0, 1.0 - self.rates[probe] / rate)
+        return PROBE_STEPS * self.durations[probe] / duration * lost
 
     def _governed(self, rows: int) -> bool:
         """The governor: whether this step may speculate. Speculation is measured first,
         then plain steps; after that a batch size class speculates where it measured at
-        least as fast as plain steps, and every ``PROBE_EVERY`` steps (more, up to
-        ``PROBE_MAX``, while probes change nothing) the other kind runs ``PROBE_STEPS``
-        steps to keep its rate current."""
+        least ``MARGIN`` times as fast as plain steps, and every ``PROBE_EVERY`` of its
+        steps (more, up to ``PROBE_MAX``, while probes change nothing; more still where a
+        probe is dear: ``PROBE_SHARE``) the other kind runs ``PROBE_STEPS`` steps to keep
+        its rate current."""
         if self._probing > 0:
             self._probing -= 1
             return self._probe_kind
@@ -220,18 +245,20 @@ class Speculator:
         spec, plain = self.rates.get((size, True)), self.rates.get((size, False))
         if spec is None:
             return True
-        self._since_probe += 1
-        speculate = plain is not None and spec >= plain
+        self._since_probe[size] += 1
+        speculate = plain is not None and spec >= MARGIN * plain
         if plain is not None and not speculate:
             self.held_back += 1
         interval = self._interval.get(size, PROBE_EVERY)
-        if plain is None or self._since_probe >= interval:
+        if plain is None or self._since_probe[size] >= interval:
             # Plain steps not measured yet, or a probe of the kind not running now.
             if plain is not None:
                 same = self._verdict.get(size) == speculate
-                self._interval[size] = min(PROBE_MAX, 2 * interval) if same else PROBE_EVERY
+                backoff = min(PROBE_MAX, 2 * interval) if same else PROBE_EVERY
+                dear = min(PROBE_LIMIT, self._probe_cost(size, speculate) / PROBE_SHARE)
+                self._interval[size] = max(backoff, int(dear))
                 self._verdict[size] = speculate
-            self._since_probe, self._probing = 0, PROBE_STEPS - 1
+            self._since_probe[size], self._probing = 0, PROBE_STEPS - 1
             self._probe_kind = plain is not None and not speculate
             return self._probe_kind
         return speculate
