@@ -25,8 +25,8 @@ steps (one whose lookups find nothing, 1 ... 16: looking costs host time). Draft
 are made before the pending tokens are read (a lookup guesses the pending token from the
 tokens before it), so a step that finds none runs as a plain, pipelined one, and a
 speculative step reads back once. Above ``max_batch`` rows no step
-speculates, nor at a batch size where speculative steps measured fewer tokens a
-second than plain ones (the governor, :meth:`Speculator.observe`): a verification
+speculates, nor at a batch size where speculative steps did not measure 5% more tokens
+a second than plain ones (the governor, :meth:`Speculator.observe`): a verification
 as dear as several plain steps loses even at high acceptance. A draft model drafts
 for every row in the same forwards (:mod:`trio_mlx._lanes.draft_batch`).
 """
