@@ -451,21 +451,34 @@ async def test_adapter_rows_speculate_in_the_same_forward(
     assert outs[True][1] != outs[True][0]
 
 
+def _govern(
+    speculator: Any,
+    uids: list[int],
+    n: int,
+    spec_rate: float,
+    plain_rate: float,
+    spec_tokens: int = 1,
+) -> list[bool]:
+    """``n`` governed steps of ``uids``, each observed at its kind's rate a row (a
+    speculative step emits ``spec_tokens`` a row, a plain one 1); whether each tried."""
+    runs = []
+    for _ in range(n):
+        tried = speculator.wanted(uids)
+        per_row = spec_tokens if tried else 1
+        rate = spec_rate if tried else plain_rate
+        speculator.observe(len(uids), tried, len(uids) * per_row, per_row / rate)
+        runs.append(tried)
+    return runs
+
+
 def test_the_governor_keeps_steps_plain_where_speculating_measured_slower() -> None:
     from trio_mlx._lanes.speculative import PROBE_EVERY, PROBE_STEPS, Speculation, Speculator
 
     speculator = Speculator(Speculation())
     speculator.join(7, _greedy())
-    uids = [7]
 
     def steps(n: int, spec_rate: float, plain_rate: float) -> list[bool]:
-        """``n`` steps, each observed at the given rate of the kind it ran."""
-        runs = []
-        for _ in range(n):
-            tried = speculator.wanted(uids)
-            speculator.observe(1, tried, 1, 1 / (spec_rate if tried else plain_rate))
-            runs.append(tried)
-        return runs
+        return _govern(speculator, [7], n, spec_rate, plain_rate)
 
     # Nothing measured: speculation first, then a plain probe to compare.
     first = steps(2 + PROBE_STEPS, 490.0, 500.0)
@@ -500,23 +513,15 @@ def test_the_governor_probes_less_often_while_its_probes_change_nothing() -> Non
     speculator = Speculator(Speculation())
     speculator.join(7, _greedy())
 
-    def steps(n: int, spec_rate: float, plain_rate: float) -> list[bool]:
-        """``n`` steps of one row, a token each, at the rate of the kind each ran."""
-        runs = []
-        for _ in range(n):
-            tried = speculator.wanted([7])
-            speculator.observe(1, tried, 1, 1 / (spec_rate if tried else plain_rate))
-            runs.append(tried)
-        return runs
-
     # Speculating stays a little slower: the speculative probes drift apart, to PROBE_MAX.
-    gaps = [b - a for a, b in itertools.pairwise(_probe_starts(steps(8 * PROBE_MAX, 490, 500)))]
+    runs = _govern(speculator, [7], 8 * PROBE_MAX, 490.0, 500.0)
+    gaps = [b - a for a, b in itertools.pairwise(_probe_starts(runs))]
     assert gaps == sorted(gaps)
     assert gaps[0] < 2 * PROBE_EVERY
     assert PROBE_MAX <= gaps[-1] < PROBE_MAX + 2 * PROBE_EVERY
     # Speculation became faster: a probe within PROBE_MAX steps sees it, and from then
     # on the steps speculate but for a plain probe now and then.
-    runs = steps(4 * PROBE_MAX, 3_000.0, 500.0)
+    runs = _govern(speculator, [7], 4 * PROBE_MAX, 3_000.0, 500.0)
     assert runs[PROBE_MAX + PROBE_EVERY :].count(False) < PROBE_EVERY
 
 
@@ -526,14 +531,9 @@ def test_the_governor_probes_seldom_where_a_probe_is_dear() -> None:
     speculator = Speculator(Speculation(max_batch=64))
     for uid in range(64):
         speculator.join(uid, _greedy())
-    uids = list(range(64))
     # 64 rows: a speculative step takes 6 plain steps' time for 4 tokens a row (40 a
     # second and row against 60), so a probe of 4 such steps loses 8 plain steps.
-    runs = []
-    for _ in range(3_000):
-        tried = speculator.wanted(uids)
-        speculator.observe(64, tried, 64 * (4 if tried else 1), 0.1 if tried else 1 / 60)
-        runs.append(tried)
+    runs = _govern(speculator, list(range(64)), 3_000, 40.0, 60.0, spec_tokens=4)
     began = _probe_starts(runs)
     dear = PROBE_STEPS * 6 * (1 - 40 / 60) / PROBE_SHARE
     assert began
@@ -561,12 +561,7 @@ def test_a_size_class_the_batch_passes_through_is_probed_by_its_own_steps() -> N
         speculator.join(uid, _greedy())
 
     def steps(rows: int, n: int) -> list[bool]:
-        runs = []
-        for _ in range(n):
-            tried = speculator.wanted(list(range(rows)))
-            speculator.observe(rows, tried, rows, 1 / (490 if tried else 500))
-            runs.append(tried)
-        return runs
+        return _govern(speculator, list(range(rows)), n, 490.0, 500.0)
 
     # Both kinds measured at 8 rows, then at 16, where the batch then stays a while.
     assert steps(8, 2 + PROBE_STEPS) == [True, True] + [False] * PROBE_STEPS
@@ -585,9 +580,5 @@ def test_the_governor_speculates_where_it_measured_clearly_faster(
     assert 515.0 < MARGIN * 500.0 < 600.0
     speculator = Speculator(Speculation())
     speculator.join(7, _greedy())
-    runs = []
-    for _ in range(4 * PROBE_EVERY):
-        tried = speculator.wanted([7])
-        speculator.observe(1, tried, 1, 1 / (spec_rate if tried else 500.0))
-        runs.append(tried)
+    runs = _govern(speculator, [7], 4 * PROBE_EVERY, spec_rate, 500.0)
     assert (runs[PROBE_EVERY:].count(True) > 2 * PROBE_EVERY) == speculates

@@ -225,11 +225,11 @@ class Speculator:
         """What a probe of the kind not running costs a size class, in steps of the kind
         running: its steps' time, in those steps, times the share of it lost."""
         now, probe = (size, speculate), (size, not speculate)
-        rate, duration = self.rates.get(now), self.durations.get(now)
-        if not rate or not duration or probe not in self.rates or probe not in self.durations:
+        # observe() writes both means together, and only for intervals above zero.
+        if probe not in self.rates or not self.rates.get(now):
             return 0.0
-        lost = max(0.0, 1.0 - self.rates[probe] / rate)
-        return PROBE_STEPS * self.durations[probe] / duration * lost
+        lost = max(0.0, 1.0 - self.rates[probe] / self.rates[now])
+        return PROBE_STEPS * self.durations[probe] / self.durations[now] * lost
 
     def _governed(self, rows: int) -> bool:
         """The governor: whether this step may speculate. Speculation is measured first,
