@@ -14,6 +14,8 @@ that prefills a whole image prompt shows), the image requests' TTFT alone and am
 streams, and a repeated image's TTFT (served from the prompt cache). ``--twins`` runs
 the streams a third time beside text requests with as many prompt tokens as an image
 request (random tokens, never cached): what the same prefill costs without an image.
+``--one`` runs them once more beside a single image request, sent once the streams
+decode: the cost of one image arriving, where the default measures a steady supply.
 """
 
 from __future__ import annotations
@@ -63,13 +65,20 @@ async def _ttft(engine: trio_mlx.Engine, prompt: Any, tokens: int) -> float:
 
 
 async def _text_rate(
-    engine: trio_mlx.Engine, streams: int, tokens: int, image_size: int | None, twin: int = 0
+    engine: trio_mlx.Engine,
+    streams: int,
+    tokens: int,
+    image_size: int | None,
+    twin: int = 0,
+    one: bool = False,
 ) -> tuple[float, list[float], list[float]]:
     """The text streams' tokens per second and their gaps between deltas after the first
     (seconds); the image requests' TTFTs beside them (or, ``twin`` tokens, text requests'
-    of that many random prompt tokens)."""
+    of that many random prompt tokens; ``one``: a single image request, sent once every
+    stream has its first token)."""
     params = trio_mlx.SamplingParams(max_tokens=tokens, logit_bias=NO_EOS)
-    done = trio.Event()
+    done, decoding = trio.Event(), trio.Event()
+    first: set[int] = set()
     left = streams
     ttfts: list[float] = []
     ends: list[float] = []
@@ -85,6 +94,9 @@ async def _text_rate(
                 if last is not None:
                     gaps.append(now - last)
                 last = now
+                first.add(i)
+                if len(first) == streams:
+                    decoding.set()
         ends.append(time.perf_counter())
         left -= 1
         if not left:
@@ -92,6 +104,10 @@ async def _text_rate(
 
     async def images(size: int) -> None:
         seed = 1000
+        if one:
+            await decoding.wait()
+            ttfts.append(await _ttft(engine, _image_chat(seed, size), 16))
+            return
         while not done.is_set():
             if twin:
                 rng = random.Random(seed)
@@ -152,6 +168,12 @@ async def run(args: argparse.Namespace) -> None:
                     f"{twins:.0f} tok/s ({twins / text_only:.2f}x); {len(twin_ttfts)} requests, "
                     f"TTFT median {statistics.median(twin_ttfts) * 1000:.0f} ms"
                 )
+            if args.one:
+                single, _, one_ttft = await _text_rate(engine, streams, args.tokens, size, one=True)
+                print(
+                    f"C={streams}: beside one image request: {single:.0f} tok/s "
+                    f"({single / text_only:.2f}x); its TTFT {one_ttft[0] * 1000:.0f} ms"
+                )
 
 
 def main() -> None:
@@ -163,6 +185,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--image", type=int, default=112, help="image side in pixels")
     parser.add_argument("--twins", action="store_true", help="also beside text twins")
+    parser.add_argument("--one", action="store_true", help="also beside one image request")
     parser.add_argument(
         "--prefill-budget", type=int, default=None, help="the lane's budget (default: the device's)"
     )

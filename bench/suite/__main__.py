@@ -90,6 +90,7 @@ _COMMON: dict[str, Any] = {
         "batches": [1, 4, 16, 64],
         "max_tokens": 128,
         "rounds": 3,  # the governor learns in the first; it counts only if it is best
+        "min_seconds": 2.0,  # a round's passes of B requests last at least this long
         "num_draft_tokens": 4,
         "traces": ["edit", "recite", "draft", "repeat"],
     },
