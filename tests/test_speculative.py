@@ -582,3 +582,73 @@ def test_the_governor_speculates_where_it_measured_clearly_faster(
     speculator.join(7, _greedy())
     runs = _govern(speculator, [7], 4 * PROBE_EVERY, spec_rate, 500.0)
     assert (runs[PROBE_EVERY:].count(True) > 2 * PROBE_EVERY) == speculates
+
+
+def test_the_governor_does_not_count_steps_that_carry_prefill() -> None:
+    from trio_mlx._lanes.speculative import PROBE_STEPS, Speculation, Speculator
+
+    speculator = Speculator(Speculation())
+    speculator.join(7, _greedy())
+    # Both kinds measured: speculating is slower (490 against 500 tokens a second).
+    assert _govern(speculator, [7], 2 + PROBE_STEPS, 490.0, 500.0)[:2] == [True, True]
+    before = dict(speculator.rates)
+    # Plain steps that prefilled a prompt took ten times as long: not a decode rate.
+    for _ in range(3):
+        speculator.observe(1, False, 1, 10 / 500.0, settled=False)
+    assert speculator.rates == before
+    # A settled step after unsettled ones of its kind counts (the kind did not change).
+    speculator.observe(1, False, 1, 1 / 400.0)
+    assert speculator.rates[(1, False)] < before[(1, False)]
+
+
+async def test_the_lane_marks_a_step_that_prefills_and_the_next_ones_unsettled(
+    loopy_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_mlx._lanes.batch import BatchLane
+    from trio_mlx._lanes.speculative import UNSETTLED_STEPS, Speculator
+
+    settled: list[bool] = []
+    prefilled: list[tuple[int, bool]] = []  # (observations before the step, it prefilled)
+    observe, decode = Speculator.observe, BatchLane._decode
+
+    def spy_observe(self: Speculator, *args: Any) -> None:
+        settled.append(args[4] if len(args) > 4 else True)
+        observe(self, *args)
+
+    def spy_decode(self: BatchLane, *args: Any) -> bool:
+        seen = len(settled)
+        news = decode(self, *args)
+        prefilled.append((seen, bool(self._timings and self._timings[-1][0])))
+        return news
+
+    monkeypatch.setattr(Speculator, "observe", spy_observe)
+    monkeypatch.setattr(BatchLane, "_decode", spy_decode)
+    async with trio_mlx.open_engine(
+        loopy_model_path, max_batch=8, prompt_lookup=True, speculation_governor=True
+    ) as engine:
+        long = " ".join(PROMPTS) * 3
+
+        async def late(delay: int) -> None:
+            await trio.sleep(0.05 * delay)
+            await engine.complete(long, _greedy(16))
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for prompt in PROMPTS[:3]:
+                    nursery.start_soon(engine.complete, prompt, _greedy(96))
+                for delay in (1, 3):
+                    nursery.start_soon(late, delay)
+    # A step that prefilled, and the steps that decode after it until UNSETTLED_STEPS
+    # have decoded (the first may pay for a queued prefill), are not rates; every other
+    # observed step is. (A step where no row decodes yet observes nothing.)
+    assert any(did for _seen, did in prefilled)
+    left, checked = 0, 0
+    for step, (seen, did) in enumerate(prefilled):
+        left = UNSETTLED_STEPS if did else left
+        after = prefilled[step + 1][0] if step + 1 < len(prefilled) else len(settled)
+        assert after - seen <= 1  # each step observed at most once
+        if after == seen + 1:
+            assert settled[seen] == (left <= 0), step
+            left, checked = left - 1, checked + 1
+    assert checked > UNSETTLED_STEPS * 2
+    assert settled.count(True) > UNSETTLED_STEPS

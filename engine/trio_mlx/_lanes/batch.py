@@ -44,7 +44,7 @@ from trio_mlx._lanes.prompt_cache import PromptCache
 from trio_mlx._lanes.records import DECODE, RowSpec, StepPlan, StepResult
 from trio_mlx._lanes.rows import UNBOUNDED, Dead, Guarded, Row, RowModel
 from trio_mlx._lanes.slow_steps import SlowStepLog, buffer_length, gc_seconds, memory_now
-from trio_mlx._lanes.speculative import Speculation, Speculator, cache_reason
+from trio_mlx._lanes.speculative import UNSETTLED_STEPS, Speculation, Speculator, cache_reason
 from trio_mlx._lanes.structured import GrammarBatch
 
 __all__ = ["BatchLane"]
@@ -699,6 +699,8 @@ class BatchLane:
         collected = gc_seconds[0]
         generation = self._generator._generation_batch
         generation.phases = generation.arrivals_step = None  # set again by a decode pass
+        if prefill:  # this step's and the next steps' times are no decode rates
+            generation.unsettled = UNSETTLED_STEPS
         memory = memory_now()
         start = time.perf_counter()
         stack = self._stack()

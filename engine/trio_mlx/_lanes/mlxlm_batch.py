@@ -327,6 +327,9 @@ def generation_class() -> Any:
         speculator: Speculator | None = None
         #: When the last step ended (the speculation governor's clock; None: none yet).
         step_end: float | None = None
+        #: Steps, this one first, whose time is not a decode rate (the lane sets it when
+        #: a step carries prefill work: see ``Speculator.observe``).
+        unsettled: int = 0
         #: After a speculative step: each row's accepted drafts, emitted after its token.
         extra: list[list[int]] | None = None
 
@@ -449,9 +452,10 @@ def generation_class() -> Any:
             """Tell the speculation governor this step's rows, tokens and duration."""
             now = time.perf_counter()
             last, self.step_end = self.step_end, now
+            settled, self.unsettled = self.unsettled <= 0, max(0, self.unsettled - 1)
             if last is not None:
                 rows = len(self.uids)
-                speculator.observe(rows, tried, rows + drafts, now - last)
+                speculator.observe(rows, tried, rows + drafts, now - last, settled)
 
         def _speculate(self, speculator: Speculator) -> tuple[list[int], list[Any]] | None:
             """A speculative step (see :mod:`trio_mlx._lanes.speculative`): drafts are

@@ -81,6 +81,12 @@ PROBE_LIMIT = 4096
 MARGIN = 1.05
 #: Intervals longer than this between step ends (an idle lane, a park) are not rates.
 MAX_INTERVAL = 1.0
+#: A step that carries prefill work (prompt tokens, an image) is not a decode rate, nor
+#: are the steps after it that may pay for it (a GPU runs a queued prefill during a later
+#: step): this many steps in all. Counted, a batch's arrival (64 prompts prefilled while
+#: the first rows decode) made a plain probe look slow, and the governor then kept
+#: speculating at 64 rows on an H100 at 0.81x of plain steps.
+UNSETTLED_STEPS = 3
 
 
 @attrs.frozen
@@ -207,15 +213,18 @@ class Speculator:
         if self.batch is not None:
             self.batch.part(uid)
 
-    def observe(self, rows: int, tried: bool, tokens: int, seconds: float) -> None:
+    def observe(
+        self, rows: int, tried: bool, tokens: int, seconds: float, settled: bool = True
+    ) -> None:
         """A step of ``rows`` rows emitted ``tokens`` in ``seconds`` (from the previous
         step's end to its own); ``tried``: it tried to speculate (a look that found no
         draft cost the step its pipelining, so it counts as speculating). Only a step
         of the same kind as the one before counts: a step after a change of kind pays
-        for, or skips, the other kind's pipelining."""
+        for, or skips, the other kind's pipelining; nor does one that is not
+        ``settled`` (it carried prefill work, or came just after: ``UNSETTLED_STEPS``)."""
         kind, before = (_size_class(rows), tried), self._last_kind
         self._last_kind = kind
-        if kind != before or not 0.0 < seconds <= MAX_INTERVAL:
+        if kind != before or not settled or not 0.0 < seconds <= MAX_INTERVAL:
             return
         for means, value in ((self.rates, tokens / seconds / rows), (self.durations, seconds)):
             old = means.get(kind)
