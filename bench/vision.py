@@ -12,9 +12,9 @@ another beside them, and reports the text streams' tokens per second in both (th
 with images at least 0.9x of text-only) and their gap p99 between deltas (where a step
 that prefills a whole image prompt shows), the image requests' TTFT alone and among the
 streams, and a repeated image's TTFT (served from the prompt cache); each measurement
-is the best of ``--rounds`` runs. ``--twins`` runs
-the streams a third time beside text requests with as many prompt tokens as an image
-request (random tokens, never cached): what the same prefill costs without an image.
+is the best of ``--rounds`` runs. ``--twins`` runs the streams a third time beside text
+requests with as many prompt tokens as an image request (random tokens, never cached):
+what the same prefill costs without an image.
 ``--one`` runs them once more beside a single image request, sent once the streams
 decode: the cost of one image arriving, where the default measures a steady supply.
 """
