@@ -1,27 +1,26 @@
 """The batch lane: continuous batching on mlx-lm's ``BatchGenerator`` (MLX thread only).
 
 Every row carries its own sampler and logits processors, so the whole
-:class:`~trio_mlx.SamplingParams` surface batches. One :meth:`BatchLane.step`
-call is one worker call: it removes cancelled rows, inserts admitted and resumed
-ones, runs one ``BatchGenerator.next()`` (or a short burst) and returns every
-row's :class:`~trio_mlx._lanes.output.RowEvent` at once. Admitted rows reach
-mlx-lm's prompt batch within ``prefill_budget`` tokens per step (``_feed``); rows
-that finish prefill join the decode batch without a forward pass of their own.
+:class:`~trio_mlx.SamplingParams` surface batches. One :meth:`BatchLane.step` call is one
+worker call: it removes cancelled rows, inserts admitted and resumed ones, runs one
+``BatchGenerator.next()`` (or a short burst) and returns every row's
+:class:`~trio_mlx._lanes.output.RowEvent` at once. Admitted rows reach mlx-lm's prompt batch
+within ``prefill_budget`` tokens per step (``_feed``); rows that finish prefill join the
+decode batch without a forward pass of their own.
 
-Rows are finished by the lane, not by mlx-lm (``RowOutput`` applies
-``max_tokens``, EOS and stop strings), so a finished or cancelled row stops
-producing output at once while its KV slot is freed later, in bulk: *deferred
-removal* (one ``BatchGenerator.remove`` for every dead row: when rows are
-admitted or resumed, when dead rows reach ``removal_fraction`` of the live ones,
-when the oldest has been dead ``removal_delay`` decode steps, or when no live row
-is left; never by a clock, so every rank of distributed mode removes alike).
+Rows are finished by the lane, not by mlx-lm (``RowOutput`` applies ``max_tokens``, EOS and
+stop strings), so a finished or cancelled row stops producing output at once while its KV
+slot is freed later, in bulk: *deferred removal* (one ``BatchGenerator.remove`` for every
+dead row: when rows are admitted or resumed, when dead rows reach ``removal_fraction`` of
+the live ones, when the oldest has been dead ``removal_delay`` decode steps, or when no live
+row is left; never by a clock, so every rank of distributed mode removes alike).
 
-Parking (preemption) takes a row's KV cache out (``return_prompt_caches=True``).
-Decode is pipelined, so that cache holds the last emitted token: it is trimmed by
-one and the row re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``,
-token for token like an uninterrupted run (a row not stepped since it was back
-holds no last token: nothing is trimmed). Image rows' prefill: :mod:`~trio_mlx._lanes.image_prefill`;
-mlx-lm's batch classes' subclasses (private fields): :mod:`trio_mlx._lanes.mlxlm_batch`.
+Parking (preemption) takes a row's KV cache out (``return_prompt_caches=True``). Decode is
+pipelined, so that cache holds the last emitted token: it is trimmed by one and the row
+re-inserted as ``[[last_token]]`` with ``all_tokens = tokens[:-1]``, token for token like an
+uninterrupted run (a row not stepped since it was back holds no last token: nothing is
+trimmed). Image rows' prefill: :mod:`~trio_mlx._lanes.image_prefill`; mlx-lm's batch
+classes' subclasses (private fields): :mod:`trio_mlx._lanes.mlxlm_batch`.
 """
 
 from __future__ import annotations
@@ -699,8 +698,7 @@ class BatchLane:
         collected = gc_seconds[0]
         generation = self._generator._generation_batch
         generation.phases = generation.arrivals_step = None  # set again by a decode pass
-        if prefill:  # this step's and the next steps' times are no decode rates
-            generation.unsettled = UNSETTLED_STEPS
+        generation.unsettled = UNSETTLED_STEPS if prefill else generation.unsettled  # no rates
         memory = memory_now()
         start = time.perf_counter()
         stack = self._stack()
