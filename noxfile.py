@@ -105,25 +105,44 @@ def _shown(path: Path) -> Path:
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
-def tests_impl(session: nox.Session, profile: str, *default_args: str) -> None:
+#: ``nox -s tests`` runs the suite in this many pytest-xdist processes, a test file to
+#: each at a time (a module's fixtures are built once). Measured on a 2-core CPU: much of
+#: the suite waits on subprocesses, grace periods and timeouts, which overlap.
+TEST_WORKERS = 2
+
+
+def tests_impl(session: nox.Session, profile: str, *default_args: str, workers: int) -> None:
+    """pytest with ``default_args`` unless ``nox`` passes arguments after ``--``.
+
+    ``workers``: the pytest-xdist processes ``default_args`` start. Each gets its share
+    of the cores for OpenBLAS's threads (unless ``OPENBLAS_NUM_THREADS`` is set), so
+    that the workers' BLAS threads do not outnumber the cores and spin against each other.
+    """
     _install(session, "test", "vision")  # the vision tests run, never skip, here
     env = _model_env()
     env["HYPOTHESIS_PROFILE"] = profile
     # mlx ships mlx.launch: the distributed tests must run, never skip, here.
     env["TRIO_MLX_REQUIRE_LAUNCH"] = "1"
+    if workers > 1 and not session.posargs and "OPENBLAS_NUM_THREADS" not in os.environ:
+        env["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     session.run("pytest", *(session.posargs or default_args), env=env)
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The whole suite; Hypothesis at the bounded CI profile."""
-    tests_impl(session, "ci")
+    """The whole suite, in parallel (pytest-xdist); Hypothesis at the bounded CI profile.
+
+    Arguments after ``--`` replace the parallel run's (``nox -s tests -- tests/test_cli.py``
+    runs that file in one process).
+    """
+    parallel = ("-n", str(TEST_WORKERS), "--dist", "loadfile")
+    tests_impl(session, "ci", *parallel, workers=TEST_WORKERS)
 
 
 @nox.session(python=PYTHON)
 def props(session: nox.Session) -> None:
     """The property tests only, at the heavy Hypothesis profile."""
-    tests_impl(session, "heavy", "-m", "props", "-p", "no:cacheprovider")
+    tests_impl(session, "heavy", "-m", "props", "-p", "no:cacheprovider", workers=1)
 
 
 @nox.session(python=PYTHON)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -31,28 +33,82 @@ pytestmark = pytest.mark.skipif(
 
 
 def _popen(command: list[str]) -> subprocess.Popen[str]:
-    """Start ``command`` in its own session (to kill every rank at once), output in a pipe."""
+    """Start ``command`` in its own session (to kill every rank at once), output in a pipe.
+
+    mlx.launch gets :func:`_filled_stdin`.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_RANK", "MLX_HOSTFILE"))}
-    return subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    stdin = _filled_stdin() if Path(command[0]).name == "mlx.launch" else None
+    try:
+        proc = subprocess.Popen(
+            command,
+            stdin=None if stdin is None else stdin[0],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+    except BaseException:
+        if stdin is not None:
+            os.close(stdin[1])
+        raise
+    finally:
+        if stdin is not None:
+            os.close(stdin[0])
+    if stdin is not None:
+        weakref.finalize(proc, os.close, stdin[1])  # open, and so never at its end, till then
+    return proc
+
+
+#: What mlx.launch reads on its stdin and copies to each rank's: more than a rank's stdin
+#: pipe holds (64 KiB on Linux), less than ours holds (:func:`_filled_stdin`).
+STDIN_FILL = 192 * 1024
+
+
+def _filled_stdin() -> tuple[int, int] | None:
+    """A pipe (read end, write end) holding :data:`STDIN_FILL` bytes, for mlx.launch's stdin.
+
+    mlx.launch polls each rank's stdin pipe for room to write without pause, spinning a
+    core beside the ranks for as long as they run, until that pipe is full. The ranks never
+    read their stdin: these bytes fill it, and mlx.launch then waits on the ranks' output.
+    None where a pipe cannot be made big enough (not Linux): mlx.launch spins there.
+    """
+    grow = getattr(fcntl, "F_SETPIPE_SZ", None)
+    read, write = os.pipe()
+    try:
+        if grow is None or fcntl.fcntl(write, grow, 2 * STDIN_FILL) < STDIN_FILL:
+            raise OSError("the pipe cannot hold the fill")
+        if os.write(write, bytes(STDIN_FILL)) < STDIN_FILL:
+            raise OSError("the pipe took part of the fill")
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return None
+    return read, write
 
 
 def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``command`` in its own session; on timeout, kill the session (every rank)."""
-    proc = _popen(command)
+    return _wait(_popen(command), timeout)
+
+
+def _wait(proc: subprocess.Popen[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``proc``'s status and output; past ``timeout``, its session is killed and the test fails."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, None)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc``'s session (every rank) and reap it, if it still runs."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess[str]:
@@ -87,11 +143,19 @@ def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _compare(model: Path, tmp_path: Path, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """check.py's outputs in one process and over 2 ranks (``args`` go to the 2-rank run)."""
+    """check.py's outputs in one process and over 2 ranks (``args`` go to the 2-rank run).
+
+    The one-process run shares nothing with the ranks but the model's files: it runs
+    beside the launch, mostly while the ranks start up.
+    """
     single, double = tmp_path / "single.json", tmp_path / "double.json"
-    one = _run([sys.executable, str(SCRIPT), str(model), str(single)], TIMEOUT)
+    alone = _popen([sys.executable, str(SCRIPT), str(model), str(single)])
+    try:
+        two = _launch(str(SCRIPT), str(model), str(double), *args)
+        one = _wait(alone, TIMEOUT)
+    finally:
+        _kill(alone)
     assert one.returncode == 0, one.stdout[-4000:]
-    two = _launch(str(SCRIPT), str(model), str(double), *args)
     assert two.returncode == 0, two.stdout[-4000:]
     assert "exited with code" not in two.stdout, two.stdout[-4000:]
     return json.loads(single.read_text()), json.loads(double.read_text())

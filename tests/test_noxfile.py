@@ -124,9 +124,11 @@ class _TestsSession(_Session):
 
     posargs: list[str] = attrs.field(factory=list)
     runs: list[tuple[str, ...]] = attrs.field(factory=list)
+    envs: list[dict[str, str]] = attrs.field(factory=list)
 
-    def run(self, *args: str, **_: Any) -> None:
+    def run(self, *args: str, env: dict[str, str] | None = None, **_: Any) -> None:
         self.runs.append(args)
+        self.envs.append(dict(env or {}))
 
 
 def test_the_tests_session_installs_the_vision_extra(
@@ -139,3 +141,27 @@ def test_the_tests_session_installs_the_vision_extra(
     (extras,) = {args[-1] for args in session.installs}
     assert extras == f".[{noxfile._extras('test', 'vision')}]"
     assert [args[0] for args in session.runs] == ["pytest"]
+
+
+def test_the_tests_session_runs_in_workers_with_a_share_of_the_cores_each(
+    noxfile: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(noxfile, "_model_env", dict)
+    monkeypatch.setattr(noxfile.os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    parallel = _TestsSession(tmp_path)
+    noxfile.tests(parallel)
+    (args,) = parallel.runs
+    assert args == ("pytest", "-n", str(noxfile.TEST_WORKERS), "--dist", "loadfile")
+    # The workers' OpenBLAS threads together match the cores.
+    assert parallel.envs[0]["OPENBLAS_NUM_THREADS"] == str(8 // noxfile.TEST_WORKERS)
+    # Arguments after ``--`` replace the parallel run's, and one process keeps every core.
+    chosen = _TestsSession(tmp_path, posargs=["tests/test_cli.py"])
+    noxfile.tests(chosen)
+    assert chosen.runs == [("pytest", "tests/test_cli.py")]
+    assert "OPENBLAS_NUM_THREADS" not in chosen.envs[0]
+    # A thread count set by hand is kept.
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    pinned = _TestsSession(tmp_path)
+    noxfile.tests(pinned)
+    assert "OPENBLAS_NUM_THREADS" not in pinned.envs[0]  # _model_env passes it on as it is
