@@ -231,6 +231,14 @@ def tool_tune_default_model(session: nox.Session) -> None:
     session.run("python", "-m", "tools.instruct_tools", *session.posargs, env=_model_env())
 
 
+@nox.session(python=PYTHON, name="edit-tune-default-model")
+def edit_tune_default_model(session: nox.Session) -> None:
+    """Teach the bundled model to rewrite a file with a name changed, in place
+    (``python -m tools.instruct_edit``). Run after ``tool-tune-default-model``."""
+    _install(session, "train")
+    session.run("python", "-m", "tools.instruct_edit", *session.posargs, env=_model_env())
+
+
 @nox.session(python=PYTHON, name="train-adapter")
 def train_adapter(session: nox.Session) -> None:
     """Re-train the bundled "shout" LoRA adapter in place on the bundled default model."""

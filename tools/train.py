@@ -233,8 +233,16 @@ def add_config_options(parser: argparse.ArgumentParser, cls: type, skip: Sequenc
     for field in attrs.fields(cls):
         if field.name in skip:
             continue
-        kind = int if field.name == "stop_after" else type(field.default)
+        kind: Any = int if field.name == "stop_after" else type(field.default)
+        if kind is bool:  # --flag true / false (bool("false") is True)
+            kind = _truth
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default)
+
+
+def _truth(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"not true or false: {text!r}")
+    return text.lower() in ("true", "1", "yes")
 
 
 def print_summary(report: dict[str, Any]) -> None:
