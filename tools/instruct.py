@@ -34,7 +34,7 @@ import json
 import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ __all__ = [
     "main",
     "names_key_term",
     "topics",
+    "tune_in_place",
 ]
 
 #: Question phrasings the model trains on ({s}: the subject, e.g. "the with statement").
@@ -255,6 +256,43 @@ def masked_loss(model: Any) -> Any:
     return loss
 
 
+def tune_in_place(
+    model: Any,
+    out: Path,
+    next_batch: Callable[[], tuple[Any, Any]],
+    val_batches: list[tuple[Any, Any]],
+    config: Any,
+    desc: str,
+) -> tuple[dict[str, Any], Any, Any]:
+    """Fine-tune ``model`` on the masked loss (``config``: seed, dropout, steps and the
+    optimizer's settings), save its weights into ``out`` and load them back: the loss
+    history, and the saved model and tokenizer (what the scores must read)."""
+    mx.random.seed(config.seed)
+    if config.dropout:
+        add_dropout(model, config.dropout)
+    model.train()
+    history = fit(
+        model,
+        masked_loss(model),
+        next_batch,
+        val_batches,
+        steps=config.steps,
+        stop_after=config.stop_after,
+        warmup=config.warmup,
+        learning_rate=config.learning_rate,
+        weight_decay=config.weight_decay,
+        eval_every=config.eval_every,
+        desc=desc,
+    )
+    if config.dropout:
+        remove_dropout(model)
+    model.eval()
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    loaded, tokenizer = load_model(out)
+    return history, loaded, tokenizer
+
+
 def answer(model: Any, tokenizer: Any, question: str, max_tokens: int = 80) -> str:
     """The model's greedy chat answer to ``question`` (as the server renders it)."""
     from mlx_lm import generate
@@ -324,29 +362,9 @@ def instruct(config: InstructConfig) -> dict[str, Any]:
         (mx.array(val_ids[i : i + 32]), mx.array(val_mask[i : i + 32]))
         for i in range(0, len(val_ids), 32)
     ]
-    mx.random.seed(config.seed)
-    if config.dropout:
-        add_dropout(model, config.dropout)
-    model.train()
-    history = fit(
-        model,
-        masked_loss(model),
-        next_batch,
-        val_batches,
-        steps=config.steps,
-        stop_after=config.stop_after,
-        warmup=config.warmup,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        eval_every=config.eval_every,
-        desc="instruction-tune default model",
+    history, loaded, loaded_tokenizer = tune_in_place(
+        model, out, next_batch, val_batches, config, "instruction-tune default model"
     )
-    if config.dropout:
-        remove_dropout(model)
-    model.eval()
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    loaded, loaded_tokenizer = load_model(out)
     after = score(loaded, loaded_tokenizer, held)
     report = {
         "kind": "instruction tuning",

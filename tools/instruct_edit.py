@@ -43,20 +43,16 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
-from tools.instruct import held_out_questions, masked_loss, score, topics
+from tools.instruct import held_out_questions, score, topics, tune_in_place
 from tools.instruct_tools import ToolConfig, _encode, _pad, _row_makers, _validation, tool_score
 from tools.train import (
     EOT,
     add_config_options,
-    add_dropout,
     config_for_report,
-    fit,
     load_model,
     plot_losses,
     print_summary,
-    remove_dropout,
     where_it_ran,
 )
 
@@ -336,29 +332,9 @@ def instruct_edit(config: EditConfig) -> dict[str, Any]:
     val_batches = [(mx.array(val_ids[i : i + 16]), mx.array(val_mask[i : i + 16]))
                    for i in range(0, len(val_ids), 16)]  # fmt: skip
     val_batches += _validation(tokenizer, every, every, 256)  # rows of 256 tokens
-    mx.random.seed(config.seed)
-    if config.dropout:
-        add_dropout(model, config.dropout)
-    model.train()
-    history = fit(
-        model,
-        masked_loss(model),
-        next_batch,
-        val_batches,
-        steps=config.steps,
-        stop_after=config.stop_after,
-        warmup=config.warmup,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        eval_every=config.eval_every,
-        desc="edit-tune default model",
+    history, loaded, loaded_tokenizer = tune_in_place(
+        model, out, next_batch, val_batches, config, "edit-tune default model"
     )
-    if config.dropout:
-        remove_dropout(model)
-    model.eval()
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    loaded, loaded_tokenizer = load_model(out)
     corpus = "\n".join(c for m in modules for c in chunks[m])
     report = {
         "kind": "edit tuning",

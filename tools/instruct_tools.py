@@ -55,30 +55,26 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from tools.instruct import (
     TRAIN_TEMPLATES,
     VAL_TEMPLATE,
     Topic,
     held_out_questions,
-    masked_loss,
     names_key_term,
     score,
     starts_with_title,
     topics,
+    tune_in_place,
 )
 from tools.train import (
     EOT,
     add_config_options,
-    add_dropout,
     config_for_report,
     document_text,
-    fit,
     load_model,
     plot_losses,
     print_summary,
-    remove_dropout,
     where_it_ran,
 )
 
@@ -463,29 +459,9 @@ def instruct_tools(config: ToolConfig) -> dict[str, Any]:
         return mx.array(ids), mx.array(mask)
 
     val_batches = _validation(tokenizer, tool_topics, all_topics, config.seq_len, config.call_topic)
-    mx.random.seed(config.seed)
-    if config.dropout:
-        add_dropout(model, config.dropout)
-    model.train()
-    history = fit(
-        model,
-        masked_loss(model),
-        next_batch,
-        val_batches,
-        steps=config.steps,
-        stop_after=config.stop_after,
-        warmup=config.warmup,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        eval_every=config.eval_every,
-        desc="tool-tune default model",
+    history, loaded, loaded_tokenizer = tune_in_place(
+        model, out, next_batch, val_batches, config, "tool-tune default model"
     )
-    if config.dropout:
-        remove_dropout(model)
-    model.eval()
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    loaded, loaded_tokenizer = load_model(out)
     after_tools = tool_score(loaded, loaded_tokenizer, held_topics, config.call_topic)
     seen = tool_topics[:: max(1, len(tool_topics) // 12)][:12]
     after_seen = tool_score(loaded, loaded_tokenizer, seen, config.call_topic)
