@@ -51,6 +51,7 @@ from tools.train import (
     config_for_report,
     document_text,
     fit,
+    fit_settings,
     load_model,
     plot_losses,
     print_summary,
@@ -276,12 +277,7 @@ def tune_in_place(
         masked_loss(model),
         next_batch,
         val_batches,
-        steps=config.steps,
-        stop_after=config.stop_after,
-        warmup=config.warmup,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        eval_every=config.eval_every,
+        **fit_settings(config),
         desc=desc,
     )
     if config.dropout:

@@ -68,6 +68,7 @@ __all__ = [
     "TrainConfig",
     "document_text",
     "fit",
+    "fit_settings",
     "load_model",
     "main",
     "plot_losses",
@@ -333,6 +334,12 @@ def lr_schedule(peak: float, steps: int, warmup: int) -> Any:
     )
 
 
+def fit_settings(config: Any) -> dict[str, Any]:
+    """:func:`fit`'s schedule and optimizer settings, from a trainer's config."""
+    names = ("steps", "stop_after", "warmup", "learning_rate", "weight_decay", "eval_every")
+    return {name: getattr(config, name) for name in names}
+
+
 def fit(
     model: Any,
     loss_fn: Callable[..., Any],
@@ -512,12 +519,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         lm_loss(model),
         lambda: (mx.array(sampler.batch(config.batch_size)),),
         val_batches,
-        steps=config.steps,
-        stop_after=config.stop_after,
-        warmup=config.warmup,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        eval_every=config.eval_every,
+        **fit_settings(config),
         desc="train default model" if config.tokenizer_from is None else "train draft model",
     )
     if config.dropout:

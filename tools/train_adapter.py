@@ -41,6 +41,7 @@ from tools.train import (
     config_for_report,
     document_text,
     fit,
+    fit_settings,
     load_model,
     print_summary,
     samples,
@@ -161,12 +162,7 @@ def train_adapter(config: AdapterConfig) -> dict[str, Any]:
         masked_loss(model),
         next_batch,
         val_batches,
-        steps=config.steps,
-        stop_after=config.stop_after,
-        warmup=config.warmup,
-        learning_rate=config.learning_rate,
-        weight_decay=config.weight_decay,
-        eval_every=config.eval_every,
+        **fit_settings(config),
         desc="train shout adapter",
     )
 
