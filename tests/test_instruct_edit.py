@@ -1,6 +1,7 @@
 """The edit tuner's data (``tools.instruct_edit``): renames change every whole-word
 occurrence and nothing else; scrambled code keeps its shape and keywords and renames
-each name the same way everywhere, so a rename in it is still a rename."""
+each name the same way everywhere, so a rename in it is still a rename; copy rows repeat
+a run of ordinary tokens and count only the repeat."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from tools.instruct_edit import _tasks, code_chunks, name_pieces, rename_task, scramble
+from tools.instruct_edit import _tasks, code_chunks, copy_rows, name_pieces, rename_task, scramble
 
 CODE = '''def load_row(row, strict=False):
     """Load a row (load_rows loads many)."""
@@ -64,3 +65,14 @@ def test_training_renames_are_in_scrambled_code_of_the_training_modules() -> Non
         assert task.rewritten == re.sub(rf"\b{re.escape(task.old)}\b", task.new, task.code)
         assert task.old in task.code
         assert task.new in task.rewritten
+
+
+def test_copy_rows_repeat_a_run_of_ordinary_tokens_and_count_only_the_repeat() -> None:
+    ids, mask = copy_rows(np.random.default_rng(0), 5, 40, 3072)
+    assert ids.shape == mask.shape == (5, 80)
+    assert (ids[:, :40] == ids[:, 40:]).all()
+    assert ids.min() >= 3
+    assert ids.max() < 3072
+    assert (mask[:, :40] == 0).all()
+    assert (mask[:, 40:] == 1).all()
+    assert len({tuple(row) for row in ids[:, :40]}) == 5  # each row its own run
