@@ -91,6 +91,7 @@ _COMMON: dict[str, Any] = {
         "max_tokens": 128,
         "rounds": 3,  # the governor learns in the first; it counts only if it is best
         "min_seconds": 2.0,  # a round's passes of B requests last at least this long
+        "min_passes": 3,  # and number at least this many a side (a CPU pass at B=64: 4 s)
         "num_draft_tokens": 4,
         "traces": ["edit", "recite", "draft", "repeat"],
     },
