@@ -28,12 +28,12 @@ repeated, until the repeat's loss is below ``copy_loss``), which only an attenti
 that looks up what followed the current token before can learn; on the CPU the bundled
 model's loss on the repeat stayed at 8.0 for 175 steps of 16 rows, then fell to 0.08 by
 step 300. The copying that phase taught was gone after the edit rows (an H100 run: no
-random run copied after 2,100 steps of them), so copy rows stay in the mix. A seeded
-tenth of the modules is held out: the edit
-score (:func:`edit_score`) asks for renames in files of those modules and counts
-greedy answers that are the rewritten file exactly, and the share of it they get
-right before their first wrong character. The held-out questions and tool requests
-of the earlier steps are scored again on the new weights; everything goes into
+random run copied after 2,100 steps of them), so copy rows stay in the mix; that did not
+keep it either (design/default-model.md has the runs). A seeded tenth of the modules is
+held out: the edit score (:func:`edit_score`) asks for renames in files of those
+modules and counts greedy answers that are the rewritten file exactly, and the share of
+it they get right before their first wrong character. The held-out questions and tool
+requests of the earlier steps are scored again on the new weights; everything goes into
 ``edit.json``, the record of the tuned weights' scores.
 """
 
@@ -254,9 +254,9 @@ class EditConfig:
     scramble: bool = True
     #: Before the edit rows, pure copying (:func:`learn_to_copy`) until the loss on
     #: the repeat is below ``copy_loss``, at most ``copy_steps`` steps of
-    #: ``copy_rows`` rows; the length of the runs copied.
+    #: ``copy_batch`` rows; the length of the runs copied.
     copy_steps: int = 1500
-    copy_rows: int = 16
+    copy_batch: int = 16
     copy_loss: float = 0.5
     copy_length: int = 64
     #: Renames the score asks for.
@@ -286,7 +286,7 @@ def learn_to_copy(model: Any, config: EditConfig, rng: np.random.Generator) -> d
     losses: list[float] = []
     started = time.perf_counter()
     while len(losses) < config.copy_steps:
-        ids, mask = copy_rows(rng, config.copy_rows, config.copy_length, vocab)
+        ids, mask = copy_rows(rng, config.copy_batch, config.copy_length, vocab)
         loss, grads = step(mx.array(ids), mx.array(mask))
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss)
