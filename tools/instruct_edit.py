@@ -39,7 +39,6 @@ requests of the earlier steps are scored again on the new weights; everything go
 
 from __future__ import annotations
 
-import argparse
 import builtins
 import hashlib
 import json
@@ -58,10 +57,17 @@ import numpy as np
 from mlx.nn.utils import value_and_grad
 
 from tools.instruct import held_out_questions, masked_loss, score, topics, tune_in_place
-from tools.instruct_tools import ToolConfig, _encode, _pad, _row_makers, _validation, tool_score
+from tools.instruct_tools import (
+    ToolConfig,
+    _encode,
+    _pad,
+    _row_makers,
+    _validation,
+    tool_score,
+    tuner_args,
+)
 from tools.train import (
     EOT,
-    add_config_options,
     config_for_report,
     load_model,
     plot_losses,
@@ -441,18 +447,8 @@ def instruct_edit(config: EditConfig) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> EditConfig:
     """Build an :class:`EditConfig` from the command line (every field is an option)."""
-    parser = argparse.ArgumentParser(prog="python -m tools.instruct_edit")
-    parser.add_argument("--out", type=Path, default=None, help="default: the bundled directory")
-    add_config_options(parser, EditConfig, skip=("out", "rows"))
-    parser.add_argument("--rows", default=",".join(map(str, EditConfig(out=Path()).rows)),
-                        help="rows per batch: copy,edit,edit_chat,call,result,no_tool,qa_tools,qa,docs")  # fmt: skip
-    args = vars(parser.parse_args(argv))
-    args["rows"] = tuple(int(n) for n in args["rows"].split(","))
-    if args["out"] is None:
-        from trio_mlx.default_model import default_model_path
-
-        args["out"] = default_model_path()
-    return EditConfig(**args)
+    kinds = "copy,edit,edit_chat,call,result,no_tool,qa_tools,qa,docs"
+    return tuner_args(EditConfig, "python -m tools.instruct_edit", kinds, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -50,7 +50,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import mlx.core as mx
@@ -502,20 +502,31 @@ def _write_tokenizer_config(out: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> ToolConfig:
-    """Build a :class:`ToolConfig` from the command line (every field is an option)."""
-    parser = argparse.ArgumentParser(prog="python -m tools.instruct_tools")
+_Config = TypeVar("_Config")
+
+
+def tuner_args(cls: type[_Config], prog: str, kinds: str, argv: Sequence[str] | None) -> _Config:
+    """A tuner's config (an attrs class with ``out`` and ``rows``) from the command line:
+    every field is an option, ``--out`` defaults to the bundled model's directory and
+    ``--rows`` is comma-separated counts of ``kinds``."""
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--out", type=Path, default=None, help="default: the bundled directory")
-    add_config_options(parser, ToolConfig, skip=("out", "rows"))
-    parser.add_argument("--rows", default=",".join(map(str, ToolConfig(out=Path()).rows)),
-                        help="rows per batch of each kind: call,result,no_tool,qa_tools,qa,docs")  # fmt: skip
+    add_config_options(parser, cls, skip=("out", "rows"))
+    default_rows = ",".join(map(str, cls(out=Path()).rows))  # type: ignore[call-arg, attr-defined]
+    parser.add_argument("--rows", default=default_rows, help=f"rows per batch: {kinds}")
     args = vars(parser.parse_args(argv))
     args["rows"] = tuple(int(n) for n in args["rows"].split(","))
     if args["out"] is None:
         from trio_mlx.default_model import default_model_path
 
         args["out"] = default_model_path()
-    return ToolConfig(**args)
+    return cls(**args)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ToolConfig:
+    """Build a :class:`ToolConfig` from the command line (every field is an option)."""
+    kinds = "call,result,no_tool,qa_tools,qa,docs"
+    return tuner_args(ToolConfig, "python -m tools.instruct_tools", kinds, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
