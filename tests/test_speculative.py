@@ -652,3 +652,58 @@ async def test_the_lane_marks_a_step_that_prefills_and_the_next_ones_unsettled(
             left, checked = left - 1, checked + 1
     assert checked > UNSETTLED_STEPS * 2
     assert settled.count(True) > UNSETTLED_STEPS
+
+
+def test_a_row_whose_drafts_keep_missing_pauses_twice_as_long_each_time() -> None:
+    from trio_mlx._lanes.speculative import MAX_PAUSE, Speculation, Speculator
+
+    speculator = Speculator(Speculation())
+    speculator.join(7, _greedy())
+    pauses = []
+    for _ in range(9):
+        speculator.record([7], [[1, 2]], [0])
+        pauses.append(speculator.rows[7].pause)
+        speculator.rows[7].pause = 0
+    assert pauses == [min(MAX_PAUSE, 1 << i) for i in range(9)]
+    assert pauses[-1] == MAX_PAUSE == 64
+    # One accepted draft ends the run of misses: the next miss pauses one step.
+    speculator.record([7], [[1, 2]], [1])
+    speculator.record([7], [[1, 2]], [0])
+    assert speculator.rows[7].pause == 1
+
+
+async def test_a_batch_with_no_speculating_row_skips_the_governor(
+    loopy_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_mlx._lanes.speculative import Speculator
+
+    calls: Counter[str] = Counter()
+    observe, wanted = Speculator.observe, Speculator.wanted
+
+    def spy_observe(self: Speculator, *args: Any, **kwargs: Any) -> None:
+        calls["observe"] += 1
+        observe(self, *args, **kwargs)
+
+    def spy_wanted(self: Speculator, *args: Any) -> bool:
+        calls["wanted"] += 1
+        return wanted(self, *args)
+
+    monkeypatch.setattr(Speculator, "observe", spy_observe)
+    monkeypatch.setattr(Speculator, "wanted", spy_wanted)
+    async with trio_mlx.open_engine(
+        loopy_model_path, max_batch=8, prompt_lookup=True, speculation_governor=True
+    ) as engine:
+        calls.clear()  # the load's warm-up rows
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for prompt in PROMPTS[:3]:
+                    nursery.start_soon(engine.complete, prompt, _greedy(24, speculate=False))
+        assert calls == Counter(), calls
+        # A speculating row brings the governor back for the steps it shares.
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for prompt in PROMPTS[:3]:
+                    nursery.start_soon(engine.complete, prompt, _greedy(24, speculate=False))
+                nursery.start_soon(engine.complete, PROMPTS[0], _greedy(24))
+        assert calls["wanted"] >= 20
+        assert calls["observe"] >= 10

@@ -417,6 +417,10 @@ def generation_class() -> Any:
             if not self.solo and len(b.uids) == 1 and not self.fresh and self.solo_allowed:
                 self._enter_solo()
             speculator = self.speculator
+            if speculator is not None and not speculator.rows:
+                # No row may speculate: no governor bookkeeping, and the next step
+                # that has one measures from its own start, not this step's end.
+                speculator, self.step_end = None, None
             tried = speculator is not None and speculator.wanted(b.uids)
             if tried:
                 assert speculator is not None
