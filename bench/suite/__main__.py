@@ -162,6 +162,8 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "prompt_words_spread": [20, 2000], "long_prompts": 3, "long_tokens": 4000},
         # The goal is set beside 32 chat streams.
         "embed": {**_COMMON["embed"], "streams": [8, 32], "shares": [0.1]},
+        # A draft model at a real model's size: llama-1b and its own first block.
+        "spec": {**_COMMON["spec"], "traces": [*_COMMON["spec"]["traces"], "draft-1b"]},
     },
 }  # fmt: skip
 PROFILES["full"]["traffic"] = {**PROFILES["quick"]["traffic"], "duration": 10.0,

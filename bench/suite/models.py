@@ -4,6 +4,7 @@
 * ``default``: the bundled default model (``trio_mlx.default_model_path()``), when trained;
 * ``llama-1b``: a random bf16 llama shaped like Llama-3.2-1B (GPU runs): hidden 2048,
   16 layers, 32 heads, 8 KV heads, MLP 8192, vocab 128256, tied embeddings;
+* :func:`first_layers`: a model's first blocks as its own draft (self-speculative);
 * :func:`agent_model`: the agent part's tiny random models of several architectures
   (``trio_mlx.testing.make_random_model``), with a context long enough for its session.
 
@@ -158,6 +159,35 @@ def _build_random(spec: ModelSpec, path: Path, context: int = 8192) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
     del model, weights, embed
     mx.clear_cache()  # this process runs no model: give the memory back
+
+
+def first_layers(target: Path, layers: int = 1) -> Path:
+    """A self-speculative draft of the model at ``target``: its embedding, its first
+    ``layers`` blocks, its final norm and its head, in a model directory of their own
+    beside it (built once), with its tokenizer files copied (the engine checks the
+    vocabulary at load). Nothing is trained: the draft is the target cut short."""
+    import shutil
+
+    import mlx.core as mx
+
+    path = target.with_name(f"{target.name}-first{layers}")
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    kept = tuple(f"model.layers.{i}." for i in range(layers))
+    weights = {}
+    for file in sorted(target.glob("*.safetensors")):
+        for key, array in mx.load(str(file)).items():
+            if not key.startswith("model.layers.") or key.startswith(kept):
+                weights[key] = array
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    for file in target.iterdir():
+        if file.is_file() and file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, path / file.name)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 def prepare(name: str, log: Any = print) -> Model:

@@ -11,6 +11,12 @@ submitted together, greedy, a fixed number of tokens each):
   its first line again: the answer repeats text the prompt holds (and the model knows).
 * ``draft`` (draft model): the bundled model with the bundled draft
   (``pydoc-llama-draft``) answering documentation questions through its chat template.
+* ``draft-1b`` (draft model; the GPU profile): ``llama-1b`` (random, bf16, Llama-3.2-1B's
+  shape) drafted for by its own first block (:func:`bench.suite.models.first_layers`:
+  its embedding, block 0, final norm and head; self-speculative, nothing trained). A
+  random llama's greedy text repeats one token for tens of tokens, and so does its first
+  block's: acceptance is near the ceiling, and the trace shows what a draft model's
+  forwards and the wide verification cost at a real model's size.
 * ``repeat`` (prompt lookup): a random llama with small weights (``weight_scale=1``:
   its greedy text soon repeats itself), the case where nearly every draft is right:
   what accepted drafts are worth on this machine.
@@ -65,7 +71,12 @@ def edit_prompt(rng: random.Random) -> str:
 
 
 #: Each trace's way of drafting.
-METHODS = {"edit": "prompt_lookup", "recite": "prompt_lookup", "draft": "draft_model"}
+METHODS = {
+    "edit": "prompt_lookup",
+    "recite": "prompt_lookup",
+    "draft": "draft_model",
+    "draft-1b": "draft_model",
+}
 #: Subjects of the ``draft`` trace's questions (topics of the bundled model's corpus).
 SUBJECTS = ["the with statement", "lambdas", "the if statement", "generators", "classes",
             "the try statement", "dictionaries", "the for statement"]  # fmt: skip
@@ -89,6 +100,10 @@ def trace_prompt(trace: str, rng: random.Random) -> Any:
 
 
 def _model(trace: str, job: dict[str, Any]) -> str | None:
+    if trace == "draft-1b":
+        from bench.suite.models import prepare
+
+        return str(prepare("llama-1b").path)
     if trace != "repeat":
         return None  # the bundled model
     from trio_mlx.testing import make_random_llama
@@ -150,8 +165,19 @@ async def _round(engine: Any, prompts: list[Any], job: dict[str, Any]) -> dict[b
     }
 
 
+def _draft(trace: str, model: str | None) -> str | None:
+    """The trace's draft model: the bundled draft, or the target's first block."""
+    if METHODS.get(trace) != "draft_model":
+        return None
+    if model is None:
+        return "pydoc-llama-draft"
+    from bench.suite.models import first_layers
+
+    return str(first_layers(Path(model)))
+
+
 async def _compare(
-    model: str | None, prompts: list[Any], method: str, job: dict[str, Any]
+    model: str | None, prompts: list[Any], draft: str | None, job: dict[str, Any]
 ) -> dict[bool, Any]:
     """Plain and speculating passes interleaved in one engine, kept open across
     ``rounds`` rounds (so the speculation governor has learned from the rounds before,
@@ -163,8 +189,8 @@ async def _compare(
     async with trio_mlx.open_engine(
         model,
         max_batch=max(2, len(prompts)),  # max_batch=1 is the serial lane: no speculation
-        prompt_lookup=method == "prompt_lookup",
-        draft_model="pydoc-llama-draft" if method == "draft_model" else None,
+        prompt_lookup=draft is None,
+        draft_model=draft,
         num_draft_tokens=job.get("num_draft_tokens", 4),
         speculation_max_batch=max(job["batches"]),
     ) as engine:
@@ -189,7 +215,7 @@ def job(job: dict[str, Any]) -> None:
             rng = random.Random(b)
             prompts = [trace_prompt(trace, rng) for _ in range(b)]
             method = METHODS.get(trace, "prompt_lookup")
-            best = trio.run(_compare, model, prompts, method, job)
+            best = trio.run(_compare, model, prompts, _draft(trace, model), job)
             off, on = best[False], best[True]
             emit({
                 "job": "spec", "trace": trace, "method": method, "batch": b, "off": off, "on": on,
@@ -212,7 +238,9 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "of B requests, plain and speculating in turn in one engine, averaged); `edit`: the bundled model rewriting a file it was shown, "
         "`recite`: the bundled model repeating a documentation passage it was shown "
         "(both prompt lookup), `draft`: the bundled model answering documentation questions "
-        "with the bundled draft, `repeat`: a random llama whose text repeats itself (prompt "
+        "with the bundled draft, `draft-1b`: a random llama of Llama-3.2-1B's shape "
+        "drafted for by its own first block (its text repeats one token for tens of "
+        "tokens), `repeat`: a random llama whose text repeats itself (prompt "
         "lookup). Decode tok/s summed over rows.",
         "",
         "| trace | B | off tok/s | on tok/s | on/off | passes | drafted | accepted | acceptance |",
